@@ -1,0 +1,3 @@
+//! LMDB backend for keel-mvcc.
+
+#![deny(unsafe_op_in_unsafe_fn)]

@@ -1,0 +1,5 @@
+//! Shared pieces of keel's criterion suites: the references every keel figure is measured
+//! against in the same run (raw disk `write` + `fdatasync`, raw LMDB through heed), workload
+//! generators, and the ratio report printed after each comparison.
+
+#![forbid(unsafe_code)]

@@ -1,0 +1,3 @@
+//! keel lease.
+
+#![forbid(unsafe_code)]

@@ -1,0 +1,7 @@
+//! keel's revisioned (MVCC) key-value store.
+
+#![forbid(unsafe_code)]
+
+pub mod backend;
+
+pub use backend::{Backend, BackendError, BackendSize, BatchOp, Bucket, ReadTxn, WriteBatch};

@@ -1,0 +1,3 @@
+//! keel raft-glue.
+
+#![forbid(unsafe_code)]
