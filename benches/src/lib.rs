@@ -3,3 +3,7 @@
 //! generators, and the ratio report printed after each comparison.
 
 #![forbid(unsafe_code)]
+
+pub mod report;
+
+pub use report::{Better, Recorder};
