@@ -5,3 +5,6 @@
 pub mod backend;
 
 pub use backend::{Backend, BackendError, BackendSize, BatchOp, Bucket, ReadTxn, WriteBatch};
+
+#[cfg(feature = "testing")]
+pub mod testing;

@@ -1,0 +1,1 @@
+//! The backend conformance suite: every [`Backend`](crate::Backend) runs the same tests.
