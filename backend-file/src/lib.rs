@@ -1,3 +1,36 @@
-//! Pure-Rust memory-mapped backend for keel-mvcc.
+//! keel's pure-Rust, memory-mapped, crash-safe, log-structured backend for keel-mvcc.
+//!
+//! The store is a directory of append-only segment files (byte layout in [`format`]). Each
+//! commit appends one checksummed frame holding the whole batch and syncs it once: that frame
+//! is the commit point, so a batch is either wholly in the store after a crash or not at all.
+//! An in-memory index per bucket, a persistent B-tree, maps keys to the place of their value
+//! in a segment; open rebuilds it by replaying the segments and cuts off a torn last frame.
+//! Reads go through read-only shared mappings: a read transaction ([`FileReadTxn`]) holds one
+//! immutable index version and the mappings it points into, so it never waits for the writer
+//! and the writer never waits for it. Writes only ever go past the committed end, which no
+//! mapping covers.
+//!
+//! Space comes back through the reclaimer: it copies the live records of the oldest segments
+//! forward in small commits, then moves the floor in the META file and removes the old
+//! segment files once no reader maps them. `defragment` does the same for every segment, so
+//! the files shrink to the live data. Every write and sync goes through an I/O seam
+//! ([`fault`]) where tests inject failures; a failed write or sync poisons the backend.
 
 #![deny(unsafe_op_in_unsafe_fn)]
+
+pub mod fault;
+pub mod format;
+mod key;
+mod options;
+mod reclaim;
+mod recovery;
+mod segment;
+mod store;
+mod txn;
+mod verify;
+mod version;
+
+pub use fault::{FaultHook, FaultPlan, Strike, WriteFault};
+pub use options::FileOptions;
+pub use store::{FileBackend, LOCK_FILE};
+pub use txn::{FileRange, FileReadTxn};

@@ -1,0 +1,182 @@
+//! The I/O seam: every write, sync and truncation of the store goes through [`Io`], which
+//! consults an optional [`FaultHook`]. Tests install a [`FaultPlan`] to fail any single write
+//! or sync, or to tear a write (only a prefix reaches the file) and keep it there.
+
+use std::fmt;
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use keel_mvcc::BackendError;
+
+/// What an injected fault does to one write.
+#[derive(Debug)]
+pub enum WriteFault {
+    /// The write happens normally.
+    Proceed,
+    /// The write fails with this error and writes nothing.
+    Fail(io::Error),
+    /// Only the first `written` bytes reach the file, then the write fails.
+    Torn {
+        /// Bytes that reach the file.
+        written: usize,
+    },
+}
+
+/// Decides, before each I/O call of the store, whether it fails.
+pub trait FaultHook: Send + Sync + fmt::Debug {
+    /// Called before writing `len` bytes at `offset` of `path`.
+    fn before_write(&self, path: &Path, offset: u64, len: usize) -> WriteFault;
+    /// Called before syncing `path` (a file or the store's directory).
+    fn before_sync(&self, path: &Path) -> io::Result<()>;
+    /// Called before cutting `path` back to `len` bytes (the undo of a failed commit, and the
+    /// torn-tail repair at open).
+    fn before_truncate(&self, path: &Path, len: u64) -> io::Result<()>;
+}
+
+/// A [`FaultHook`] that numbers every write and sync from 0 and strikes one of them.
+#[derive(Debug, Default)]
+pub struct FaultPlan {
+    next: AtomicU64,
+    strike: Option<(u64, Strike)>,
+    truncates_fail: bool,
+}
+
+/// What a [`FaultPlan`] does to the operation it strikes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Strike {
+    /// The write or sync fails.
+    Fail,
+    /// A write writes only `n` bytes (fewer if it is shorter), then fails; a sync just fails.
+    Tear(usize),
+}
+
+impl FaultPlan {
+    /// A plan that only counts.
+    pub fn count_only() -> Arc<FaultPlan> {
+        Arc::new(FaultPlan::default())
+    }
+
+    /// A plan that strikes operation number `op` (writes and syncs counted together).
+    /// With `truncates_fail`, every truncation fails too, so a torn write stays in the file
+    /// as a crash would leave it.
+    pub fn strike(op: u64, strike: Strike, truncates_fail: bool) -> Arc<FaultPlan> {
+        Arc::new(FaultPlan {
+            next: AtomicU64::new(0),
+            strike: Some((op, strike)),
+            truncates_fail,
+        })
+    }
+
+    /// Operations counted so far.
+    pub fn ops(&self) -> u64 {
+        self.next.load(Ordering::SeqCst)
+    }
+
+    fn take(&self) -> Option<Strike> {
+        let n = self.next.fetch_add(1, Ordering::SeqCst);
+        match self.strike {
+            Some((at, s)) if at == n => Some(s),
+            _ => None,
+        }
+    }
+}
+
+fn injected() -> io::Error {
+    io::Error::other("injected fault")
+}
+
+impl FaultHook for FaultPlan {
+    fn before_write(&self, _path: &Path, _offset: u64, len: usize) -> WriteFault {
+        match self.take() {
+            None => WriteFault::Proceed,
+            Some(Strike::Fail) => WriteFault::Fail(injected()),
+            Some(Strike::Tear(n)) => WriteFault::Torn {
+                written: n.min(len),
+            },
+        }
+    }
+
+    fn before_sync(&self, _path: &Path) -> io::Result<()> {
+        match self.take() {
+            None => Ok(()),
+            Some(_) => Err(injected()),
+        }
+    }
+
+    fn before_truncate(&self, _path: &Path, _len: u64) -> io::Result<()> {
+        if self.truncates_fail {
+            Err(injected())
+        } else {
+            Ok(())
+        }
+    }
+}
+
+/// The store's I/O calls, with the optional hook in front of each.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Io {
+    hook: Option<Arc<dyn FaultHook>>,
+}
+
+impl Io {
+    pub(crate) fn new(hook: Option<Arc<dyn FaultHook>>) -> Io {
+        Io { hook }
+    }
+
+    /// Positioned write of all of `buf` at `offset`.
+    pub(crate) fn write_at(
+        &self,
+        file: &File,
+        path: &Path,
+        offset: u64,
+        buf: &[u8],
+    ) -> Result<(), BackendError> {
+        let fault = match &self.hook {
+            Some(h) => h.before_write(path, offset, buf.len()),
+            None => WriteFault::Proceed,
+        };
+        let result = match fault {
+            WriteFault::Proceed => file.write_all_at(buf, offset),
+            WriteFault::Fail(e) => Err(e),
+            WriteFault::Torn { written } => file
+                .write_all_at(&buf[..written.min(buf.len())], offset)
+                .and(Err(injected())),
+        };
+        result.map_err(|e| BackendError::io(path, "pwrite", e))
+    }
+
+    /// `fdatasync` of a file.
+    pub(crate) fn sync_data(&self, file: &File, path: &Path) -> Result<(), BackendError> {
+        if let Some(h) = &self.hook {
+            h.before_sync(path)
+                .map_err(|e| BackendError::io(path, "fdatasync", e))?;
+        }
+        file.sync_data()
+            .map_err(|e| BackendError::io(path, "fdatasync", e))
+    }
+
+    /// `fsync` of a directory, making creations, renames and removals in it durable.
+    pub(crate) fn sync_dir(&self, dir: &Path) -> Result<(), BackendError> {
+        if let Some(h) = &self.hook {
+            h.before_sync(dir)
+                .map_err(|e| BackendError::io(dir, "fsync directory", e))?;
+        }
+        File::open(dir)
+            .and_then(|d| d.sync_all())
+            .map_err(|e| BackendError::io(dir, "fsync directory", e))
+    }
+
+    /// Cuts a file back to `len` bytes.
+    pub(crate) fn truncate(&self, file: &File, path: &Path, len: u64) -> Result<(), BackendError> {
+        if let Some(h) = &self.hook {
+            h.before_truncate(path, len)
+                .map_err(|e| BackendError::io(path, "truncate", e))?;
+        }
+        file.set_len(len)
+            .map_err(|e| BackendError::io(path, "truncate", e))
+    }
+}

@@ -1,0 +1,318 @@
+//! The on-disk format, byte by byte.
+//!
+//! A store is a directory. Every integer is little-endian; every checksum is CRC-32 (IEEE, as
+//! computed by `crc32fast`).
+//!
+//! ```text
+//! <dir>/LOCK                  empty; held with an exclusive advisory lock while open
+//! <dir>/META                  the floor: segments below it are dead (32 bytes, below)
+//! <dir>/META.tmp              a META being replaced; ignored and removed on open
+//! <dir>/<id:016x>.seg         a segment: a header, then frames, appended and never rewritten
+//! ```
+//!
+//! ## META (32 bytes)
+//!
+//! ```text
+//! 0   magic    8   "KEELMETA"
+//! 8   version  u32 (= 1)
+//! 12  flags    u32 (= 0)
+//! 16  floor    u64  lowest live segment id; segment files with a smaller id are dead
+//! 24  crc      u32  over bytes 0..24
+//! 28  zero     u32
+//! ```
+//!
+//! META is replaced atomically: written to `META.tmp`, synced, renamed over `META`, and the
+//! directory synced. It changes only after the live records of every segment below the new
+//! floor have been copied into later segments by durable commits, so both the old and the new
+//! floor describe the same data.
+//!
+//! ## Segment header (32 bytes)
+//!
+//! ```text
+//! 0   magic    8   "KEELSEG\0"
+//! 8   version  u32 (= 1)
+//! 12  flags    u32 (= 0)
+//! 16  id       u64  equal to the id in the file name
+//! 24  crc      u32  over bytes 0..24
+//! 28  zero     u32
+//! ```
+//!
+//! A segment's header is synced, and the directory after its creation, before any frame is
+//! written to it. Segments are replayed in ascending id order.
+//!
+//! ## Frame: one committed batch
+//!
+//! ```text
+//! 0   len      u32  payload bytes (frame = 16 + len bytes)
+//! 4   crc      u32  over bytes 8..16+len (seq and payload)
+//! 8   seq      u64  commit sequence number: exactly one more than the previous frame's,
+//!                   across segments
+//! 16  payload  len bytes: a sequence of records
+//! ```
+//!
+//! A frame is the commit point: a batch is in the store exactly when its whole frame is
+//! present with a matching checksum and sequence number. In the last segment, the first frame
+//! that is incomplete, fails its checksum or breaks the sequence ends the log (a torn commit);
+//! open truncates the file there. Anywhere else it is corruption.
+//!
+//! ## Records (inside a payload)
+//!
+//! ```text
+//! bucket  = 0x04 | id u32 | name_len u8 | name        declares bucket id -> name
+//! put     = 0x01 | bucket u32 | klen u32 | vlen u32 | key | value
+//! delete  = 0x02 | bucket u32 | klen u32 | key
+//! range   = 0x03 | bucket u32 | slen u32 | elen u32 | start | end
+//!                                           (elen = 0xFFFF_FFFF: no end, and no end bytes)
+//! ```
+//!
+//! Records apply in order. The first frame of every segment declares every bucket known at
+//! that moment, so a segment never depends on a dead one for a name; a later declaration of an
+//! id must repeat the same name. A reader's value is the `vlen` bytes right after the key of
+//! the live `put` record, read in place through the mapping.
+
+use keel_mvcc::BackendError;
+use std::path::Path;
+
+/// Format version written and read by this build.
+pub const VERSION: u32 = 1;
+/// Magic of a segment file.
+pub const SEGMENT_MAGIC: &[u8; 8] = b"KEELSEG\0";
+/// Magic of the META file.
+pub const META_MAGIC: &[u8; 8] = b"KEELMETA";
+/// Bytes in a segment header and in META.
+pub const HEADER_LEN: usize = 32;
+/// Bytes in a frame header.
+pub const FRAME_HEADER: usize = 16;
+/// Bytes in a put record before its key.
+pub const PUT_HEADER: usize = 13;
+
+pub(crate) const TAG_PUT: u8 = 0x01;
+pub(crate) const TAG_DELETE: u8 = 0x02;
+pub(crate) const TAG_RANGE: u8 = 0x03;
+pub(crate) const TAG_BUCKET: u8 = 0x04;
+pub(crate) const NO_END: u32 = u32::MAX;
+
+/// Encodes a 32-byte header (segment or META) with `magic` and `value` (id or floor).
+pub(crate) fn encode_header(magic: &[u8; 8], value: u64) -> [u8; HEADER_LEN] {
+    let mut h = [0u8; HEADER_LEN];
+    h[..8].copy_from_slice(magic);
+    h[8..12].copy_from_slice(&VERSION.to_le_bytes());
+    h[16..24].copy_from_slice(&value.to_le_bytes());
+    let crc = crc32fast::hash(&h[..24]);
+    h[24..28].copy_from_slice(&crc.to_le_bytes());
+    h
+}
+
+/// Decodes a 32-byte header, returning its value (id or floor).
+pub(crate) fn decode_header(
+    path: &Path,
+    bytes: &[u8],
+    magic: &[u8; 8],
+    what: &str,
+) -> Result<u64, BackendError> {
+    let corrupt = |offset: u64, reason: String| BackendError::Corrupt {
+        path: path.to_path_buf(),
+        offset,
+        reason,
+    };
+    if bytes.len() < HEADER_LEN {
+        return Err(corrupt(
+            0,
+            format!(
+                "{what} is {} bytes long, shorter than its {HEADER_LEN}-byte header",
+                bytes.len()
+            ),
+        ));
+    }
+    if &bytes[..8] != magic {
+        return Err(corrupt(0, format!("not a keel {what} (bad magic)")));
+    }
+    let version = u32_at(bytes, 8);
+    if version != VERSION {
+        return Err(BackendError::UnsupportedVersion {
+            path: path.to_path_buf(),
+            found: version,
+            supported: VERSION,
+        });
+    }
+    let crc = u32_at(bytes, 24);
+    if crc != crc32fast::hash(&bytes[..24]) {
+        return Err(corrupt(24, format!("{what} header checksum mismatch")));
+    }
+    if u32_at(bytes, 12) != 0 || u32_at(bytes, 28) != 0 {
+        return Err(corrupt(12, format!("{what} header has unknown flags")));
+    }
+    Ok(u64_at(bytes, 16))
+}
+
+/// Reads a little-endian u32 at `at`; the caller has checked the bounds.
+pub(crate) fn u32_at(b: &[u8], at: usize) -> u32 {
+    let mut x = [0u8; 4];
+    x.copy_from_slice(&b[at..at + 4]);
+    u32::from_le_bytes(x)
+}
+
+/// Reads a little-endian u64 at `at`; the caller has checked the bounds.
+pub(crate) fn u64_at(b: &[u8], at: usize) -> u64 {
+    let mut x = [0u8; 8];
+    x.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(x)
+}
+
+/// Checksum of a frame: over its seq and payload.
+pub(crate) fn frame_crc(seq_and_payload: &[u8]) -> u32 {
+    crc32fast::hash(seq_and_payload)
+}
+
+/// One decoded record, borrowing from the payload; offsets are relative to the payload start.
+#[derive(Debug)]
+pub(crate) enum Record<'a> {
+    Bucket {
+        id: u32,
+        name: &'a [u8],
+    },
+    Put {
+        bucket: u32,
+        key: &'a [u8],
+        /// Offset of the value within the payload.
+        value_at: usize,
+        value_len: u32,
+    },
+    Delete {
+        bucket: u32,
+        key: &'a [u8],
+    },
+    Range {
+        bucket: u32,
+        start: &'a [u8],
+        end: Option<&'a [u8]>,
+    },
+}
+
+/// Iterates over the records of one payload, with bounds checked against the payload.
+pub(crate) struct Records<'a> {
+    payload: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Records<'a> {
+    pub(crate) fn new(payload: &'a [u8]) -> Records<'a> {
+        Records { payload, at: 0 }
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
+        let end = self
+            .at
+            .checked_add(n)
+            .filter(|&e| e <= self.payload.len())
+            .ok_or_else(|| format!("record field of {n} bytes runs past the frame"))?;
+        let s = &self.payload[self.at..end];
+        self.at = end;
+        Ok(s)
+    }
+
+    fn u32(&mut self) -> Result<u32, String> {
+        Ok(u32_at(self.take(4)?, 0))
+    }
+
+    /// The next record and its offset in the payload, `None` at the end, `Err` with a reason
+    /// when the payload is malformed.
+    pub(crate) fn next_record(&mut self) -> Result<Option<(usize, Record<'a>)>, String> {
+        if self.at == self.payload.len() {
+            return Ok(None);
+        }
+        let start = self.at;
+        let tag = self.take(1)?[0];
+        let rec = match tag {
+            TAG_BUCKET => {
+                let id = self.u32()?;
+                let len = self.take(1)?[0] as usize;
+                Record::Bucket {
+                    id,
+                    name: self.take(len)?,
+                }
+            }
+            TAG_PUT => {
+                let bucket = self.u32()?;
+                let klen = self.u32()? as usize;
+                let vlen = self.u32()?;
+                let key = self.take(klen)?;
+                let value_at = self.at;
+                self.take(vlen as usize)?;
+                Record::Put {
+                    bucket,
+                    key,
+                    value_at,
+                    value_len: vlen,
+                }
+            }
+            TAG_DELETE => {
+                let bucket = self.u32()?;
+                let klen = self.u32()? as usize;
+                Record::Delete {
+                    bucket,
+                    key: self.take(klen)?,
+                }
+            }
+            TAG_RANGE => {
+                let bucket = self.u32()?;
+                let slen = self.u32()? as usize;
+                let elen = self.u32()?;
+                let start = self.take(slen)?;
+                let end = if elen == NO_END {
+                    None
+                } else {
+                    Some(self.take(elen as usize)?)
+                };
+                Record::Range { bucket, start, end }
+            }
+            other => return Err(format!("unknown record tag {other:#04x}")),
+        };
+        Ok(Some((start, rec)))
+    }
+}
+
+/// Appends a bucket declaration.
+pub(crate) fn put_bucket(buf: &mut Vec<u8>, id: u32, name: &str) {
+    buf.push(TAG_BUCKET);
+    buf.extend_from_slice(&id.to_le_bytes());
+    buf.push(name.len() as u8);
+    buf.extend_from_slice(name.as_bytes());
+}
+
+/// Appends a put record; returns the offset of the value relative to the buffer start.
+pub(crate) fn put_put(buf: &mut Vec<u8>, bucket: u32, key: &[u8], value: &[u8]) -> usize {
+    buf.push(TAG_PUT);
+    buf.extend_from_slice(&bucket.to_le_bytes());
+    buf.extend_from_slice(&(key.len() as u32).to_le_bytes());
+    buf.extend_from_slice(&(value.len() as u32).to_le_bytes());
+    buf.extend_from_slice(key);
+    let at = buf.len();
+    buf.extend_from_slice(value);
+    at
+}
+
+/// Appends a delete record.
+pub(crate) fn put_delete(buf: &mut Vec<u8>, bucket: u32, key: &[u8]) {
+    buf.push(TAG_DELETE);
+    buf.extend_from_slice(&bucket.to_le_bytes());
+    buf.extend_from_slice(&(key.len() as u32).to_le_bytes());
+    buf.extend_from_slice(key);
+}
+
+/// Appends a delete-range record.
+pub(crate) fn put_range(buf: &mut Vec<u8>, bucket: u32, start: &[u8], end: Option<&[u8]>) {
+    buf.push(TAG_RANGE);
+    buf.extend_from_slice(&bucket.to_le_bytes());
+    buf.extend_from_slice(&(start.len() as u32).to_le_bytes());
+    buf.extend_from_slice(&end.map_or(NO_END, |e| e.len() as u32).to_le_bytes());
+    buf.extend_from_slice(start);
+    if let Some(e) = end {
+        buf.extend_from_slice(e);
+    }
+}
+
+/// Bytes a put record of these lengths takes.
+pub(crate) fn put_len(klen: usize, vlen: usize) -> u64 {
+    (PUT_HEADER + klen + vlen) as u64
+}

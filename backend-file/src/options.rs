@@ -1,0 +1,84 @@
+//! Options of [`FileBackend`](crate::FileBackend).
+
+use std::fmt;
+use std::sync::Arc;
+
+use keel_mvcc::BackendError;
+
+use crate::fault::FaultHook;
+
+/// How a [`FileBackend`](crate::FileBackend) is opened and runs.
+#[derive(Clone)]
+pub struct FileOptions {
+    /// A segment is sealed and a new one started once it holds this many bytes. Smaller
+    /// segments let space come back sooner; each new segment costs two extra syncs.
+    /// Default: 64 MiB. Range: 64 KiB to 2 GiB.
+    pub segment_size: u64,
+    /// Run the background space reclaimer. When off, space only comes back through
+    /// [`defragment`](keel_mvcc::Backend::defragment) or
+    /// [`FileBackend::reclaim`](crate::FileBackend::reclaim). Default: true.
+    pub background_reclaim: bool,
+    /// Reclaim sealed segments once their dead bytes exceed this fraction of the live bytes.
+    /// Default: 0.5. Range: 0.05 to 100.
+    pub reclaim_garbage_ratio: f64,
+    /// ... and once there are at least this many dead bytes in sealed segments.
+    /// Default: 64 MiB.
+    pub reclaim_min_garbage: u64,
+    /// The reclaimer copies live data in steps of about this many bytes, each one commit; the
+    /// writer waits at most for one step. Default: 2 MiB. Minimum: 4 KiB.
+    pub reclaim_step_bytes: u64,
+    /// Fault injection for tests: every write and sync of the store goes through this hook.
+    /// Default: none.
+    pub fault_hook: Option<Arc<dyn FaultHook>>,
+}
+
+impl Default for FileOptions {
+    fn default() -> FileOptions {
+        FileOptions {
+            segment_size: 64 << 20,
+            background_reclaim: true,
+            reclaim_garbage_ratio: 0.5,
+            reclaim_min_garbage: 64 << 20,
+            reclaim_step_bytes: 2 << 20,
+            fault_hook: None,
+        }
+    }
+}
+
+impl fmt::Debug for FileOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FileOptions")
+            .field("segment_size", &self.segment_size)
+            .field("background_reclaim", &self.background_reclaim)
+            .field("reclaim_garbage_ratio", &self.reclaim_garbage_ratio)
+            .field("reclaim_min_garbage", &self.reclaim_min_garbage)
+            .field("reclaim_step_bytes", &self.reclaim_step_bytes)
+            .field("fault_hook", &self.fault_hook.is_some())
+            .finish()
+    }
+}
+
+impl FileOptions {
+    /// Checks every field against its documented range.
+    pub fn validate(&self) -> Result<(), BackendError> {
+        if !(64 << 10..=2 << 30).contains(&self.segment_size) {
+            return Err(BackendError::InvalidOption(format!(
+                "segment_size {} is outside 64 KiB..=2 GiB",
+                self.segment_size
+            )));
+        }
+        if !(0.05..=100.0).contains(&self.reclaim_garbage_ratio) {
+            return Err(BackendError::InvalidOption(format!(
+                "reclaim_garbage_ratio {} is outside 0.05..=100",
+                self.reclaim_garbage_ratio
+            )));
+        }
+        if self.reclaim_step_bytes < 4096 {
+            return Err(BackendError::InvalidOption(format!(
+                "reclaim_step_bytes {} is below 4096",
+                self.reclaim_step_bytes
+            )));
+        }
+        Ok(())
+    }
+}

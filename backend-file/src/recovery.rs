@@ -1,0 +1,443 @@
+//! Opening a store: the META floor, the segment list, and the replay of every frame into a
+//! fresh index, with the torn tail of the last segment cut off.
+
+use std::collections::BTreeMap;
+use std::fs::{File, OpenOptions};
+use std::path::Path;
+use std::sync::Arc;
+
+use keel_mvcc::{BackendError, Bucket};
+
+use crate::fault::Io;
+use crate::format::{
+    self, FRAME_HEADER, HEADER_LEN, META_MAGIC, Record, Records, SEGMENT_MAGIC, u32_at, u64_at,
+};
+use crate::segment::{self, SegFile, SegMap};
+use crate::version::{Applier, Loc, SegStat, Version};
+
+/// Name of the META file.
+pub(crate) const META: &str = "META";
+const META_TMP: &str = "META.tmp";
+/// The first segment of a new store.
+const FIRST_SEGMENT: u32 = 1;
+
+/// The segment being appended to.
+pub(crate) struct Active {
+    pub(crate) seg: Arc<SegFile>,
+    pub(crate) file: File,
+    /// Committed end: every byte before it belongs to a durable frame (or the header).
+    pub(crate) end: u64,
+    /// True until the first frame is written to the segment.
+    pub(crate) fresh: bool,
+}
+
+/// Everything open rebuilds.
+pub(crate) struct Recovered {
+    pub(crate) version: Version,
+    pub(crate) stats: BTreeMap<u32, SegStat>,
+    pub(crate) active: Active,
+    pub(crate) next_seq: u64,
+    pub(crate) bucket_names: Vec<Bucket>,
+}
+
+fn corrupt(path: &Path, offset: u64, reason: impl Into<String>) -> BackendError {
+    BackendError::Corrupt {
+        path: path.to_path_buf(),
+        offset,
+        reason: reason.into(),
+    }
+}
+
+/// Writes META with `floor`, atomically (temporary file, sync, rename, directory sync).
+pub(crate) fn write_meta(dir: &Path, io: &Io, floor: u32) -> Result<(), BackendError> {
+    let tmp = dir.join(META_TMP);
+    let file = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&tmp)
+        .map_err(|e| BackendError::io(&tmp, "create", e))?;
+    io.write_at(
+        &file,
+        &tmp,
+        0,
+        &format::encode_header(META_MAGIC, u64::from(floor)),
+    )?;
+    io.sync_data(&file, &tmp)?;
+    let meta = dir.join(META);
+    std::fs::rename(&tmp, &meta).map_err(|e| BackendError::io(&meta, "rename", e))?;
+    io.sync_dir(dir)
+}
+
+/// Creates segment `id` with its header durable, and the directory entry durable.
+pub(crate) fn create_segment(
+    dir: &Path,
+    io: &Io,
+    id: u32,
+) -> Result<(Arc<SegFile>, File), BackendError> {
+    let path = dir.join(segment::file_name(u64::from(id)));
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(&path)
+        .map_err(|e| BackendError::io(&path, "create", e))?;
+    io.write_at(
+        &file,
+        &path,
+        0,
+        &format::encode_header(SEGMENT_MAGIC, u64::from(id)),
+    )?;
+    io.sync_data(&file, &path)?;
+    io.sync_dir(dir)?;
+    Ok((SegFile::new(id, path), file))
+}
+
+fn read_meta(dir: &Path) -> Result<Option<u32>, BackendError> {
+    let path = dir.join(META);
+    let bytes = match std::fs::read(&path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(BackendError::io(&path, "read", e)),
+    };
+    if bytes.len() != HEADER_LEN {
+        return Err(corrupt(
+            &path,
+            0,
+            format!("META is {} bytes long, not {HEADER_LEN}", bytes.len()),
+        ));
+    }
+    let floor = format::decode_header(&path, &bytes, META_MAGIC, "META file")?;
+    u32::try_from(floor)
+        .ok()
+        .filter(|&f| f >= FIRST_SEGMENT)
+        .map(Some)
+        .ok_or_else(|| corrupt(&path, 16, format!("META floor {floor} is out of range")))
+}
+
+/// Opens the store in `dir` (which exists and is locked) and rebuilds its index.
+pub(crate) fn recover(dir: &Path, io: &Io) -> Result<Recovered, BackendError> {
+    let meta = read_meta(dir)?;
+    let mut ids = Vec::new();
+    let entries = std::fs::read_dir(dir).map_err(|e| BackendError::io(dir, "read directory", e))?;
+    for entry in entries {
+        let entry = entry.map_err(|e| BackendError::io(dir, "read directory", e))?;
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if name == META_TMP {
+            let p = entry.path();
+            std::fs::remove_file(&p).map_err(|e| BackendError::io(&p, "remove", e))?;
+        } else if let Some(id) = segment::parse_name(name) {
+            ids.push(id);
+        }
+    }
+    ids.sort_unstable();
+
+    let floor = match meta {
+        Some(f) => f,
+        None if ids.is_empty() => {
+            write_meta(dir, io, FIRST_SEGMENT)?;
+            FIRST_SEGMENT
+        }
+        None => {
+            return Err(corrupt(
+                &dir.join(META),
+                0,
+                "META is missing but segment files exist",
+            ));
+        }
+    };
+
+    // Segments below the floor are dead: their live data was copied before META moved.
+    let mut removed = false;
+    ids.retain(|&id| {
+        if id < u64::from(floor) {
+            let p = dir.join(segment::file_name(id));
+            if let Err(e) = std::fs::remove_file(&p) {
+                tracing::warn!(path = %p.display(), error = %e, "cannot remove dead segment");
+            }
+            removed = true;
+            false
+        } else {
+            true
+        }
+    });
+    if removed {
+        io.sync_dir(dir)?;
+    }
+    for (i, &id) in ids.iter().enumerate() {
+        let expected = u64::from(floor) + i as u64;
+        if id != expected {
+            let p = dir.join(segment::file_name(expected));
+            return Err(corrupt(
+                &p,
+                0,
+                format!("segment {expected:016x} is missing (next present: {id:016x})"),
+            ));
+        }
+        if id >= u64::from(u32::MAX) {
+            return Err(corrupt(
+                &dir.join(segment::file_name(id)),
+                0,
+                "segment id out of range",
+            ));
+        }
+    }
+
+    let mut r = Replay {
+        version: Version {
+            base: floor,
+            ..Version::default()
+        },
+        stats: BTreeMap::new(),
+        names: Vec::new(),
+        expected_seq: None,
+    };
+    let mut active: Option<Active> = None;
+    let count = ids.len();
+    for (i, &id) in ids.iter().enumerate() {
+        let id = id as u32;
+        let last = i + 1 == count;
+        let path = dir.join(segment::file_name(u64::from(id)));
+        let file = OpenOptions::new()
+            .read(true)
+            .write(last)
+            .open(&path)
+            .map_err(|e| BackendError::io(&path, "open", e))?;
+        let size = file
+            .metadata()
+            .map_err(|e| BackendError::io(&path, "stat", e))?
+            .len();
+        if last && torn_creation(&file, &path, size)? {
+            // The crash hit while the segment was being created: its header never became
+            // durable, so no frame was ever written to it.
+            drop(file);
+            std::fs::remove_file(&path).map_err(|e| BackendError::io(&path, "remove", e))?;
+            io.sync_dir(dir)?;
+            break;
+        }
+        let seg = SegFile::new(id, path.clone());
+        let map = SegMap::map(&seg, &file, &path, size)?;
+        let hid = format::decode_header(&path, map.bytes(), SEGMENT_MAGIC, "segment file")?;
+        if hid != u64::from(id) {
+            return Err(corrupt(
+                &path,
+                16,
+                format!("header names segment {hid:016x}"),
+            ));
+        }
+        r.stats.insert(id, SegStat { size, live: 0 });
+        let (end, frames) = r.replay_segment(id, &path, map.bytes(), last)?;
+        let map = if end < size {
+            tracing::warn!(path = %path.display(), end, size, "cutting off a torn commit");
+            drop(map);
+            io.truncate(&file, &path, end)?;
+            io.sync_data(&file, &path)?;
+            SegMap::map(&seg, &file, &path, end)?
+        } else {
+            map
+        };
+        if let Some(s) = r.stats.get_mut(&id) {
+            s.size = end;
+        }
+        r.version.segs.push(Some(map));
+        if last {
+            active = Some(Active {
+                seg,
+                file,
+                end,
+                fresh: frames == 0,
+            });
+        }
+    }
+
+    let active = match active {
+        Some(a) => a,
+        None => {
+            // No segment left open for writing: either a new store, or the last segment was
+            // a torn creation (then the previous one, sealed, stays sealed).
+            let id = floor + r.version.segs.len() as u32;
+            let (seg, file) = create_segment(dir, io, id)?;
+            let path = seg.path.clone();
+            let map = SegMap::map(&seg, &file, &path, HEADER_LEN as u64)?;
+            r.version.segs.push(Some(map));
+            r.stats.insert(
+                id,
+                SegStat {
+                    size: HEADER_LEN as u64,
+                    live: 0,
+                },
+            );
+            Active {
+                seg,
+                file,
+                end: HEADER_LEN as u64,
+                fresh: true,
+            }
+        }
+    };
+    let mut names = BTreeMap::new();
+    for (id, b) in r.names.iter().enumerate() {
+        names.insert(b.clone(), id as u32);
+    }
+    r.version.names = Arc::new(names);
+    Ok(Recovered {
+        version: r.version,
+        stats: r.stats,
+        active,
+        next_seq: r.expected_seq.unwrap_or(1),
+        bucket_names: r.names,
+    })
+}
+
+/// True when the last segment is shorter than a header or its header is all zeros.
+fn torn_creation(file: &File, path: &Path, size: u64) -> Result<bool, BackendError> {
+    if size < HEADER_LEN as u64 {
+        return Ok(true);
+    }
+    let mut h = [0u8; HEADER_LEN];
+    std::os::unix::fs::FileExt::read_exact_at(file, &mut h, 0)
+        .map_err(|e| BackendError::io(path, "read", e))?;
+    Ok(h.iter().all(|&b| b == 0))
+}
+
+struct Replay {
+    version: Version,
+    stats: BTreeMap<u32, SegStat>,
+    names: Vec<Bucket>,
+    expected_seq: Option<u64>,
+}
+
+impl Replay {
+    /// Replays the frames of one segment; returns the end of its last valid frame and the
+    /// number of frames.
+    fn replay_segment(
+        &mut self,
+        id: u32,
+        path: &Path,
+        bytes: &[u8],
+        last: bool,
+    ) -> Result<(u64, u64), BackendError> {
+        let mut at = HEADER_LEN;
+        let mut frames = 0;
+        while at < bytes.len() {
+            let rest = &bytes[at..];
+            let why = if rest.len() < FRAME_HEADER {
+                Some("incomplete frame header".to_string())
+            } else {
+                let len = u32_at(rest, 0) as usize;
+                let crc = u32_at(rest, 4);
+                let seq = u64_at(rest, 8);
+                if len > rest.len() - FRAME_HEADER {
+                    Some(format!(
+                        "frame of {len} bytes runs past the end of the file"
+                    ))
+                } else if format::frame_crc(&rest[8..FRAME_HEADER + len]) != crc {
+                    Some("frame checksum mismatch".to_string())
+                } else if self.expected_seq.is_some_and(|e| e != seq) {
+                    Some(format!(
+                        "frame sequence {seq} where {} was expected",
+                        self.expected_seq.unwrap_or_default()
+                    ))
+                } else {
+                    let payload = &rest[FRAME_HEADER..FRAME_HEADER + len];
+                    let base = at + FRAME_HEADER;
+                    self.apply_payload(id, path, base, payload)?;
+                    self.expected_seq = Some(seq.wrapping_add(1));
+                    at += FRAME_HEADER + len;
+                    frames += 1;
+                    None
+                }
+            };
+            if let Some(why) = why {
+                if last {
+                    tracing::warn!(path = %path.display(), offset = at, reason = %why, "torn tail");
+                    return Ok((at as u64, frames));
+                }
+                return Err(corrupt(path, at as u64, why));
+            }
+        }
+        Ok((at as u64, frames))
+    }
+
+    fn apply_payload(
+        &mut self,
+        seg: u32,
+        path: &Path,
+        base: usize,
+        payload: &[u8],
+    ) -> Result<(), BackendError> {
+        let mut records = Records::new(payload);
+        loop {
+            let (at, rec) = match records.next_record() {
+                Ok(Some(r)) => r,
+                Ok(None) => return Ok(()),
+                Err(why) => return Err(corrupt(path, base as u64, why)),
+            };
+            let offset = (base + at) as u64;
+            let known = self.names.len() as u32;
+            let check = |b: u32| {
+                if b < known {
+                    Ok(b)
+                } else {
+                    Err(corrupt(
+                        path,
+                        offset,
+                        format!("record names undeclared bucket {b}"),
+                    ))
+                }
+            };
+            match rec {
+                Record::Bucket { id, name } => {
+                    let name = std::str::from_utf8(name)
+                        .ok()
+                        .and_then(|n| Bucket::from_name(n.to_owned()).ok())
+                        .ok_or_else(|| corrupt(path, offset, "invalid bucket name"))?;
+                    if id == known {
+                        self.names.push(name);
+                        self.version.maps.push(Default::default());
+                    } else if id > known || self.names[id as usize] != name {
+                        return Err(corrupt(
+                            path,
+                            offset,
+                            format!(
+                                "bucket {id} declared as {name} conflicts with earlier records"
+                            ),
+                        ));
+                    }
+                }
+                Record::Put {
+                    bucket,
+                    key,
+                    value_at,
+                    value_len,
+                } => {
+                    let b = check(bucket)?;
+                    let off = u32::try_from(base + value_at)
+                        .map_err(|_| corrupt(path, offset, "value offset out of range"))?;
+                    let loc = Loc {
+                        seg,
+                        off,
+                        len: value_len,
+                    };
+                    self.applier().put(b, key, loc);
+                }
+                Record::Delete { bucket, key } => {
+                    let b = check(bucket)?;
+                    self.applier().delete(b, key);
+                }
+                Record::Range { bucket, start, end } => {
+                    let b = check(bucket)?;
+                    self.applier().delete_range(b, start, end);
+                }
+            }
+        }
+    }
+
+    fn applier(&mut self) -> Applier<'_> {
+        Applier {
+            maps: &mut self.version.maps,
+            stats: &mut self.stats,
+        }
+    }
+}

@@ -1,0 +1,474 @@
+//! [`FileBackend`]: the writer, the published index version, and the `Backend` trait.
+//!
+//! One mutex serialises writers (commits and the reclaimer's copy steps); it is held across
+//! the commit's write and `fdatasync`. Readers never take it: a read transaction clones the
+//! `Arc` of the published [`Version`] under a lock that is only ever held for that clone or
+//! for the pointer swap that publishes a commit.
+//!
+//! A commit encodes the batch as one frame (see [`crate::format`]), writes it with one
+//! positioned write at the committed end of the active segment — bytes no mapping covers —
+//! syncs it, applies it to the writer's copy of the index, maps the segment anew up to the
+//! new committed end, and publishes the result.
+
+use std::collections::BTreeMap;
+use std::fs::{File, OpenOptions};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::mpsc::{SyncSender, TrySendError};
+use std::thread::JoinHandle;
+
+use keel_mvcc::backend::snapshot::{MAX_KEY, MAX_VALUE};
+use keel_mvcc::{Backend, BackendError, BackendSize, BatchOp, Bucket, WriteBatch};
+use parking_lot::{Mutex, RwLock};
+
+use crate::fault::Io;
+use crate::format::{self, FRAME_HEADER, HEADER_LEN};
+use crate::options::FileOptions;
+use crate::recovery::{self, Active};
+use crate::segment::SegMap;
+use crate::txn::FileReadTxn;
+use crate::version::{Applier, Loc, SegStat, Version};
+
+/// Name of the lock file inside the store directory.
+pub const LOCK_FILE: &str = "LOCK";
+
+/// keel's pure-Rust, memory-mapped, log-structured [`Backend`].
+///
+/// See the crate documentation for the design and [`crate::format`] for the bytes on disk.
+pub struct FileBackend {
+    pub(crate) inner: Arc<Inner>,
+    reclaimer: Option<(SyncSender<()>, JoinHandle<()>)>,
+}
+
+pub(crate) struct Inner {
+    pub(crate) dir: PathBuf,
+    pub(crate) options: FileOptions,
+    pub(crate) io: Io,
+    _lock: File,
+    pub(crate) published: RwLock<Arc<Version>>,
+    pub(crate) writer: Mutex<Writer>,
+    /// Serialises reclaim passes and defragments.
+    pub(crate) reclaim_lock: Mutex<()>,
+}
+
+pub(crate) struct Writer {
+    /// The writer's copy of the index: equal to the published version between commits.
+    pub(crate) version: Version,
+    pub(crate) stats: BTreeMap<u32, SegStat>,
+    pub(crate) active: Active,
+    pub(crate) next_seq: u64,
+    pub(crate) bucket_names: Vec<Bucket>,
+    pub(crate) buf: Vec<u8>,
+    pub(crate) poisoned: Option<String>,
+}
+
+impl Writer {
+    pub(crate) fn applier(&mut self) -> Applier<'_> {
+        Applier {
+            maps: &mut self.version.maps,
+            stats: &mut self.stats,
+        }
+    }
+
+    /// Dead bytes in sealed segments, and live bytes in total.
+    pub(crate) fn garbage(&self) -> (u64, u64) {
+        let active = self.active.seg.id;
+        let mut dead = 0;
+        let mut live = 0;
+        for (&id, s) in &self.stats {
+            live += s.live;
+            if id != active {
+                dead += s.size.saturating_sub(s.live);
+            }
+        }
+        (dead, live)
+    }
+}
+
+impl FileBackend {
+    /// Opens (creating if absent) the store in directory `path`.
+    pub fn open(path: &Path, options: &FileOptions) -> Result<FileBackend, BackendError> {
+        options.validate()?;
+        std::fs::create_dir_all(path).map_err(|e| BackendError::io(path, "create directory", e))?;
+        let lock_path = path.join(LOCK_FILE);
+        let lock = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&lock_path)
+            .map_err(|e| BackendError::io(&lock_path, "open", e))?;
+        match lock.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                return Err(BackendError::Locked {
+                    path: path.to_path_buf(),
+                });
+            }
+            Err(std::fs::TryLockError::Error(e)) => {
+                return Err(BackendError::io(&lock_path, "lock", e));
+            }
+        }
+        let io = Io::new(options.fault_hook.clone());
+        let r = recovery::recover(path, &io)?;
+        let published = RwLock::new(Arc::new(r.version.clone()));
+        let inner = Arc::new(Inner {
+            dir: path.to_path_buf(),
+            options: options.clone(),
+            io,
+            _lock: lock,
+            published,
+            writer: Mutex::new(Writer {
+                version: r.version,
+                stats: r.stats,
+                active: r.active,
+                next_seq: r.next_seq,
+                bucket_names: r.bucket_names,
+                buf: Vec::new(),
+                poisoned: None,
+            }),
+            reclaim_lock: Mutex::new(()),
+        });
+        let reclaimer = if options.background_reclaim {
+            Some(crate::reclaim::spawn(&inner)?)
+        } else {
+            None
+        };
+        tracing::debug!(path = %path.display(), "opened file backend");
+        Ok(FileBackend { inner, reclaimer })
+    }
+
+    /// The store's directory.
+    pub fn path(&self) -> &Path {
+        &self.inner.dir
+    }
+
+    /// Runs one reclaim pass now if dead space has crossed the configured threshold; returns
+    /// whether it reclaimed anything. The background reclaimer calls the same code.
+    pub fn reclaim(&self) -> Result<bool, BackendError> {
+        self.inner.reclaim_if_needed()
+    }
+
+    /// Checks the whole store: every frame of every segment against its checksum and
+    /// sequence, and every index entry against the record it points to.
+    pub fn check_integrity(&self) -> Result<(), BackendError> {
+        crate::verify::check(self)
+    }
+
+    pub(crate) fn nudge_reclaimer(&self) {
+        if let Some((tx, _)) = &self.reclaimer {
+            match tx.try_send(()) {
+                Ok(()) | Err(TrySendError::Full(())) | Err(TrySendError::Disconnected(())) => {}
+            }
+        }
+    }
+}
+
+impl Drop for FileBackend {
+    fn drop(&mut self) {
+        if let Some((tx, handle)) = self.reclaimer.take() {
+            drop(tx);
+            if handle.join().is_err() {
+                tracing::warn!("the background reclaimer panicked");
+            }
+        }
+    }
+}
+
+impl Inner {
+    /// Refuses writes after a durability failure.
+    pub(crate) fn check_poison(w: &Writer) -> Result<(), BackendError> {
+        match &w.poisoned {
+            Some(reason) => Err(BackendError::Poisoned {
+                reason: reason.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    fn poison(w: &mut Writer, e: &BackendError) {
+        tracing::error!(error = %e, "file backend poisoned");
+        w.poisoned.get_or_insert_with(|| e.to_string());
+    }
+
+    /// Seals the active segment and starts the next one.
+    pub(crate) fn roll(&self, w: &mut Writer) -> Result<(), BackendError> {
+        let id = w
+            .active
+            .seg
+            .id
+            .checked_add(1)
+            .filter(|&id| id < u32::MAX)
+            .ok_or_else(|| BackendError::Corrupt {
+                path: self.dir.clone(),
+                offset: 0,
+                reason: "segment ids exhausted".into(),
+            })?;
+        let (seg, file) = match recovery::create_segment(&self.dir, &self.io, id) {
+            Ok(x) => x,
+            Err(e) => {
+                Self::poison(w, &e);
+                return Err(e);
+            }
+        };
+        let path = seg.path.clone();
+        let map = SegMap::map(&seg, &file, &path, HEADER_LEN as u64)?;
+        w.version.segs.push(Some(map));
+        w.stats.insert(
+            id,
+            SegStat {
+                size: HEADER_LEN as u64,
+                live: 0,
+            },
+        );
+        w.active = Active {
+            seg,
+            file,
+            end: HEADER_LEN as u64,
+            fresh: true,
+        };
+        Ok(())
+    }
+
+    /// Starts a frame in `w.buf`: rolls to a new segment if the active one is full, reserves
+    /// the frame header, and declares every bucket when the segment is fresh.
+    pub(crate) fn begin_frame(&self, w: &mut Writer) -> Result<(), BackendError> {
+        Self::check_poison(w)?;
+        if w.active.end >= self.options.segment_size {
+            self.roll(w)?;
+        }
+        let mut buf = std::mem::take(&mut w.buf);
+        buf.clear();
+        buf.resize(FRAME_HEADER, 0);
+        if w.active.fresh {
+            for (id, name) in w.bucket_names.iter().enumerate() {
+                format::put_bucket(&mut buf, id as u32, name.name());
+            }
+        }
+        w.buf = buf;
+        Ok(())
+    }
+
+    /// Writes and syncs the frame in `w.buf`; returns its offset in the active segment.
+    /// On failure the frame is cut off again (best effort) and the backend is poisoned.
+    pub(crate) fn finish_frame(&self, w: &mut Writer) -> Result<u64, BackendError> {
+        let start = w.active.end;
+        let len = w.buf.len() - FRAME_HEADER;
+        let end = start + w.buf.len() as u64;
+        if end > u64::from(u32::MAX) || len > u32::MAX as usize {
+            return Err(BackendError::TooLarge {
+                what: "batch",
+                len: w.buf.len(),
+                limit: (u32::MAX as u64).saturating_sub(start) as usize,
+            });
+        }
+        let seq = w.next_seq;
+        w.buf[8..16].copy_from_slice(&seq.to_le_bytes());
+        let crc = format::frame_crc(&w.buf[8..]);
+        w.buf[..4].copy_from_slice(&(len as u32).to_le_bytes());
+        w.buf[4..8].copy_from_slice(&crc.to_le_bytes());
+        let path = &w.active.seg.path;
+        let result = self
+            .io
+            .write_at(&w.active.file, path, start, &w.buf)
+            .and_then(|()| self.io.sync_data(&w.active.file, path));
+        if let Err(e) = result {
+            // The frame may be partly or wholly in the file: cut it off so that a restart
+            // does not find it. No mapping reaches past `start`.
+            if let Err(t) = self.io.truncate(&w.active.file, path, start) {
+                tracing::error!(error = %t, "cannot cut off a failed commit");
+            }
+            Self::poison(w, &e);
+            return Err(e);
+        }
+        w.next_seq += 1;
+        w.active.end = end;
+        w.active.fresh = false;
+        let id = w.active.seg.id;
+        if let Some(s) = w.stats.get_mut(&id) {
+            s.size = end;
+        }
+        Ok(start)
+    }
+
+    /// Maps the active segment up to its committed end and publishes the writer's version.
+    pub(crate) fn publish(&self, w: &mut Writer) -> Result<(), BackendError> {
+        let seg = w.active.seg.clone();
+        let map = match SegMap::map(&seg, &w.active.file, &seg.path, w.active.end) {
+            Ok(m) => m,
+            Err(e) => {
+                Self::poison(w, &e);
+                return Err(e);
+            }
+        };
+        let i = (seg.id - w.version.base) as usize;
+        w.version.segs[i] = Some(map);
+        *self.published.write() = Arc::new(w.version.clone());
+        Ok(())
+    }
+
+    fn commit(&self, batch: &WriteBatch) -> Result<bool, BackendError> {
+        let mut w = self.writer.lock();
+        Self::check_poison(&w)?;
+        // Validate everything before writing anything.
+        let mut new_buckets: Vec<Bucket> = Vec::new();
+        for op in batch.ops() {
+            let (bucket, sizes) = match op {
+                BatchOp::Put { bucket, key, value } => (bucket, [key.len(), value.len()]),
+                BatchOp::Delete { bucket, key } => (bucket, [key.len(), 0]),
+                BatchOp::DeleteRange { bucket, start, end } => {
+                    (bucket, [start.len(), end.as_ref().map_or(0, Vec::len)])
+                }
+            };
+            if sizes[0] > MAX_KEY {
+                return Err(BackendError::TooLarge {
+                    what: "key",
+                    len: sizes[0],
+                    limit: MAX_KEY,
+                });
+            }
+            if sizes[1] > MAX_VALUE {
+                return Err(BackendError::TooLarge {
+                    what: "value",
+                    len: sizes[1],
+                    limit: MAX_VALUE,
+                });
+            }
+            if !w.version.names.contains_key(bucket) && !new_buckets.contains(bucket) {
+                bucket.validate()?;
+                if matches!(op, BatchOp::Put { .. }) {
+                    new_buckets.push(bucket.clone());
+                }
+            }
+        }
+        if batch.is_empty() {
+            return Ok(false);
+        }
+        self.begin_frame(&mut w)?;
+        let first_new = w.bucket_names.len() as u32;
+        let mut buf = std::mem::take(&mut w.buf);
+        for (i, b) in new_buckets.iter().enumerate() {
+            format::put_bucket(&mut buf, first_new + i as u32, b.name());
+        }
+        let id_of = |w: &Writer, b: &Bucket| -> Option<u32> {
+            w.version.names.get(b).copied().or_else(|| {
+                new_buckets
+                    .iter()
+                    .position(|n| n == b)
+                    .map(|i| first_new + i as u32)
+            })
+        };
+        // Value offsets of the puts, relative to the frame start, in batch order.
+        let mut value_at = Vec::with_capacity(batch.len());
+        for op in batch.ops() {
+            match op {
+                BatchOp::Put { bucket, key, value } => {
+                    if let Some(id) = id_of(&w, bucket) {
+                        value_at.push(format::put_put(&mut buf, id, key, value) as u64);
+                    }
+                }
+                BatchOp::Delete { bucket, key } => {
+                    if let Some(id) = id_of(&w, bucket) {
+                        format::put_delete(&mut buf, id, key);
+                    }
+                }
+                BatchOp::DeleteRange { bucket, start, end } => {
+                    if let Some(id) = id_of(&w, bucket) {
+                        format::put_range(&mut buf, id, start, end.as_deref());
+                    }
+                }
+            }
+        }
+        w.buf = buf;
+        let start = self.finish_frame(&mut w)?;
+
+        // Durable: apply to the index.
+        if !new_buckets.is_empty() {
+            let names = Arc::make_mut(&mut w.version.names);
+            for (i, b) in new_buckets.iter().enumerate() {
+                names.insert(b.clone(), first_new + i as u32);
+            }
+            for b in new_buckets {
+                w.bucket_names.push(b);
+                w.version.maps.push(Default::default());
+            }
+        }
+        let seg = w.active.seg.id;
+        let mut puts = value_at.into_iter();
+        for op in batch.ops() {
+            match op {
+                BatchOp::Put { bucket, key, value } => {
+                    let (Some(id), Some(at)) = (w.version.names.get(bucket).copied(), puts.next())
+                    else {
+                        continue;
+                    };
+                    let loc = Loc {
+                        seg,
+                        off: (start + at) as u32,
+                        len: value.len() as u32,
+                    };
+                    w.applier().put(id, key, loc);
+                }
+                BatchOp::Delete { bucket, key } => {
+                    if let Some(id) = w.version.names.get(bucket).copied() {
+                        w.applier().delete(id, key);
+                    }
+                }
+                BatchOp::DeleteRange { bucket, start, end } => {
+                    if let Some(id) = w.version.names.get(bucket).copied() {
+                        w.applier().delete_range(id, start, end.as_deref());
+                    }
+                }
+            }
+        }
+        self.publish(&mut w)?;
+        let (dead, live) = w.garbage();
+        Ok(self.should_reclaim(dead, live))
+    }
+
+    pub(crate) fn should_reclaim(&self, dead: u64, live: u64) -> bool {
+        dead >= self.options.reclaim_min_garbage
+            && dead as f64 >= live as f64 * self.options.reclaim_garbage_ratio
+    }
+
+    fn size(&self) -> BackendSize {
+        let w = self.writer.lock();
+        let mut size = BackendSize {
+            on_disk: HEADER_LEN as u64,
+            in_use: 0,
+        };
+        for s in w.stats.values() {
+            size.on_disk += s.size;
+            size.in_use += s.live;
+        }
+        size
+    }
+}
+
+impl Backend for FileBackend {
+    type Options = FileOptions;
+    type ReadTxn = FileReadTxn;
+
+    fn open(path: &Path, options: &FileOptions) -> Result<FileBackend, BackendError> {
+        FileBackend::open(path, options)
+    }
+
+    fn read_txn(&self) -> Result<FileReadTxn, BackendError> {
+        Ok(FileReadTxn::new(self.inner.published.read().clone()))
+    }
+
+    fn commit(&self, batch: &WriteBatch) -> Result<(), BackendError> {
+        if self.inner.commit(batch)? {
+            self.nudge_reclaimer();
+        }
+        Ok(())
+    }
+
+    fn size(&self) -> Result<BackendSize, BackendError> {
+        Ok(self.inner.size())
+    }
+
+    fn defragment(&self) -> Result<(), BackendError> {
+        self.inner.defragment()
+    }
+}

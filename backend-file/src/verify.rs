@@ -1,0 +1,86 @@
+//! The full integrity check: every frame of every live segment against its checksum and
+//! sequence, every record well formed, and every index entry against the put record it
+//! points to.
+
+use keel_mvcc::BackendError;
+
+use crate::format::{
+    self, FRAME_HEADER, HEADER_LEN, PUT_HEADER, Records, SEGMENT_MAGIC, TAG_PUT, u32_at, u64_at,
+};
+use crate::store::FileBackend;
+
+pub(crate) fn check(backend: &FileBackend) -> Result<(), BackendError> {
+    let version = backend.inner.published.read().clone();
+    let mut expected_seq: Option<u64> = None;
+    for map in version.segs.iter().flatten() {
+        let path = &map.file.path;
+        let bytes = map.bytes();
+        let bad = |offset: usize, reason: String| BackendError::Corrupt {
+            path: path.clone(),
+            offset: offset as u64,
+            reason,
+        };
+        let id = format::decode_header(path, bytes, SEGMENT_MAGIC, "segment file")?;
+        if id != u64::from(map.file.id) {
+            return Err(bad(16, format!("header names segment {id:016x}")));
+        }
+        let mut at = HEADER_LEN;
+        while at < bytes.len() {
+            let rest = &bytes[at..];
+            if rest.len() < FRAME_HEADER {
+                return Err(bad(at, "incomplete frame header".into()));
+            }
+            let len = u32_at(rest, 0) as usize;
+            if len > rest.len() - FRAME_HEADER {
+                return Err(bad(at, "frame runs past the committed end".into()));
+            }
+            if format::frame_crc(&rest[8..FRAME_HEADER + len]) != u32_at(rest, 4) {
+                return Err(bad(at, "frame checksum mismatch".into()));
+            }
+            let seq = u64_at(rest, 8);
+            if expected_seq.is_some_and(|e| e != seq) {
+                return Err(bad(at, format!("frame sequence {seq} out of order")));
+            }
+            expected_seq = Some(seq + 1);
+            let mut records = Records::new(&rest[FRAME_HEADER..FRAME_HEADER + len]);
+            loop {
+                match records.next_record() {
+                    Ok(Some(_)) => {}
+                    Ok(None) => break,
+                    Err(why) => return Err(bad(at, why)),
+                }
+            }
+            at += FRAME_HEADER + len;
+        }
+    }
+    for (name, &id) in version.names.iter() {
+        for (key, &loc) in version.maps[id as usize].iter() {
+            let key = key.as_bytes();
+            let bad = |reason: &str| BackendError::Corrupt {
+                path: backend.path().join(format!("{:016x}.seg", loc.seg)),
+                offset: u64::from(loc.off),
+                reason: format!("bucket {name}, key {key:?}: {reason}"),
+            };
+            let map = version
+                .seg(loc.seg)
+                .ok_or_else(|| bad("segment not live"))?;
+            let value_at = loc.off as usize;
+            let rec_at = value_at
+                .checked_sub(PUT_HEADER + key.len())
+                .ok_or_else(|| bad("value offset before any record"))?;
+            let bytes = map.bytes();
+            let rec = bytes
+                .get(rec_at..value_at + loc.len as usize)
+                .ok_or_else(|| bad("record past the committed end"))?;
+            if rec[0] != TAG_PUT
+                || u32_at(rec, 1) != id
+                || u32_at(rec, 5) as usize != key.len()
+                || u32_at(rec, 9) != loc.len
+                || &rec[PUT_HEADER..PUT_HEADER + key.len()] != key
+            {
+                return Err(bad("index entry does not match its put record"));
+            }
+        }
+    }
+    Ok(())
+}

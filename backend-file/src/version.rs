@@ -1,0 +1,116 @@
+//! Index versions: what one read transaction sees.
+//!
+//! A [`Version`] maps every bucket's keys to the location of their current value ([`Loc`]),
+//! and holds the mappings those locations point into. The per-bucket maps are persistent
+//! B-trees (`imbl::OrdMap`): cloning one is O(1), and the writer's changes copy only the nodes
+//! they touch (a node already copied in the same commit is changed in place), so publishing a
+//! new version per commit costs little, and a version, once published, never changes.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use imbl::OrdMap;
+use keel_mvcc::Bucket;
+
+use crate::format::put_len;
+use crate::key::Key;
+use crate::segment::SegMap;
+
+/// Where a value lives: `len` bytes at offset `off` of segment `seg`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Loc {
+    pub(crate) seg: u32,
+    pub(crate) off: u32,
+    pub(crate) len: u32,
+}
+
+/// One bucket's index.
+pub(crate) type BucketMap = OrdMap<Key, Loc>;
+
+/// An immutable view of the whole store.
+#[derive(Clone, Default)]
+pub(crate) struct Version {
+    /// Every bucket ever declared, by name.
+    pub(crate) names: Arc<BTreeMap<Bucket, u32>>,
+    /// Per bucket id.
+    pub(crate) maps: Vec<BucketMap>,
+    /// Id of `segs[0]`.
+    pub(crate) base: u32,
+    /// Mappings of segments `base..`, one per live segment.
+    pub(crate) segs: Vec<Option<Arc<SegMap>>>,
+}
+
+impl Version {
+    /// The mapping of segment `seg`.
+    pub(crate) fn seg(&self, seg: u32) -> Option<&Arc<SegMap>> {
+        let i = seg.checked_sub(self.base)? as usize;
+        self.segs.get(i)?.as_ref()
+    }
+
+    /// The value bytes at `loc`, `None` if they are not mapped (never for a consistent store).
+    pub(crate) fn value(&self, loc: Loc) -> Option<&[u8]> {
+        let start = loc.off as usize;
+        self.seg(loc.seg)?
+            .bytes()
+            .get(start..start.checked_add(loc.len as usize)?)
+    }
+}
+
+/// Live and total bytes of one segment.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct SegStat {
+    pub(crate) size: u64,
+    pub(crate) live: u64,
+}
+
+/// Applies index changes and keeps the live-byte accounting of segments in step.
+pub(crate) struct Applier<'a> {
+    pub(crate) maps: &'a mut Vec<BucketMap>,
+    pub(crate) stats: &'a mut BTreeMap<u32, SegStat>,
+}
+
+impl Applier<'_> {
+    fn dead(&mut self, key: &[u8], old: Loc) {
+        if let Some(s) = self.stats.get_mut(&old.seg) {
+            s.live = s.live.saturating_sub(put_len(key.len(), old.len as usize));
+        }
+    }
+
+    pub(crate) fn put(&mut self, bucket: u32, key: &[u8], loc: Loc) {
+        if let Some(s) = self.stats.get_mut(&loc.seg) {
+            s.live += put_len(key.len(), loc.len as usize);
+        }
+        if let Some(old) = self.maps[bucket as usize].insert(Key::new(key), loc) {
+            self.dead(key, old);
+        }
+    }
+
+    pub(crate) fn delete(&mut self, bucket: u32, key: &[u8]) {
+        if let Some(old) = self.maps[bucket as usize].remove(key) {
+            self.dead(key, old);
+        }
+    }
+
+    pub(crate) fn delete_range(&mut self, bucket: u32, start: &[u8], end: Option<&[u8]>) {
+        if end.is_some_and(|e| e <= start) {
+            return;
+        }
+        let map = &self.maps[bucket as usize];
+        let doomed: Vec<Key> = match end {
+            Some(e) => map
+                .range::<_, [u8]>((
+                    std::ops::Bound::Included(start),
+                    std::ops::Bound::Excluded(e),
+                ))
+                .map(|(k, _)| k.clone())
+                .collect(),
+            None => map
+                .range::<_, [u8]>((std::ops::Bound::Included(start), std::ops::Bound::Unbounded))
+                .map(|(k, _)| k.clone())
+                .collect(),
+        };
+        for k in doomed {
+            self.delete(bucket, k.as_bytes());
+        }
+    }
+}

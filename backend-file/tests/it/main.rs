@@ -1,0 +1,4 @@
+//! Integration tests of keel-backend-file: one binary, one module per theme.
+
+mod basic;
+mod support;

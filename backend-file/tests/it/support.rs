@@ -1,0 +1,41 @@
+//! Helpers shared by the test modules.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use keel_backend_file::{FileBackend, FileOptions};
+use keel_mvcc::{Backend, Bucket, ReadTxn};
+
+/// Every pair of every bucket, read through one read transaction.
+pub type Dump = BTreeMap<String, BTreeMap<Vec<u8>, Vec<u8>>>;
+
+pub fn dump(b: &FileBackend) -> Dump {
+    let txn = b.read_txn().expect("read txn");
+    let mut out = Dump::new();
+    for bucket in txn.buckets().expect("buckets") {
+        let mut m = BTreeMap::new();
+        for item in txn.range(&bucket, &[], None).expect("range") {
+            let (k, v) = item.expect("item");
+            m.insert(k.to_vec(), v.to_vec());
+        }
+        out.insert(bucket.name().to_owned(), m);
+    }
+    out
+}
+
+/// Options with small segments and no background thread, for deterministic tests.
+pub fn small() -> FileOptions {
+    FileOptions {
+        segment_size: 64 << 10,
+        background_reclaim: false,
+        reclaim_min_garbage: 0,
+        ..FileOptions::default()
+    }
+}
+
+pub fn open(dir: &Path, options: &FileOptions) -> FileBackend {
+    FileBackend::open(dir, options).expect("open")
+}
+
+pub const B: Bucket = Bucket::new("key");
+pub const META_B: Bucket = Bucket::new("meta");
