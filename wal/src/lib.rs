@@ -1,3 +1,92 @@
 //! keel's write-ahead log: the durable source of truth for a Raft log.
+//!
+//! A [`Wal`] is a directory of segment files holding a sequence of checksummed records:
+//! Raft entries, hard states, snapshot markers and metadata. [`Wal::append`] writes entries
+//! and a hard state as one durability point; concurrent durable appends share one
+//! `fdatasync` (group commit). [`Wal::open`] reads every record back, checks it, rebuilds an
+//! in-memory index (index → segment, offset, term) and repairs a torn tail; reads go to the
+//! files by positioned reads through that index.
+//!
+//! # Files
+//!
+//! - `<seq>-<first_index>.wal`: a segment, both fields 16 lowercase hex digits (so names
+//!   sort by `seq`); `seq` counts from 0 without holes, `first_index` is `last_index + 1`
+//!   when the segment was started. Default size 64 MiB, preallocated (zeroed).
+//! - `<seq>.tmp`: the next segment being prepared in the background; renamed into place
+//!   (then the directory synced) only once its header is durable.
+//! - `<name>.broken[.N]`: a copy of a segment kept before a torn-tail repair changed it.
+//! - `LOCK`: holds an exclusive `flock` while the log is open.
+//!
+//! # Segment layout (all integers little-endian)
+//!
+//! ```text
+//! 0   8  magic b"KEELWAL\0"
+//! 8   4  format version (u32) = 1
+//! 12  4  zero
+//! 16  8  seq (u64)
+//! 24  4  zero
+//! 28  4  CRC-32 of bytes 0..28 (u32)
+//! 32  .. records, each 8-byte aligned, then zeros to the end of the file
+//! ```
+//!
+//! # Record framing
+//!
+//! ```text
+//! 0   4  crc  (u32): CRC-32 (IEEE, crc32fast) of bytes 4..8 and the unpadded payload,
+//!                    seeded with the crc of the previous record
+//! 4   4  word (u32): record type << 24 | payload length (< 16 MiB)
+//! 8   n  payload
+//! 8+n p  zero padding to a multiple of 8
+//! ```
+//!
+//! The header is 8 bytes at an 8-byte aligned offset, so it never straddles a sector and a
+//! length is never torn. Payloads (u64 LE fields):
+//!
+//! ```text
+//! 1 seed        prev_crc (u32) | 4 zero bytes | first_index
+//! 2 entry       index | term | data...
+//! 3 hard state  term | vote | commit
+//! 4 snapshot    index | term
+//! 5 metadata    cluster_id | member_id
+//! ```
+//!
+//! Every segment's records start with a seed record, whose own crc is seeded with 0 and
+//! whose payload carries the crc of the previous segment's last record (so the chain runs
+//! across segments, and a segment can still be verified on its own), followed by the
+//! metadata, snapshot marker and hard state in force when the segment was started (so
+//! deleting older segments never loses state). A header of zeros ends a segment's records.
+//!
+//! # Recovery
+//!
+//! Open checks every header and record. A bad record (or header) in the last segment is a
+//! torn write: a copy of the segment is kept as `.broken`, the rest of the segment is
+//! zeroed, and the log continues from the last whole record ([`WalOptions::strict`] refuses
+//! instead). Damage anywhere else, a broken chain, an index gap, a missing segment or an
+//! unknown version is a [`WalError`] naming the file and offset. Lengths are bounded by the
+//! bytes left in the file before anything is read or allocated.
+//!
+//! # Faults
+//!
+//! All file operations go through [`FileSystem`] ([`RealFs`] by default). A failed write or
+//! `fdatasync` poisons the log ([`WalError::Poisoned`]); running out of space while making a
+//! segment is a [`WalError::DiskFull`] that leaves the log usable.
 
 #![forbid(unsafe_code)]
+
+mod decoder;
+mod encoder;
+mod error;
+mod index;
+mod io;
+mod options;
+mod record;
+mod repair;
+mod segment;
+mod wal;
+
+pub use error::WalError;
+pub use io::{FileSystem, RealFile, RealFs, WalFile};
+pub use options::WalOptions;
+pub use record::{Entry, HardState, MAX_PAYLOAD, Metadata, SnapshotMarker};
+pub use segment::{FORMAT_VERSION, SEGMENT_HEADER_LEN};
+pub use wal::{EntryRef, Wal};

@@ -1,0 +1,94 @@
+//! Tuning knobs of the WAL, validated in one place.
+
+use std::sync::Arc;
+
+use crate::error::WalError;
+use crate::io::{FileSystem, RealFs};
+use crate::record::MAX_PAYLOAD;
+
+/// Options for [`crate::Wal::open`].
+#[derive(Clone)]
+pub struct WalOptions {
+    /// Size of a segment file; a segment is closed when the next record does not fit (a
+    /// single record larger than this gets a segment of its own). Between 64 KiB and 1 GiB.
+    /// Default: 64 MiB.
+    pub segment_size: u64,
+    /// Refuse to repair anything at open: a torn tail is reported as
+    /// [`WalError::Corrupt`] instead of being truncated. Default: false.
+    pub strict: bool,
+    /// Prepare the next segment (create, size, write and sync its header) on a background
+    /// thread so rotation only renames it. Default: true.
+    pub preallocate: bool,
+    /// Write zeros over a new segment's whole length (instead of only reserving it with
+    /// `fallocate`), so later overwrites are pure data writes and `fdatasync` has no block
+    /// allocation or extent conversion to journal. Costs one sequential write of
+    /// `segment_size` per segment, done in the background when `preallocate` is on.
+    /// Default: true.
+    pub zero_fill: bool,
+    /// Pending (not yet written) bytes of non-durable appends are written to the file once
+    /// they exceed this many bytes. Default: 1 MiB.
+    pub write_buffer: usize,
+    /// Size of the reads that scan a segment at open and stream entries. Default: 4 MiB.
+    pub read_buffer: usize,
+    /// The file-system seam every file operation goes through. Default: the real file
+    /// system ([`RealFs`]); tests inject faults through their own implementation.
+    pub fs: Arc<dyn FileSystem>,
+}
+
+impl Default for WalOptions {
+    fn default() -> WalOptions {
+        WalOptions {
+            segment_size: 64 << 20,
+            strict: false,
+            preallocate: true,
+            zero_fill: true,
+            write_buffer: 1 << 20,
+            read_buffer: 4 << 20,
+            fs: Arc::new(RealFs),
+        }
+    }
+}
+
+impl std::fmt::Debug for WalOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WalOptions")
+            .field("segment_size", &self.segment_size)
+            .field("strict", &self.strict)
+            .field("preallocate", &self.preallocate)
+            .field("zero_fill", &self.zero_fill)
+            .field("write_buffer", &self.write_buffer)
+            .field("read_buffer", &self.read_buffer)
+            .finish_non_exhaustive()
+    }
+}
+
+impl WalOptions {
+    /// Checks every field, naming the first one out of range.
+    pub fn validate(&self) -> Result<(), WalError> {
+        if !(64 << 10..=1 << 30).contains(&self.segment_size) {
+            return Err(WalError::InvalidOption {
+                field: "segment_size",
+                reason: format!("{} bytes is outside [64 KiB, 1 GiB]", self.segment_size),
+            });
+        }
+        if !self.segment_size.is_multiple_of(8) {
+            return Err(WalError::InvalidOption {
+                field: "segment_size",
+                reason: format!("{} bytes is not a multiple of 8", self.segment_size),
+            });
+        }
+        if self.write_buffer == 0 || self.write_buffer > 256 << 20 {
+            return Err(WalError::InvalidOption {
+                field: "write_buffer",
+                reason: format!("{} bytes is outside [1, 256 MiB]", self.write_buffer),
+            });
+        }
+        if self.read_buffer < 4096 || self.read_buffer > MAX_PAYLOAD * 4 {
+            return Err(WalError::InvalidOption {
+                field: "read_buffer",
+                reason: format!("{} bytes is outside [4 KiB, 64 MiB]", self.read_buffer),
+            });
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,208 @@
+//! Segment files: naming, the header, and preparing the next segment ahead of time.
+//!
+//! A segment is named `<seq>-<first_index>.wal`, both 16 lowercase hex digits, so names sort
+//! by sequence number and parse back (etcd's scheme). `seq` starts at 0 and grows by one per
+//! segment with no holes; `first_index` is the index the first entry written to it was
+//! expected to have (`last_index + 1` when it was started).
+//!
+//! A segment starts with a 32-byte header:
+//!
+//! ```text
+//! offset  size  field
+//! 0       8     magic    b"KEELWAL\0"
+//! 8       4     version  u32 LE, currently 1
+//! 12      4     zero
+//! 16      8     seq      u64 LE, equal to the sequence number in the name
+//! 24      4     zero
+//! 28      4     crc      u32 LE: CRC-32 of bytes 0..28
+//! ```
+//!
+//! Records follow from byte 32, starting with a seed record (see [`crate::record`]) that
+//! carries the crc of the previous segment's last record and the segment's first index, then
+//! the state records (metadata, snapshot marker, hard state) in force when the segment was
+//! started, so releasing older segments never loses state.
+//!
+//! A segment is prepared as `<seq>.tmp`: created, its header written, its whole length zeroed
+//! (or reserved with `fallocate`), synced; only then renamed to its final name (and the
+//! directory synced) when the log rotates into it.
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use crate::io::{FileSystem, WalFile, write_all_at};
+
+/// Size of the segment header.
+pub const SEGMENT_HEADER_LEN: u64 = 32;
+/// The format version this build writes and reads.
+pub const FORMAT_VERSION: u32 = 1;
+const MAGIC: &[u8; 8] = b"KEELWAL\0";
+
+/// Final file name of a segment.
+pub(crate) fn segment_name(seq: u64, first_index: u64) -> String {
+    format!("{seq:016x}-{first_index:016x}.wal")
+}
+
+/// Name of a segment being prepared.
+pub(crate) fn tmp_name(seq: u64) -> String {
+    format!("{seq:016x}.tmp")
+}
+
+/// Parses `<seq>-<first_index>.wal`.
+pub(crate) fn parse_segment_name(name: &str) -> Option<(u64, u64)> {
+    let stem = name.strip_suffix(".wal")?;
+    let (a, b) = stem.split_once('-')?;
+    if a.len() != 16 || b.len() != 16 {
+        return None;
+    }
+    Some((
+        u64::from_str_radix(a, 16).ok()?,
+        u64::from_str_radix(b, 16).ok()?,
+    ))
+}
+
+/// Encodes the header of segment `seq`.
+pub(crate) fn encode_header(seq: u64) -> [u8; SEGMENT_HEADER_LEN as usize] {
+    let mut h = [0u8; SEGMENT_HEADER_LEN as usize];
+    h[0..8].copy_from_slice(MAGIC);
+    h[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+    h[16..24].copy_from_slice(&seq.to_le_bytes());
+    let crc = crc32fast::hash(&h[0..28]);
+    h[28..32].copy_from_slice(&crc.to_le_bytes());
+    h
+}
+
+/// Why a header was refused.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum HeaderError {
+    /// Short, wrong magic or failed checksum: not a complete header.
+    Damaged(String),
+    /// Intact, but written by another format version.
+    Version(u32),
+}
+
+/// Checks a header and returns its sequence number.
+pub(crate) fn decode_header(h: &[u8]) -> Result<u64, HeaderError> {
+    if h.len() < SEGMENT_HEADER_LEN as usize {
+        return Err(HeaderError::Damaged(format!(
+            "segment header is {} bytes, expected {SEGMENT_HEADER_LEN}",
+            h.len()
+        )));
+    }
+    let stored = crate::record::u32_at(h, 28);
+    if crc32fast::hash(&h[0..28]) != stored {
+        return Err(HeaderError::Damaged(
+            "segment header checksum mismatch".into(),
+        ));
+    }
+    if &h[0..8] != MAGIC {
+        return Err(HeaderError::Damaged(
+            "not a keel WAL segment (bad magic)".into(),
+        ));
+    }
+    let version = crate::record::u32_at(h, 8);
+    if version != FORMAT_VERSION {
+        return Err(HeaderError::Version(version));
+    }
+    Ok(crate::record::u64_at(h, 16))
+}
+
+/// A segment file prepared as `<seq>.tmp`, header durable, not yet part of the log.
+#[derive(Debug)]
+pub(crate) struct Prepared {
+    pub seq: u64,
+    pub path: PathBuf,
+    pub file: Arc<dyn WalFile>,
+}
+
+/// Creates `<seq>.tmp` of `size` bytes with its header, zeroed or reserved, and synced.
+pub(crate) fn prepare(
+    fs: &dyn FileSystem,
+    dir: &Path,
+    seq: u64,
+    size: u64,
+    zero_fill: bool,
+    cancel: &AtomicBool,
+) -> io::Result<Prepared> {
+    let path = dir.join(tmp_name(seq));
+    match fs.remove(&path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    let file = fs.create(&path)?;
+    let result = (|| {
+        file.allocate(0, size)?;
+        write_all_at(&*file, &encode_header(seq), 0)?;
+        if zero_fill {
+            let zeros = vec![0u8; 1 << 20];
+            let mut off = SEGMENT_HEADER_LEN;
+            while off < size {
+                if cancel.load(Ordering::Relaxed) {
+                    return Err(io::Error::new(
+                        io::ErrorKind::Interrupted,
+                        "preparation cancelled",
+                    ));
+                }
+                let n = (size - off).min(zeros.len() as u64) as usize;
+                write_all_at(&*file, &zeros[..n], off)?;
+                off += n as u64;
+            }
+        } else if file.len()? < size {
+            file.set_len(size)?;
+        }
+        file.sync_all()
+    })();
+    if let Err(e) = result {
+        // Best effort: a half-made tmp file is removed again at the next open anyway.
+        let _ = fs.remove(&path);
+        return Err(e);
+    }
+    Ok(Prepared { seq, path, file })
+}
+
+/// Renames a prepared segment into place and syncs the directory; returns its final path.
+pub(crate) fn activate(
+    fs: &dyn FileSystem,
+    dir: &Path,
+    prepared: &Prepared,
+    first_index: u64,
+) -> io::Result<PathBuf> {
+    let to = dir.join(segment_name(prepared.seq, first_index));
+    fs.rename(&prepared.path, &to)?;
+    fs.sync_dir(dir)?;
+    Ok(to)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_parse_back_and_sort() {
+        let a = segment_name(1, 0xabc);
+        let b = segment_name(16, 2);
+        assert_eq!(parse_segment_name(&a), Some((1, 0xabc)));
+        assert_eq!(parse_segment_name(&b), Some((16, 2)));
+        assert!(a < b);
+        assert_eq!(parse_segment_name("0000000000000001.tmp"), None);
+        assert_eq!(parse_segment_name("zz-00.wal"), None);
+    }
+
+    #[test]
+    fn header_round_trip_and_damage() {
+        let h = encode_header(7);
+        assert_eq!(decode_header(&h), Ok(7));
+        for i in 0..h.len() {
+            let mut d = h;
+            d[i] ^= 0x10;
+            assert!(decode_header(&d).is_err(), "flip at {i} accepted");
+        }
+        let mut v = h;
+        v[8..12].copy_from_slice(&9u32.to_le_bytes());
+        let crc = crc32fast::hash(&v[0..28]);
+        v[28..32].copy_from_slice(&crc.to_le_bytes());
+        assert_eq!(decode_header(&v), Err(HeaderError::Version(9)));
+    }
+}

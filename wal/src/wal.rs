@@ -1,0 +1,1153 @@
+//! The log itself: open and recovery, appends with group commit, reads, snapshot markers,
+//! release.
+//!
+//! Concurrency: one mutex guards the in-memory state and the active segment's buffer. An
+//! append encodes its records into the buffer under the mutex. A durable append then waits
+//! for a sync that started after its bytes were written: the first waiter that finds no
+//! sync running becomes the leader, writes the buffer out (one `pwrite`) and runs
+//! `fdatasync` with the mutex released, while later appenders fill the buffer and wait; when
+//! it finishes, everything written before it started is durable and all those waiters
+//! return. Reads copy the locations they need under the mutex and read the files without it.
+
+use std::collections::BTreeMap;
+use std::fs::{File, OpenOptions, TryLockError};
+use std::io;
+use std::ops::ControlFlow;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+
+use parking_lot::{Condvar, Mutex, MutexGuard};
+use tracing::{debug, warn};
+
+use crate::decoder::{Next, SegmentReader};
+use crate::encoder::SegmentWriter;
+use crate::error::WalError;
+use crate::index::{Loc, LogIndex};
+use crate::io::{FileSystem, WalFile, read_full_at};
+use crate::options::WalOptions;
+use crate::record::{
+    ENTRY_PREFIX, Entry, HardState, MAX_PAYLOAD, Metadata, Record, SnapshotMarker, record_len,
+};
+use crate::repair;
+use crate::segment::{
+    self, FORMAT_VERSION, HeaderError, Prepared, SEGMENT_HEADER_LEN, parse_segment_name,
+};
+
+/// Name of the lock file in the WAL directory.
+const LOCK_NAME: &str = "LOCK";
+/// Most locations one streaming step copies out of the index.
+const MAX_RUN: usize = 1 << 16;
+
+/// An entry borrowed from the log while streaming with [`Wal::replay`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EntryRef<'a> {
+    /// Raft index.
+    pub index: u64,
+    /// Raft term.
+    pub term: u64,
+    /// Opaque payload.
+    pub data: &'a [u8],
+}
+
+impl EntryRef<'_> {
+    /// An owned copy.
+    pub fn to_entry(&self) -> Entry {
+        Entry {
+            index: self.index,
+            term: self.term,
+            data: self.data.to_vec(),
+        }
+    }
+}
+
+/// A segment of the log.
+#[derive(Debug)]
+struct SegInfo {
+    path: PathBuf,
+    file: Arc<dyn WalFile>,
+}
+
+/// The next segment, being prepared or ready.
+enum Prealloc {
+    None,
+    Running {
+        handle: JoinHandle<io::Result<Prepared>>,
+        cancel: Arc<AtomicBool>,
+    },
+    Ready(Prepared),
+}
+
+struct Inner {
+    /// Why the log refuses writes, once a write or sync failed.
+    poisoned: Option<String>,
+    index: LogIndex,
+    hard_state: Option<HardState>,
+    snapshot: Option<SnapshotMarker>,
+    metadata: Option<Metadata>,
+    writer: SegmentWriter,
+    segments: BTreeMap<u64, SegInfo>,
+    /// Bytes encoded since open (a log sequence number).
+    written: u64,
+    /// `written` as of the start of the last successful sync.
+    durable: u64,
+    /// A leader is syncing with the mutex released.
+    syncing: bool,
+    prealloc: Prealloc,
+}
+
+/// A segmented, checksummed, group-committed Raft log in one directory.
+///
+/// `Send + Sync`; every method takes `&self`, so share it with an `Arc`. See the crate
+/// documentation for the file format.
+pub struct Wal {
+    dir: PathBuf,
+    options: WalOptions,
+    fs: Arc<dyn FileSystem>,
+    inner: Mutex<Inner>,
+    synced: Condvar,
+    _lock: File,
+}
+
+impl std::fmt::Debug for Wal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Wal")
+            .field("dir", &self.dir)
+            .field("first_index", &self.first_index())
+            .field("last_index", &self.last_index())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Segment files a read needs, by sequence number.
+type OpenFiles = BTreeMap<u64, (PathBuf, Arc<dyn WalFile>)>;
+
+/// The last segment found at open.
+struct LastSegment {
+    seq: u64,
+    path: PathBuf,
+    file: Arc<dyn WalFile>,
+    /// Offset where its records end.
+    end: u64,
+    /// Whether its seed record was found.
+    seeded: bool,
+}
+
+/// State rebuilt by scanning the segments at open.
+struct Replay {
+    index: LogIndex,
+    hard_state: Option<HardState>,
+    snapshot: Option<SnapshotMarker>,
+    metadata: Option<Metadata>,
+    crc: u32,
+}
+
+fn lock_dir(dir: &Path) -> Result<File, WalError> {
+    let path = dir.join(LOCK_NAME);
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(|e| WalError::io("open lock file", &path, e))?;
+    match f.try_lock() {
+        Ok(()) => Ok(f),
+        Err(TryLockError::WouldBlock) => Err(WalError::Locked {
+            path: dir.to_path_buf(),
+        }),
+        Err(TryLockError::Error(e)) => Err(WalError::io("lock", &path, e)),
+    }
+}
+
+fn corrupt(path: &Path, offset: u64, reason: impl Into<String>) -> WalError {
+    WalError::Corrupt {
+        path: path.to_path_buf(),
+        offset,
+        reason: reason.into(),
+    }
+}
+
+impl Wal {
+    /// Opens the log in `dir`, creating the directory and an empty log if needed.
+    ///
+    /// Every record of every segment is read and checked. A torn tail in the last segment
+    /// is repaired (a copy of the segment is kept as `<name>.broken`) unless
+    /// [`WalOptions::strict`] is set; any other damage is an error naming the file and
+    /// offset. Fails with [`WalError::Locked`] if another `Wal` has the directory open.
+    pub fn open(dir: &Path, options: WalOptions) -> Result<Wal, WalError> {
+        options.validate()?;
+        let fs = options.fs.clone();
+        fs.create_dir_all(dir)
+            .map_err(|e| WalError::io("create directory", dir, e))?;
+        let lock = lock_dir(dir)?;
+        let names = fs
+            .list(dir)
+            .map_err(|e| WalError::io("list directory", dir, e))?;
+        let mut segs: Vec<(u64, u64, String)> = Vec::new();
+        let mut tmps = Vec::new();
+        for name in names {
+            if let Some((seq, first)) = parse_segment_name(&name) {
+                segs.push((seq, first, name));
+            } else if name.ends_with(".tmp") {
+                tmps.push(name);
+            }
+        }
+        segs.sort();
+        for w in segs.windows(2) {
+            if w[1].0 != w[0].0 + 1 {
+                return Err(WalError::MissingSegment {
+                    dir: dir.to_path_buf(),
+                    reason: format!(
+                        "segment {} is followed by {}: sequence numbers {:x}..{:x} are missing",
+                        w[0].2,
+                        w[1].2,
+                        w[0].0 + 1,
+                        w[1].0 - 1
+                    ),
+                });
+            }
+        }
+
+        let mut st = Replay {
+            index: LogIndex::new(1),
+            hard_state: None,
+            snapshot: None,
+            metadata: None,
+            crc: 0,
+        };
+        let mut segments = BTreeMap::new();
+        let mut last: Option<LastSegment> = None;
+        let mut fresh = (0u64, 1u64);
+        let n = segs.len();
+        for (i, (seq, first, name)) in segs.into_iter().enumerate() {
+            let is_last = i + 1 == n;
+            let path = dir.join(&name);
+            let file = fs
+                .open(&path, true)
+                .map_err(|e| WalError::io("open segment", &path, e))?;
+            let mut h = [0u8; SEGMENT_HEADER_LEN as usize];
+            let got =
+                read_full_at(&*file, &mut h, 0).map_err(|e| WalError::io("read", &path, e))?;
+            match segment::decode_header(&h[..got]) {
+                Ok(s) if s == seq => {}
+                Ok(s) => {
+                    return Err(corrupt(
+                        &path,
+                        0,
+                        format!("header holds sequence number {s:x}, the name {seq:x}"),
+                    ));
+                }
+                Err(HeaderError::Version(found)) => {
+                    return Err(WalError::UnknownVersion {
+                        path,
+                        found,
+                        expected: FORMAT_VERSION,
+                    });
+                }
+                Err(HeaderError::Damaged(reason)) => {
+                    if !is_last || options.strict {
+                        return Err(corrupt(&path, 0, reason));
+                    }
+                    // Headers are synced before a segment is renamed into place, so a bad
+                    // one in the last segment is a crash in the middle of starting it.
+                    let kept = repair::set_aside(&*fs, &path)
+                        .map_err(|e| WalError::io("set aside", &path, e))?;
+                    warn!(segment = %path.display(), kept = %kept.display(), %reason,
+                        "WAL: last segment has a damaged header; set aside");
+                    if i == 0 {
+                        fresh = (seq, first);
+                    }
+                    break;
+                }
+            }
+            let len = file.len().map_err(|e| WalError::io("stat", &path, e))?;
+            let mut reader =
+                SegmentReader::new(&*file, SEGMENT_HEADER_LEN, len, options.read_buffer);
+            let mut seeded = false;
+            let end = loop {
+                let prev = if seeded { st.crc } else { 0 };
+                let next = reader
+                    .next(prev)
+                    .map_err(|e| WalError::io("read", &path, e))?;
+                match next {
+                    Next::Record {
+                        offset,
+                        crc,
+                        record,
+                    } => {
+                        if !seeded {
+                            let Record::Seed {
+                                prev_crc,
+                                first_index,
+                            } = record
+                            else {
+                                return Err(corrupt(
+                                    &path,
+                                    offset,
+                                    "segment does not start with a seed record",
+                                ));
+                            };
+                            if i > 0 && prev_crc != st.crc {
+                                return Err(corrupt(
+                                    &path,
+                                    offset,
+                                    format!(
+                                        "crc chain broken: segment continues from {prev_crc:08x}, \
+                                         the previous one ends with {:08x}",
+                                        st.crc
+                                    ),
+                                ));
+                            }
+                            if i > 0 && first_index != st.index.last() + 1 {
+                                return Err(corrupt(
+                                    &path,
+                                    offset,
+                                    format!(
+                                        "segment starts at index {first_index}, the previous \
+                                         one ends at {}",
+                                        st.index.last()
+                                    ),
+                                ));
+                            }
+                            if i == 0 {
+                                st.index = LogIndex::new(first_index);
+                            }
+                            seeded = true;
+                            st.crc = crc;
+                            continue;
+                        }
+                        st.crc = crc;
+                        match record {
+                            Record::Seed { .. } => {
+                                return Err(corrupt(&path, offset, "seed record inside a segment"));
+                            }
+                            Record::Entry { index, term, data } => {
+                                let loc = Loc {
+                                    term,
+                                    seq,
+                                    offset,
+                                    len: (ENTRY_PREFIX + data.len()) as u32,
+                                    prev_crc: prev,
+                                };
+                                if let Err(last) = st.index.push(index, loc) {
+                                    return Err(corrupt(
+                                        &path,
+                                        offset,
+                                        format!("entry {index} leaves a gap after entry {last}"),
+                                    ));
+                                }
+                            }
+                            Record::HardState(hs) => st.hard_state = Some(hs),
+                            Record::Snapshot(m) => {
+                                st.index.apply_snapshot(&m);
+                                st.snapshot = Some(m);
+                            }
+                            Record::Metadata(m) => st.metadata = Some(m),
+                        }
+                    }
+                    Next::End { offset } => break offset,
+                    Next::Bad { offset, reason } => {
+                        if !is_last || options.strict {
+                            return Err(corrupt(&path, offset, reason));
+                        }
+                        let kept = repair::truncate_tail(&*fs, &path, &*file, offset)
+                            .map_err(|e| WalError::io("repair", &path, e))?;
+                        warn!(segment = %path.display(), offset, kept = %kept.display(), %reason,
+                            "WAL: torn tail truncated to the last whole record");
+                        break offset;
+                    }
+                }
+            };
+            if !seeded && i == 0 {
+                st.index = LogIndex::new(first);
+            }
+            segments.insert(
+                seq,
+                SegInfo {
+                    path: path.clone(),
+                    file: file.clone(),
+                },
+            );
+            last = Some(LastSegment {
+                seq,
+                path,
+                file,
+                end,
+                seeded,
+            });
+        }
+
+        let size = options.segment_size;
+        let (writer, seeded) = match last {
+            Some(LastSegment {
+                seq,
+                path,
+                file,
+                end,
+                seeded,
+            }) => {
+                let flen = file.len().map_err(|e| WalError::io("stat", &path, e))?;
+                (
+                    SegmentWriter {
+                        seq,
+                        path,
+                        file,
+                        buf: Vec::new(),
+                        flushed: end,
+                        crc: st.crc,
+                        size: flen.max(size),
+                        data_start: end,
+                    },
+                    seeded,
+                )
+            }
+            None => {
+                let (seq, first) = fresh;
+                st.index = LogIndex::new(first);
+                let never = AtomicBool::new(false);
+                let p = segment::prepare(&*fs, dir, seq, size, options.zero_fill, &never).map_err(
+                    |e| WalError::io("create segment", dir.join(segment::tmp_name(seq)), e),
+                )?;
+                let path = segment::activate(&*fs, dir, &p, first)
+                    .map_err(|e| WalError::io("rename segment", &p.path, e))?;
+                segments.insert(
+                    seq,
+                    SegInfo {
+                        path: path.clone(),
+                        file: p.file.clone(),
+                    },
+                );
+                (
+                    SegmentWriter {
+                        seq,
+                        path,
+                        file: p.file,
+                        buf: Vec::new(),
+                        flushed: SEGMENT_HEADER_LEN,
+                        crc: 0,
+                        size,
+                        data_start: SEGMENT_HEADER_LEN,
+                    },
+                    false,
+                )
+            }
+        };
+        let next_seq = writer.seq + 1;
+        let mut inner = Inner {
+            poisoned: None,
+            index: st.index,
+            hard_state: st.hard_state,
+            snapshot: st.snapshot,
+            metadata: st.metadata,
+            writer,
+            segments,
+            written: 0,
+            durable: 0,
+            syncing: false,
+            prealloc: Prealloc::None,
+        };
+        if !seeded {
+            // The last segment was renamed into place but nothing of it reached the disk:
+            // start it now, with the state in force.
+            let first = inner.index.last() + 1;
+            let prev = inner.writer.crc;
+            inner.writer.seed(prev, first);
+            write_state(&mut inner);
+            inner.writer.data_start = inner.writer.end();
+            let w = &mut inner.writer;
+            w.flush()
+                .and_then(|()| w.file.sync_data())
+                .map_err(|e| WalError::io("write", &w.path, e))?;
+        }
+
+        let mut ready = None;
+        for name in tmps {
+            let path = dir.join(&name);
+            if ready.is_none()
+                && options.preallocate
+                && name == segment::tmp_name(next_seq)
+                && let Some(p) = adopt(&*fs, &path, next_seq, size)
+            {
+                ready = Some(p);
+                continue;
+            }
+            fs.remove(&path)
+                .map_err(|e| WalError::io("remove stale file", &path, e))?;
+        }
+        let wal = Wal {
+            dir: dir.to_path_buf(),
+            fs,
+            inner: Mutex::new(inner),
+            synced: Condvar::new(),
+            _lock: lock,
+            options,
+        };
+        {
+            let mut g = wal.inner.lock();
+            g.prealloc = match ready {
+                Some(p) => Prealloc::Ready(p),
+                None => wal.spawn_prealloc(next_seq),
+            };
+        }
+        debug!(dir = %dir.display(), first = wal.first_index(), last = wal.last_index(), "WAL opened");
+        Ok(wal)
+    }
+
+    /// The directory of the log.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    fn spawn_prealloc(&self, seq: u64) -> Prealloc {
+        if !self.options.preallocate {
+            return Prealloc::None;
+        }
+        let fs = self.fs.clone();
+        let dir = self.dir.clone();
+        let size = self.options.segment_size;
+        let zero_fill = self.options.zero_fill;
+        let cancel = Arc::new(AtomicBool::new(false));
+        let c = cancel.clone();
+        match std::thread::Builder::new()
+            .name("keel-wal-prealloc".into())
+            .spawn(move || segment::prepare(&*fs, &dir, seq, size, zero_fill, &c))
+        {
+            Ok(handle) => Prealloc::Running { handle, cancel },
+            Err(e) => {
+                warn!(error = %e, "WAL: cannot start the preallocation thread; segments will be made on rotation");
+                Prealloc::None
+            }
+        }
+    }
+
+    /// Closes the full active segment and starts the next one. Nothing of the calling
+    /// append is encoded yet, so a failure to make the new segment leaves the log as it was.
+    fn rotate(&self, g: &mut Inner) -> Result<(), WalError> {
+        // Older segments are whole and durable: only the last one can have a torn tail.
+        {
+            let w = &mut g.writer;
+            if let Err(e) = w.flush().and_then(|()| w.file.sync_data()) {
+                let err = WalError::io("write and sync", &w.path, e);
+                g.poisoned = Some(err.to_string());
+                return Err(err);
+            }
+        }
+        g.durable = g.written;
+        self.synced.notify_all();
+        let seq = g.writer.seq + 1;
+        let tmp = self.dir.join(segment::tmp_name(seq));
+        let background = match std::mem::replace(&mut g.prealloc, Prealloc::None) {
+            Prealloc::Ready(p) => Some(Ok(p)),
+            Prealloc::Running { handle, .. } => Some(
+                handle
+                    .join()
+                    .unwrap_or_else(|_| Err(io::Error::other("preallocation thread panicked"))),
+            ),
+            Prealloc::None => None,
+        };
+        let prepared = match background {
+            Some(Ok(p)) if p.seq == seq => p,
+            other => {
+                if let Some(Err(e)) = other {
+                    debug!(error = %e, "WAL: background preparation failed; retrying in line");
+                }
+                let never = AtomicBool::new(false);
+                segment::prepare(
+                    &*self.fs,
+                    &self.dir,
+                    seq,
+                    self.options.segment_size,
+                    self.options.zero_fill,
+                    &never,
+                )
+                .map_err(|e| WalError::io("create segment", &tmp, e))?
+            }
+        };
+        let first = g.index.last() + 1;
+        let path = match segment::activate(&*self.fs, &self.dir, &prepared, first) {
+            Ok(p) => p,
+            Err(e) => {
+                let err = WalError::io("rename segment", &prepared.path, e);
+                g.poisoned = Some(err.to_string());
+                return Err(err);
+            }
+        };
+        let prev = g.writer.crc;
+        let mut buf = std::mem::take(&mut g.writer.buf);
+        buf.clear();
+        g.writer = SegmentWriter {
+            seq,
+            path: path.clone(),
+            file: prepared.file.clone(),
+            buf,
+            flushed: SEGMENT_HEADER_LEN,
+            crc: 0,
+            size: self.options.segment_size,
+            data_start: SEGMENT_HEADER_LEN,
+        };
+        g.writer.seed(prev, first);
+        write_state(g);
+        g.writer.data_start = g.writer.end();
+        g.written += g.writer.buf.len() as u64;
+        g.segments.insert(
+            seq,
+            SegInfo {
+                path,
+                file: prepared.file,
+            },
+        );
+        g.prealloc = self.spawn_prealloc(seq + 1);
+        debug!(seq, first, "WAL rotated to a new segment");
+        Ok(())
+    }
+
+    /// Appends entries (consecutive indices) and optionally a hard state, as one durability
+    /// point.
+    ///
+    /// If `entries[0].index <= last_index()`, the log suffix from that index is replaced
+    /// (Raft conflict truncation). With `sync`, returns only once these bytes and everything
+    /// appended before them are durable; concurrent callers share one `fdatasync`. Without,
+    /// the records are buffered and written later (raft-rs: `!Ready::must_sync()`).
+    ///
+    /// On an error nothing of this call is acknowledged. A failed write or sync poisons the
+    /// log ([`WalError::Poisoned`] for every later write); running out of space while
+    /// starting a new segment ([`WalError::DiskFull`]) leaves the log as it was and usable.
+    pub fn append(
+        &self,
+        entries: &[Entry],
+        hard_state: Option<&HardState>,
+        sync: bool,
+    ) -> Result<(), WalError> {
+        let mut g = self.inner.lock();
+        check_poison(&g)?;
+        if let Some(first) = entries.first() {
+            self.check_append(&g, entries, first)?;
+        }
+        let hs = hard_state.filter(|hs| g.hard_state.as_ref() != Some(hs));
+        if !entries.is_empty() || hs.is_some() {
+            let bytes: u64 = entries
+                .iter()
+                .map(|e| record_len(ENTRY_PREFIX + e.data.len()) as u64)
+                .sum::<u64>()
+                + if hs.is_some() {
+                    record_len(24) as u64
+                } else {
+                    0
+                };
+            if g.writer.end() + bytes > g.writer.size && g.writer.end() > g.writer.data_start {
+                self.rotate(&mut g)?;
+            }
+            let before = g.writer.end();
+            let seq = g.writer.seq;
+            for e in entries {
+                let (offset, prev_crc) = g.writer.entry(e);
+                let loc = Loc {
+                    term: e.term,
+                    seq,
+                    offset,
+                    len: (ENTRY_PREFIX + e.data.len()) as u32,
+                    prev_crc,
+                };
+                // Checked above: consecutive and not past last + 1.
+                let _ = g.index.push(e.index, loc);
+            }
+            if let Some(hs) = hs {
+                g.writer.hard_state(hs);
+                g.hard_state = Some(*hs);
+            }
+            g.written += g.writer.end() - before;
+            if g.writer.buf.len() >= self.options.write_buffer {
+                flush(&mut g)?;
+            }
+        }
+        if sync {
+            let target = g.written;
+            self.wait_durable(g, target)?;
+        }
+        Ok(())
+    }
+
+    fn check_append(&self, g: &Inner, entries: &[Entry], first: &Entry) -> Result<(), WalError> {
+        let lowest = g
+            .snapshot
+            .map_or(1, |s| s.index + 1)
+            .max(g.index.first())
+            .max(1);
+        if first.index < lowest {
+            return Err(WalError::InvalidAppend {
+                reason: format!(
+                    "entry {} is below the first index that can be written ({lowest}: \
+                     earlier ones are in the snapshot or released)",
+                    first.index
+                ),
+            });
+        }
+        if first.index > g.index.last() + 1 {
+            return Err(WalError::InvalidAppend {
+                reason: format!(
+                    "entry {} leaves a gap after the last index {}",
+                    first.index,
+                    g.index.last()
+                ),
+            });
+        }
+        for (i, e) in entries.iter().enumerate() {
+            if e.index != first.index + i as u64 {
+                return Err(WalError::InvalidAppend {
+                    reason: format!(
+                        "entry {} follows entry {}: indices must be consecutive",
+                        e.index,
+                        first.index + i as u64 - 1
+                    ),
+                });
+            }
+            if e.data.len() > MAX_PAYLOAD - ENTRY_PREFIX {
+                return Err(WalError::InvalidAppend {
+                    reason: format!(
+                        "entry {} has {} bytes of data, the limit is {}",
+                        e.index,
+                        e.data.len(),
+                        MAX_PAYLOAD - ENTRY_PREFIX
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until `written` up to `target` is durable, leading a sync if none is running.
+    fn wait_durable(&self, mut g: MutexGuard<'_, Inner>, target: u64) -> Result<(), WalError> {
+        loop {
+            if g.durable >= target {
+                return Ok(());
+            }
+            check_poison(&g)?;
+            if g.syncing {
+                self.synced.wait(&mut g);
+                continue;
+            }
+            g.syncing = true;
+            let upto = g.written;
+            if let Err(e) = flush(&mut g) {
+                g.syncing = false;
+                self.synced.notify_all();
+                return Err(e);
+            }
+            let file = g.writer.file.clone();
+            let path = g.writer.path.clone();
+            let res = MutexGuard::unlocked(&mut g, || file.sync_data());
+            g.syncing = false;
+            self.synced.notify_all();
+            match res {
+                Ok(()) => g.durable = g.durable.max(upto),
+                Err(e) => {
+                    let err = WalError::io("fdatasync", &path, e);
+                    g.poisoned = Some(err.to_string());
+                    return Err(err);
+                }
+            }
+        }
+    }
+
+    /// Makes everything appended so far durable (no sync if it already is).
+    pub fn sync(&self) -> Result<(), WalError> {
+        let g = self.inner.lock();
+        let target = g.written;
+        self.wait_durable(g, target)
+    }
+
+    /// Records that the state up to `marker.index` is held by a snapshot; durable on return.
+    ///
+    /// Entries at or below `marker.index` are no longer served (and their segments can be
+    /// released); the next append may start at `marker.index + 1` even if that leaves a gap
+    /// after the old last index. A marker below the recorded one is refused.
+    pub fn save_snapshot_marker(&self, marker: &SnapshotMarker) -> Result<(), WalError> {
+        let mut g = self.inner.lock();
+        check_poison(&g)?;
+        if let Some(cur) = g.snapshot
+            && marker.index < cur.index
+        {
+            return Err(WalError::StaleSnapshot {
+                index: marker.index,
+                current: cur.index,
+            });
+        }
+        self.append_state(&mut g, |w| w.snapshot(marker))?;
+        g.index.apply_snapshot(marker);
+        g.snapshot = Some(*marker);
+        let target = g.written;
+        self.wait_durable(g, target)
+    }
+
+    /// Records the member's identity; durable on return.
+    pub fn set_metadata(&self, meta: &Metadata) -> Result<(), WalError> {
+        let mut g = self.inner.lock();
+        check_poison(&g)?;
+        self.append_state(&mut g, |w| w.metadata(meta))?;
+        g.metadata = Some(*meta);
+        let target = g.written;
+        self.wait_durable(g, target)
+    }
+
+    fn append_state(
+        &self,
+        g: &mut Inner,
+        encode: impl FnOnce(&mut SegmentWriter),
+    ) -> Result<(), WalError> {
+        if g.writer.end() + record_len(24) as u64 > g.writer.size
+            && g.writer.end() > g.writer.data_start
+        {
+            self.rotate(g)?;
+        }
+        let before = g.writer.end();
+        encode(&mut g.writer);
+        g.written += g.writer.end() - before;
+        Ok(())
+    }
+
+    /// Entries `[lo, hi)`, stopping once their data exceeds `max_bytes` (but always at least
+    /// one entry if `lo < hi`: raft-rs semantics). Every record read is checked against its
+    /// checksum.
+    pub fn entries(
+        &self,
+        lo: u64,
+        hi: u64,
+        max_bytes: Option<u64>,
+    ) -> Result<Vec<Entry>, WalError> {
+        let (locs, file) = {
+            let mut g = self.inner.lock();
+            let (first, last) = (g.index.first(), g.index.last());
+            if lo < first {
+                return Err(WalError::Compacted { index: lo, first });
+            }
+            if hi > last + 1 || lo > hi {
+                return Err(WalError::Unavailable {
+                    lo,
+                    hi,
+                    first,
+                    last,
+                });
+            }
+            let mut locs = Vec::new();
+            let mut total = 0u64;
+            for l in g.index.range(lo, hi) {
+                total += l.data_len();
+                if !locs.is_empty() && max_bytes.is_some_and(|m| total > m) {
+                    break;
+                }
+                locs.push(*l);
+            }
+            let files = self.prepare_read(&mut g, &locs)?;
+            (locs, files)
+        };
+        let mut out = Vec::with_capacity(locs.len());
+        self.read_locs(lo, &locs, &file, |e| {
+            out.push(e.to_entry());
+            ControlFlow::Continue(())
+        })?;
+        Ok(out)
+    }
+
+    /// Streams the entries from `from` to the last index to `f`, in order, one segment at a
+    /// time, until `f` breaks. Only segments holding entries at or after `from` are read, and
+    /// memory stays bounded by one segment's worth of locations and one read buffer.
+    pub fn replay<F>(&self, from: u64, mut f: F) -> Result<(), WalError>
+    where
+        F: FnMut(EntryRef<'_>) -> ControlFlow<()>,
+    {
+        let mut next = from;
+        loop {
+            let (locs, files) = {
+                let mut g = self.inner.lock();
+                let first = g.index.first();
+                if next < first {
+                    return Err(WalError::Compacted { index: next, first });
+                }
+                if next > g.index.last() {
+                    return Ok(());
+                }
+                let hi = (g.index.last() + 1).min(next + MAX_RUN as u64);
+                let mut it = g.index.range(next, hi).peekable();
+                let seq = it.peek().map(|l| l.seq);
+                let locs: Vec<Loc> = it.take_while(|l| Some(l.seq) == seq).copied().collect();
+                let files = self.prepare_read(&mut g, &locs)?;
+                (locs, files)
+            };
+            let n = locs.len() as u64;
+            let mut stop = false;
+            self.read_locs(next, &locs, &files, |e| {
+                let flow = f(e);
+                stop = flow.is_break();
+                flow
+            })?;
+            if stop {
+                return Ok(());
+            }
+            next += n;
+        }
+    }
+
+    /// Under the mutex: writes out buffered records the read needs and returns the files of
+    /// the segments it touches (in the order of `locs`' runs).
+    fn prepare_read(&self, g: &mut Inner, locs: &[Loc]) -> Result<OpenFiles, WalError> {
+        if locs
+            .iter()
+            .any(|l| l.seq == g.writer.seq && l.end() > g.writer.flushed)
+        {
+            check_poison(g)?;
+            flush(g)?;
+        }
+        let mut files = OpenFiles::new();
+        for l in locs {
+            if let std::collections::btree_map::Entry::Vacant(v) = files.entry(l.seq) {
+                let Some(s) = g.segments.get(&l.seq) else {
+                    return Err(WalError::MissingSegment {
+                        dir: self.dir.clone(),
+                        reason: format!("segment {:x} holding entries was released", l.seq),
+                    });
+                };
+                v.insert((s.path.clone(), s.file.clone()));
+            }
+        }
+        Ok(files)
+    }
+
+    /// Reads the entries at `locs` (indices `lo..`), verifying each record and the chain
+    /// between them.
+    fn read_locs<F>(
+        &self,
+        lo: u64,
+        locs: &[Loc],
+        files: &OpenFiles,
+        mut f: F,
+    ) -> Result<(), WalError>
+    where
+        F: FnMut(EntryRef<'_>) -> ControlFlow<()>,
+    {
+        let mut i = 0;
+        while i < locs.len() {
+            // A run: consecutive entries of one segment (their offsets grow with the index).
+            let start = i;
+            let seq = locs[i].seq;
+            while i + 1 < locs.len() && locs[i + 1].seq == seq {
+                i += 1;
+            }
+            i += 1;
+            let run = &locs[start..i];
+            let Some((path, file)) = files.get(&seq) else {
+                return Err(WalError::MissingSegment {
+                    dir: self.dir.clone(),
+                    reason: format!("segment {seq:x} is not open"),
+                });
+            };
+            let from = run[0].offset;
+            let to = run[run.len() - 1].end();
+            let chunk = ((to - from) as usize).min(self.options.read_buffer);
+            let mut reader = SegmentReader::new(&**file, from, to, chunk);
+            let mut prev = run[0].prev_crc;
+            let mut want = 0usize;
+            while want < run.len() {
+                let next = reader
+                    .next(prev)
+                    .map_err(|e| WalError::io("read", path, e))?;
+                match next {
+                    Next::Record {
+                        offset,
+                        crc,
+                        record,
+                        ..
+                    } => {
+                        prev = crc;
+                        if offset < run[want].offset {
+                            continue;
+                        }
+                        let index = lo + (start + want) as u64;
+                        match record {
+                            Record::Entry {
+                                index: x,
+                                term,
+                                data,
+                            } if offset == run[want].offset
+                                && x == index
+                                && term == run[want].term =>
+                            {
+                                want += 1;
+                                if f(EntryRef { index, term, data }).is_break() {
+                                    return Ok(());
+                                }
+                            }
+                            _ => {
+                                return Err(corrupt(
+                                    path,
+                                    offset,
+                                    format!(
+                                        "expected entry {index} at offset {}",
+                                        run[want].offset
+                                    ),
+                                ));
+                            }
+                        }
+                    }
+                    Next::End { offset } => {
+                        return Err(corrupt(path, offset, "record expected, found zeros"));
+                    }
+                    Next::Bad { offset, reason } => return Err(corrupt(path, offset, reason)),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Term of entry `index` if it is held, or of the snapshot marker's index; `Some(0)` for
+    /// index 0 of a log without a snapshot marker; `None` otherwise.
+    pub fn term(&self, index: u64) -> Result<Option<u64>, WalError> {
+        let g = self.inner.lock();
+        if let Some(l) = g.index.get(index) {
+            return Ok(Some(l.term));
+        }
+        match g.snapshot {
+            Some(s) if s.index == index => Ok(Some(s.term)),
+            None if index == 0 => Ok(Some(0)),
+            _ => Ok(None),
+        }
+    }
+
+    /// First entry held (`snapshot index + 1` when none after the marker is held).
+    pub fn first_index(&self) -> u64 {
+        self.inner.lock().index.first()
+    }
+
+    /// Last entry held (the snapshot marker's index if none after it is held).
+    pub fn last_index(&self) -> u64 {
+        self.inner.lock().index.last()
+    }
+
+    /// The last hard state appended.
+    pub fn hard_state(&self) -> Option<HardState> {
+        self.inner.lock().hard_state
+    }
+
+    /// The last snapshot marker saved.
+    pub fn snapshot_marker(&self) -> Option<SnapshotMarker> {
+        self.inner.lock().snapshot
+    }
+
+    /// The metadata last set.
+    pub fn metadata(&self) -> Option<Metadata> {
+        self.inner.lock().metadata
+    }
+
+    /// Number of segment files in the log.
+    pub fn segment_count(&self) -> usize {
+        self.inner.lock().segments.len()
+    }
+
+    /// Deletes the segments wholly below the one holding entry `index` (never that one, nor
+    /// the active segment); entries in them are no longer served and `first_index()` moves
+    /// up. An `index` past the last entry releases every segment but the active one; one
+    /// below the first entry held (say, covered by the snapshot marker) releases the segments
+    /// below the first entry held. The caller makes sure the released entries are covered by
+    /// a snapshot.
+    pub fn release_to(&self, index: u64) -> Result<(), WalError> {
+        let mut g = self.inner.lock();
+        // Below the first entry held (released, or covered by the snapshot marker), the
+        // segment holding the first entry held is the lowest one still needed.
+        let probe = index.max(g.index.first());
+        let keep = match g.index.get(probe) {
+            Some(l) => l.seq,
+            None => g.writer.seq,
+        };
+        let doomed: Vec<u64> = g.segments.range(..keep).map(|(s, _)| *s).collect();
+        if doomed.is_empty() {
+            return Ok(());
+        }
+        // The index forgets first, so a failed delete never leaves a hole that reads reach.
+        g.index.release_below(keep);
+        for seq in doomed {
+            if let Some(s) = g.segments.remove(&seq) {
+                self.fs
+                    .remove(&s.path)
+                    .map_err(|e| WalError::io("delete segment", &s.path, e))?;
+            }
+        }
+        self.fs
+            .sync_dir(&self.dir)
+            .map_err(|e| WalError::io("sync directory", &self.dir, e))?;
+        Ok(())
+    }
+}
+
+impl Drop for Wal {
+    fn drop(&mut self) {
+        let g = self.inner.get_mut();
+        if let Prealloc::Running { handle, cancel, .. } =
+            std::mem::replace(&mut g.prealloc, Prealloc::None)
+        {
+            cancel.store(true, Ordering::Relaxed);
+            let _ = handle.join();
+        }
+        if g.poisoned.is_none()
+            && let Err(e) = g.writer.flush()
+        {
+            warn!(error = %e, "WAL: writing buffered records at close failed");
+        }
+    }
+}
+
+fn check_poison(g: &Inner) -> Result<(), WalError> {
+    match &g.poisoned {
+        Some(reason) => Err(WalError::Poisoned {
+            reason: reason.clone(),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Writes the buffer out; a failure poisons the log.
+fn flush(g: &mut Inner) -> Result<(), WalError> {
+    if let Err(e) = g.writer.flush() {
+        let err = WalError::io("write", &g.writer.path, e);
+        g.poisoned = Some(err.to_string());
+        return Err(err);
+    }
+    Ok(())
+}
+
+/// Encodes the state records that open a segment.
+fn write_state(g: &mut Inner) {
+    if let Some(m) = g.metadata {
+        g.writer.metadata(&m);
+    }
+    if let Some(s) = g.snapshot {
+        g.writer.snapshot(&s);
+    }
+    if let Some(hs) = g.hard_state {
+        g.writer.hard_state(&hs);
+    }
+}
+
+/// Takes over a segment prepared before the last close, if it is whole.
+fn adopt(fs: &dyn FileSystem, path: &Path, seq: u64, size: u64) -> Option<Prepared> {
+    let file = fs.open(path, true).ok()?;
+    if file.len().ok()? < size {
+        return None;
+    }
+    let mut h = [0u8; SEGMENT_HEADER_LEN as usize];
+    if read_full_at(&*file, &mut h, 0).ok()? != h.len() || segment::decode_header(&h) != Ok(seq) {
+        return None;
+    }
+    // Whatever follows the header must still be zeros.
+    let mut probe = vec![0u8; 64 << 10];
+    let n = read_full_at(&*file, &mut probe, SEGMENT_HEADER_LEN).ok()?;
+    if probe[..n].iter().any(|&b| b != 0) {
+        return None;
+    }
+    file.sync_all().ok()?;
+    Some(Prepared {
+        seq,
+        path: path.to_path_buf(),
+        file,
+    })
+}

@@ -1,0 +1,4 @@
+//! Integration tests of keel-wal, one module per theme.
+
+mod basic;
+mod util;

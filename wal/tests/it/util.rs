@@ -1,0 +1,188 @@
+//! Helpers shared by the test modules: options for small segments, deterministic entries,
+//! and a fault-injecting file system.
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use keel_wal::{Entry, FileSystem, RealFs, WalFile, WalOptions};
+use parking_lot::Mutex;
+
+/// Options with 64 KiB segments so tests rotate often.
+pub fn small() -> WalOptions {
+    WalOptions {
+        segment_size: 64 << 10,
+        ..WalOptions::default()
+    }
+}
+
+/// Deterministic data for entry (index, term), of a length that varies with the index.
+pub fn data(index: u64, term: u64, max: usize) -> Vec<u8> {
+    let len = (index.wrapping_mul(2654435761) as usize % max.max(1)) + 1;
+    let mut x = index.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ term.rotate_left(17) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x as u8) | 1
+        })
+        .collect()
+}
+
+pub fn entry(index: u64, term: u64) -> Entry {
+    Entry {
+        index,
+        term,
+        data: data(index, term, 300),
+    }
+}
+
+pub fn entries(lo: u64, hi: u64, term: u64) -> Vec<Entry> {
+    (lo..hi).map(|i| entry(i, term)).collect()
+}
+
+/// Names of the files in `dir`, sorted.
+pub fn files(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    v.sort();
+    v
+}
+
+/// Segment files (`*.wal`) in `dir`, sorted.
+pub fn segments(dir: &Path) -> Vec<PathBuf> {
+    files(dir)
+        .into_iter()
+        .filter(|n| n.ends_with(".wal"))
+        .map(|n| dir.join(n))
+        .collect()
+}
+
+/// Switches for [`FaultFs`].
+#[derive(Debug, Default)]
+pub struct Faults {
+    /// `fdatasync`/`fsync` of segment files fail with EIO.
+    pub fail_sync: AtomicBool,
+    /// Creating or writing a `.tmp` (a new segment) fails with ENOSPC.
+    pub enospc_new_segment: AtomicBool,
+    /// Writes to `.wal` files fail with ENOSPC.
+    pub enospc_write: AtomicBool,
+    /// Writes take at most 7 bytes at a time.
+    pub short_writes: AtomicBool,
+    /// Number of `read_at` calls per file name.
+    pub reads: Mutex<Vec<String>>,
+    /// Number of syncs done.
+    pub syncs: AtomicU64,
+}
+
+/// The real file system with switchable faults.
+#[derive(Debug, Clone)]
+pub struct FaultFs(pub Arc<Faults>);
+
+#[derive(Debug)]
+struct FaultFile {
+    inner: Arc<dyn WalFile>,
+    name: String,
+    faults: Arc<Faults>,
+}
+
+fn enospc() -> io::Error {
+    io::Error::from_raw_os_error(28)
+}
+
+impl WalFile for FaultFile {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        self.faults.reads.lock().push(self.name.clone());
+        self.inner.read_at(buf, offset)
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<usize> {
+        let f = &self.faults;
+        if self.name.ends_with(".tmp") && f.enospc_new_segment.load(Ordering::SeqCst) {
+            return Err(enospc());
+        }
+        if self.name.ends_with(".wal") && f.enospc_write.load(Ordering::SeqCst) {
+            return Err(enospc());
+        }
+        if f.short_writes.load(Ordering::SeqCst) {
+            let n = buf.len().min(7);
+            return self.inner.write_at(&buf[..n], offset);
+        }
+        self.inner.write_at(buf, offset)
+    }
+    fn sync_data(&self) -> io::Result<()> {
+        if self.faults.fail_sync.load(Ordering::SeqCst) {
+            return Err(io::Error::from_raw_os_error(5));
+        }
+        self.faults.syncs.fetch_add(1, Ordering::SeqCst);
+        self.inner.sync_data()
+    }
+    fn sync_all(&self) -> io::Result<()> {
+        if self.faults.fail_sync.load(Ordering::SeqCst) {
+            return Err(io::Error::from_raw_os_error(5));
+        }
+        self.faults.syncs.fetch_add(1, Ordering::SeqCst);
+        self.inner.sync_all()
+    }
+    fn len(&self) -> io::Result<u64> {
+        self.inner.len()
+    }
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        self.inner.set_len(len)
+    }
+    fn allocate(&self, offset: u64, len: u64) -> io::Result<()> {
+        if self.name.ends_with(".tmp") && self.faults.enospc_new_segment.load(Ordering::SeqCst) {
+            return Err(enospc());
+        }
+        self.inner.allocate(offset, len)
+    }
+}
+
+impl FaultFs {
+    pub fn new() -> (FaultFs, Arc<Faults>) {
+        let f = Arc::new(Faults::default());
+        (FaultFs(f.clone()), f)
+    }
+    fn wrap(&self, path: &Path, inner: Arc<dyn WalFile>) -> Arc<dyn WalFile> {
+        Arc::new(FaultFile {
+            inner,
+            name: path.file_name().unwrap().to_string_lossy().into_owned(),
+            faults: self.0.clone(),
+        })
+    }
+}
+
+impl FileSystem for FaultFs {
+    fn create(&self, path: &Path) -> io::Result<Arc<dyn WalFile>> {
+        if self.0.enospc_new_segment.load(Ordering::SeqCst) {
+            return Err(enospc());
+        }
+        let f = RealFs.create(path)?;
+        Ok(self.wrap(path, f))
+    }
+    fn open(&self, path: &Path, writable: bool) -> io::Result<Arc<dyn WalFile>> {
+        let f = RealFs.open(path, writable)?;
+        Ok(self.wrap(path, f))
+    }
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        RealFs.rename(from, to)
+    }
+    fn remove(&self, path: &Path) -> io::Result<()> {
+        RealFs.remove(path)
+    }
+    fn copy(&self, from: &Path, to: &Path) -> io::Result<()> {
+        RealFs.copy(from, to)
+    }
+    fn sync_dir(&self, dir: &Path) -> io::Result<()> {
+        RealFs.sync_dir(dir)
+    }
+    fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
+        RealFs.create_dir_all(dir)
+    }
+    fn list(&self, dir: &Path) -> io::Result<Vec<String>> {
+        RealFs.list(dir)
+    }
+}
