@@ -1,0 +1,399 @@
+//! [`LmdbBackend`]: the writer, sizes, defragmentation and map growth.
+//!
+//! Concurrency: `current` (a read-write lock around the live [`Generation`]) is held only
+//! long enough to clone its `Arc` — by read transactions when they open and by the writer —
+//! and exclusively only to swap generations or resize the map in place. `writer` (a mutex)
+//! serialises commits, defragmentation and growth, and holds the poisoned state. A read
+//! transaction therefore never waits for a commit (LMDB readers take no writer lock and the
+//! `current` lock is never held across I/O), and a commit never waits for readers.
+
+use std::fs::File;
+use std::ops::Bound;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use heed::types::Bytes;
+use heed::{CompactionOption, Database, MdbError, RwTxn};
+use keel_mvcc::{Backend, BackendError, BackendSize, BatchOp, Bucket, WriteBatch};
+use parking_lot::{Mutex, RwLock};
+
+use crate::env::{self, DirLock, Generation};
+use crate::error::from_heed;
+use crate::keys;
+use crate::options::{LmdbOptions, round_map_size};
+use crate::txn::LmdbReadTxn;
+
+/// A [`Backend`] on LMDB.
+///
+/// Requirements on its users (LMDB's, see `env::open_env` for why they make the one
+/// `unsafe` open sound): the store directory is on a **local** file system (not NFS/SMB), and
+/// nothing but this crate writes the files inside it. The directory is locked exclusively while
+/// the backend or any read transaction from it is alive; a second open fails with
+/// [`BackendError::Locked`].
+///
+/// When the map is full, commits fail with [`BackendError::Full`]; call
+/// [`grow_map`](LmdbBackend::grow_map) (or reopen with a larger
+/// [`LmdbOptions::map_size`]) and retry.
+pub struct LmdbBackend {
+    path: PathBuf,
+    options: LmdbOptions,
+    current: RwLock<Arc<Generation>>,
+    writer: Mutex<Writer>,
+}
+
+struct Writer {
+    /// Why commits are refused, after a commit failed at its durability point.
+    poisoned: Option<String>,
+    /// The map size every generation is opened with.
+    map_size: usize,
+    /// Reused buffer for encoded keys.
+    key_buf: Vec<u8>,
+}
+
+impl std::fmt::Debug for LmdbBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LmdbBackend")
+            .field("path", &self.path)
+            .field("generation", &self.current.read().number())
+            .finish_non_exhaustive()
+    }
+}
+
+impl LmdbBackend {
+    /// The store directory.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The current map size: the most bytes the data file may reach.
+    pub fn map_size(&self) -> u64 {
+        self.writer.lock().map_size as u64
+    }
+
+    /// Enlarges the map to `new_size` bytes (rounded up to 64 KiB), so that commits failing
+    /// with [`BackendError::Full`] can succeed. Waits for a running commit; readers keep
+    /// working throughout.
+    ///
+    /// With no read transaction open, LMDB's map is resized in place. Otherwise the store is
+    /// copied, compacted, into a new generation opened with the larger map (as
+    /// [`defragment`](Backend::defragment) does), and open readers keep the old one. A smaller
+    /// size than the current one is refused with [`BackendError::InvalidOption`]. The new size
+    /// lasts for the life of this handle; pass it as [`LmdbOptions::map_size`] when reopening.
+    pub fn grow_map(&self, new_size: u64) -> Result<(), BackendError> {
+        let probe = LmdbOptions {
+            map_size: new_size,
+            ..self.options.clone()
+        };
+        probe.validate()?;
+        let new_size = round_map_size(new_size);
+        let mut writer = self.writer.lock();
+        if new_size < writer.map_size {
+            return Err(BackendError::InvalidOption(format!(
+                "map size can only grow: {} requested, {} in use",
+                new_size, writer.map_size
+            )));
+        }
+        if new_size == writer.map_size {
+            return Ok(());
+        }
+        {
+            let current = self.current.write();
+            if Arc::strong_count(&current) == 1 {
+                // SAFETY: LMDB allows resizing an open environment when this process has no
+                // transaction on it. No write transaction: they only exist inside `commit`,
+                // `defragment` and `grow_map`, all under `writer`, which we hold. No read
+                // transaction: each holds a clone of the generation's `Arc`, the count is 1
+                // (ours), and a new one cannot start because cloning requires `current`,
+                // which we hold exclusively. The environment is cloned nowhere else.
+                unsafe { current.env().resize(new_size) }
+                    .map_err(|e| from_heed(current.dir(), "resize map", e))?;
+                writer.map_size = new_size;
+                tracing::info!(path = %self.path.display(), map_size = new_size, "map grown in place");
+                return Ok(());
+            }
+        }
+        self.swap_in_compacted_copy(&mut writer, new_size)?;
+        writer.map_size = new_size;
+        tracing::info!(path = %self.path.display(), map_size = new_size, "map grown by copy");
+        Ok(())
+    }
+
+    /// Flushes LMDB's buffers to disk: makes commits durable when
+    /// [`LmdbOptions::sync_on_commit`] is off.
+    pub fn sync(&self) -> Result<(), BackendError> {
+        let writer = self.writer.lock();
+        if let Some(reason) = &writer.poisoned {
+            return Err(BackendError::Poisoned {
+                reason: reason.clone(),
+            });
+        }
+        let generation = self.generation();
+        generation
+            .env()
+            .force_sync()
+            .map_err(|e| from_heed(generation.dir(), "fdatasync", e))
+    }
+
+    fn generation(&self) -> Arc<Generation> {
+        Arc::clone(&self.current.read())
+    }
+
+    /// Writes a compacted copy of the live generation as the next one, opens it with
+    /// `map_size`, and makes it live. Caller holds `writer`, so no commit runs meanwhile.
+    fn swap_in_compacted_copy(
+        &self,
+        writer: &mut Writer,
+        map_size: usize,
+    ) -> Result<(), BackendError> {
+        let old = self.generation();
+        let number = old.number() + 1;
+        let tmp = env::temp_generation_dir(&self.path, number);
+        let dir = env::generation_dir(&self.path, number);
+        let copy = || -> Result<(), BackendError> {
+            if tmp.exists() {
+                std::fs::remove_dir_all(&tmp)
+                    .map_err(|e| BackendError::io(&tmp, "remove directory", e))?;
+            }
+            std::fs::create_dir(&tmp).map_err(|e| BackendError::io(&tmp, "create directory", e))?;
+            let data = tmp.join(env::DATA_FILE);
+            let mut file = File::options()
+                .write(true)
+                .create_new(true)
+                .open(&data)
+                .map_err(|e| BackendError::io(&data, "create", e))?;
+            old.env()
+                .copy_to_file(&mut file, CompactionOption::Enabled)
+                .map_err(|e| from_heed(old.dir(), "compacting copy", e))?;
+            file.sync_all()
+                .map_err(|e| BackendError::io(&data, "fsync", e))?;
+            env::sync_dir(&tmp)?;
+            std::fs::rename(&tmp, &dir).map_err(|e| BackendError::io(&tmp, "rename", e))?;
+            env::sync_dir(&self.path)
+        };
+        if let Err(e) = copy() {
+            let _ = std::fs::remove_dir_all(&tmp);
+            return Err(e);
+        }
+        // From here the new directory is what a reopen would load: it must become live, or
+        // be removed before another commit lands in the old one.
+        match Generation::open(old.lock(), number, map_size, &self.options) {
+            Ok(generation) => {
+                old.retire();
+                *self.current.write() = Arc::new(generation);
+                tracing::info!(
+                    path = %self.path.display(),
+                    generation = number,
+                    "compacted copy is live"
+                );
+                Ok(())
+            }
+            Err(e) => {
+                let removed = std::fs::remove_dir_all(&dir)
+                    .map_err(|e| BackendError::io(&dir, "remove directory", e))
+                    .and_then(|()| env::sync_dir(&self.path));
+                if let Err(undo) = removed {
+                    writer.poisoned = Some(format!(
+                        "a compacted copy at {} could neither be opened ({e}) nor removed \
+                         ({undo}); a reopen would lose later commits",
+                        dir.display()
+                    ));
+                }
+                Err(e)
+            }
+        }
+    }
+
+    fn full(&self, generation: &Generation, map_size: usize) -> BackendError {
+        let info = generation.env().info();
+        let page = generation.env().stat().page_size as u64;
+        let used = (info.last_page_number as u64 + 1) * page;
+        tracing::warn!(
+            path = %self.path.display(),
+            used,
+            map_size,
+            "LMDB map is full; call LmdbBackend::grow_map or reopen with a larger map_size"
+        );
+        BackendError::Full {
+            used,
+            limit: map_size as u64,
+        }
+    }
+}
+
+impl Backend for LmdbBackend {
+    type Options = LmdbOptions;
+    type ReadTxn = LmdbReadTxn;
+
+    fn open(path: &Path, options: &LmdbOptions) -> Result<LmdbBackend, BackendError> {
+        options.validate()?;
+        let lock = Arc::new(DirLock::acquire(path)?);
+        let number = env::recover_generations(&lock)?;
+        let map_size = options.rounded_map_size();
+        let generation = Generation::open(&lock, number, map_size, options)?;
+        tracing::debug!(path = %path.display(), generation = number, "opened LMDB backend");
+        Ok(LmdbBackend {
+            path: path.to_path_buf(),
+            options: options.clone(),
+            current: RwLock::new(Arc::new(generation)),
+            writer: Mutex::new(Writer {
+                poisoned: None,
+                map_size,
+                key_buf: Vec::new(),
+            }),
+        })
+    }
+
+    fn read_txn(&self) -> Result<LmdbReadTxn, BackendError> {
+        LmdbReadTxn::begin(self.generation(), self.options.max_readers)
+    }
+
+    fn commit(&self, batch: &WriteBatch) -> Result<(), BackendError> {
+        let mut writer = self.writer.lock();
+        if let Some(reason) = &writer.poisoned {
+            return Err(BackendError::Poisoned {
+                reason: reason.clone(),
+            });
+        }
+        let generation = self.generation();
+        let max_key = generation.max_key();
+        for op in batch.ops() {
+            let (bucket, key) = match op {
+                BatchOp::Put { bucket, key, .. } => (bucket, Some(key)),
+                BatchOp::Delete { bucket, .. } | BatchOp::DeleteRange { bucket, .. } => {
+                    (bucket, None)
+                }
+            };
+            bucket.validate()?;
+            if let Some(key) = key {
+                let limit = keys::max_key_len(bucket, max_key);
+                if key.len() > limit {
+                    return Err(BackendError::TooLarge {
+                        what: "key",
+                        len: key.len(),
+                        limit,
+                    });
+                }
+            }
+        }
+        if batch.is_empty() {
+            return Ok(());
+        }
+        let dir = generation.dir();
+        let map_size = writer.map_size;
+        let mut wtxn = generation
+            .env()
+            .write_txn()
+            .map_err(|e| from_heed(dir, "begin write transaction", e))?;
+        let db = generation.db();
+        for op in batch.ops() {
+            apply(db, &mut wtxn, op, max_key, &mut writer.key_buf).map_err(|e| match e {
+                heed::Error::Mdb(MdbError::MapFull) => self.full(&generation, map_size),
+                e => from_heed(dir, "write", e),
+            })?;
+        }
+        match wtxn.commit() {
+            Ok(()) => Ok(()),
+            Err(heed::Error::Mdb(MdbError::MapFull)) => Err(self.full(&generation, map_size)),
+            Err(e) => {
+                // LMDB may have written some pages or failed its fdatasync: what is on disk
+                // is unknown, so refuse further commits until a reopen recovers.
+                let err = from_heed(dir, "commit", e);
+                tracing::error!(path = %self.path.display(), error = %err, "commit failed; backend poisoned");
+                writer.poisoned = Some(err.to_string());
+                Err(err)
+            }
+        }
+    }
+
+    fn size(&self) -> Result<BackendSize, BackendError> {
+        let generation = self.generation();
+        let on_disk = generation.disk_size()?;
+        let txn = generation
+            .env()
+            .read_txn()
+            .map_err(|e| from_heed(generation.dir(), "begin read transaction", e))?;
+        let stat = generation
+            .db()
+            .stat(&txn)
+            .map_err(|e| from_heed(generation.dir(), "stat", e))?;
+        // The tree's pages plus LMDB's two meta pages.
+        let pages = stat.branch_pages + stat.leaf_pages + stat.overflow_pages + 2;
+        let in_use = pages as u64 * stat.page_size as u64;
+        Ok(BackendSize {
+            on_disk,
+            in_use: in_use.min(on_disk),
+        })
+    }
+
+    fn defragment(&self) -> Result<(), BackendError> {
+        let mut writer = self.writer.lock();
+        if let Some(reason) = &writer.poisoned {
+            return Err(BackendError::Poisoned {
+                reason: reason.clone(),
+            });
+        }
+        let map_size = writer.map_size;
+        let before = self.size()?;
+        self.swap_in_compacted_copy(&mut writer, map_size)?;
+        let after = self.size()?;
+        tracing::info!(
+            path = %self.path.display(),
+            before = before.on_disk,
+            after = after.on_disk,
+            "defragmented"
+        );
+        Ok(())
+    }
+}
+
+/// Applies one batch operation inside the write transaction.
+fn apply(
+    db: Database<Bytes, Bytes>,
+    wtxn: &mut RwTxn<'_>,
+    op: &BatchOp,
+    max_key: usize,
+    buf: &mut Vec<u8>,
+) -> heed::Result<()> {
+    match op {
+        BatchOp::Put { bucket, key, value } => {
+            keys::encode_into(bucket, key, buf);
+            db.put(wtxn, buf, value)
+        }
+        BatchOp::Delete { bucket, key } => {
+            if keys::prefix_len(bucket) + key.len() > max_key {
+                return Ok(()); // longer than any stored key: absent
+            }
+            keys::encode_into(bucket, key, buf);
+            db.delete(wtxn, buf).map(|_| ())
+        }
+        BatchOp::DeleteRange { bucket, start, end } => {
+            delete_range(db, wtxn, bucket, start, end.as_deref(), max_key)
+        }
+    }
+}
+
+fn delete_range(
+    db: Database<Bytes, Bytes>,
+    wtxn: &mut RwTxn<'_>,
+    bucket: &Bucket,
+    start: &[u8],
+    end: Option<&[u8]>,
+    max_key: usize,
+) -> heed::Result<()> {
+    let Some((lower, upper)) = keys::range_bounds(bucket, start, end, max_key) else {
+        return Ok(());
+    };
+    let bounds: (Bound<&[u8]>, Bound<&[u8]>) = (
+        lower.as_ref().map(Vec::as_slice),
+        upper.as_ref().map(Vec::as_slice),
+    );
+    let mut iter = db.range_mut(wtxn, &bounds)?;
+    while let Some(item) = iter.next() {
+        item?;
+        // SAFETY: heed requires that no slice into the database is alive while the cursor
+        // deletes. The item just checked is dropped at the end of the statement above, and
+        // nothing else read in this transaction is held.
+        unsafe { iter.del_current()? };
+    }
+    Ok(())
+}

@@ -1,0 +1,294 @@
+//! The store directory, its exclusive lock, and the one `unsafe` LMDB open.
+//!
+//! A store at `path` is a directory holding a `LOCK` file and one *generation* directory per
+//! live LMDB environment (see the crate docs for the layout). [`DirLock`] holds an exclusive
+//! `flock` on `LOCK`; every [`Generation`] keeps an `Arc` of it, so the lock is released only
+//! when the backend handle **and** every read transaction it handed out are gone. While it is
+//! held, no other handle — in this process or another — opens anything in the directory.
+//!
+//! [`Generation`] owns one open LMDB environment. Read transactions hold an `Arc` of the
+//! generation they were opened on; when defragment swaps in a new generation it marks the old
+//! one retired, and the old directory is deleted once its last reader drops it.
+
+use std::fs::{self, File, TryLockError};
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use heed::types::Bytes;
+use heed::{Database, Env, EnvFlags, EnvOpenOptions, WithoutTls};
+use keel_mvcc::BackendError;
+
+use crate::error::from_heed;
+use crate::options::LmdbOptions;
+
+/// Name of the lock file inside the store directory.
+pub const LOCK_FILE: &str = "LOCK";
+/// Prefix of generation directory names.
+const GEN_PREFIX: &str = "gen-";
+/// Suffix of a generation still being written.
+const TMP_SUFFIX: &str = ".tmp";
+/// LMDB's data file inside a generation directory.
+pub const DATA_FILE: &str = "data.mdb";
+/// LMDB's lock file inside a generation directory.
+pub const LMDB_LOCK_FILE: &str = "lock.mdb";
+
+/// An exclusive lock on a store directory, released when dropped.
+#[derive(Debug)]
+pub struct DirLock {
+    _file: File,
+    path: PathBuf,
+}
+
+impl DirLock {
+    /// Takes the lock on `dir` (created if absent), or fails with [`BackendError::Locked`].
+    pub fn acquire(dir: &Path) -> Result<DirLock, BackendError> {
+        fs::create_dir_all(dir).map_err(|e| BackendError::io(dir, "create directory", e))?;
+        let path = dir.join(LOCK_FILE);
+        let file = File::options()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(|e| BackendError::io(&path, "open", e))?;
+        match file.try_lock() {
+            Ok(()) => Ok(DirLock {
+                _file: file,
+                path: dir.to_path_buf(),
+            }),
+            Err(TryLockError::WouldBlock) => Err(BackendError::Locked {
+                path: dir.to_path_buf(),
+            }),
+            Err(TryLockError::Error(e)) => Err(BackendError::io(&path, "flock", e)),
+        }
+    }
+
+    /// The locked store directory.
+    pub fn dir(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// One open LMDB environment of a store: a generation directory.
+pub struct Generation {
+    env: Option<Env<WithoutTls>>,
+    db: Database<Bytes, Bytes>,
+    number: u64,
+    dir: PathBuf,
+    max_key: usize,
+    retired: AtomicBool,
+    lock: Arc<DirLock>,
+}
+
+impl Generation {
+    /// Opens (creating if needed) the environment of generation `number` of the locked store.
+    pub(crate) fn open(
+        lock: &Arc<DirLock>,
+        number: u64,
+        map_size: usize,
+        options: &LmdbOptions,
+    ) -> Result<Generation, BackendError> {
+        let dir = generation_dir(lock.dir(), number);
+        fs::create_dir_all(&dir).map_err(|e| BackendError::io(&dir, "create directory", e))?;
+        // SAFETY: see `open_env`; `lock` is the store's held lock and `dir` is inside it.
+        let env = unsafe { open_env(&dir, map_size, options) }?;
+        let mut wtxn = env
+            .write_txn()
+            .map_err(|e| from_heed(&dir, "begin write transaction", e))?;
+        let db: Database<Bytes, Bytes> = env
+            .create_database(&mut wtxn, None)
+            .map_err(|e| from_heed(&dir, "open the main database", e))?;
+        wtxn.commit()
+            .map_err(|e| from_heed(&dir, "commit the main database", e))?;
+        let max_key = env.max_key_size();
+        Ok(Generation {
+            env: Some(env),
+            db,
+            number,
+            dir,
+            max_key,
+            retired: AtomicBool::new(false),
+            lock: Arc::clone(lock),
+        })
+    }
+
+    /// The LMDB environment.
+    pub(crate) fn env(&self) -> &Env<WithoutTls> {
+        self.env.as_ref().expect("the environment lives until drop")
+    }
+
+    /// The one database holding every bucket.
+    pub(crate) fn db(&self) -> Database<Bytes, Bytes> {
+        self.db
+    }
+
+    /// This generation's number.
+    pub(crate) fn number(&self) -> u64 {
+        self.number
+    }
+
+    /// This generation's directory.
+    pub(crate) fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Longest key LMDB stores.
+    pub(crate) fn max_key(&self) -> usize {
+        self.max_key
+    }
+
+    /// The store's lock.
+    pub(crate) fn lock(&self) -> &Arc<DirLock> {
+        &self.lock
+    }
+
+    /// Marks this generation superseded: its directory is deleted when it is dropped.
+    pub(crate) fn retire(&self) {
+        self.retired.store(true, Ordering::Release);
+    }
+
+    /// Bytes of this generation's files.
+    pub(crate) fn disk_size(&self) -> Result<u64, BackendError> {
+        let mut total = 0;
+        for name in [DATA_FILE, LMDB_LOCK_FILE] {
+            let path = self.dir.join(name);
+            match fs::metadata(&path) {
+                Ok(meta) => total += meta.len(),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(BackendError::io(&path, "stat", e)),
+            }
+        }
+        Ok(total)
+    }
+}
+
+impl Drop for Generation {
+    fn drop(&mut self) {
+        // Read transactions hold this generation and drop their LMDB transaction first, and
+        // nothing else keeps a clone of the environment, so this closes it.
+        drop(self.env.take());
+        if self.retired.load(Ordering::Acquire) {
+            match fs::remove_dir_all(&self.dir) {
+                Ok(()) => tracing::debug!(dir = %self.dir.display(), "removed retired generation"),
+                Err(e) => tracing::warn!(
+                    dir = %self.dir.display(),
+                    error = %e,
+                    "could not remove a retired generation; it is removed at the next open"
+                ),
+            }
+        }
+    }
+}
+
+/// Opens the LMDB environment in `dir`.
+///
+/// # Safety
+///
+/// LMDB maps `dir/data.mdb` into memory and hands out slices into the mapping; heed marks the
+/// open `unsafe` because those slices change under the program (undefined behaviour) if the
+/// file is modified other than through this environment. The caller guarantees:
+///
+/// 1. **Exclusive access.** It holds the store's [`DirLock`] (an exclusive `flock` taken
+///    before this call) and `dir` lies inside that store, so no other handle in any process
+///    opens this environment while the returned one lives (every generation keeps the lock
+///    alive). This also rules out opening the same environment twice in one process, which
+///    LMDB forbids (its POSIX locks are per process).
+/// 2. **Local file system.** `dir` is on a local file system; LMDB's locking and `mmap`
+///    coherence do not hold on network file systems (NFS, SMB). This is documented on
+///    [`LmdbBackend`](crate::LmdbBackend) as a requirement for its users.
+/// 3. **Nobody else writes the files.** Nothing outside this crate writes `data.mdb` or
+///    `lock.mdb` while the store is open; this crate only writes them through LMDB.
+///
+/// The map size is fixed here; LMDB refuses writes beyond it with `MDB_MAP_FULL` rather than
+/// touching memory outside the mapping. heed's `WithoutTls` mode opens with `MDB_NOTLS`, so a
+/// read transaction is tied to its object rather than to a thread and may move between
+/// threads (heed then implements `Send` for it).
+unsafe fn open_env(
+    dir: &Path,
+    map_size: usize,
+    options: &LmdbOptions,
+) -> Result<Env<WithoutTls>, BackendError> {
+    let mut builder = EnvOpenOptions::new().read_txn_without_tls();
+    builder
+        .map_size(map_size)
+        .max_readers(options.max_readers)
+        .max_dbs(0);
+    let flags = if options.sync_on_commit {
+        EnvFlags::empty()
+    } else {
+        EnvFlags::NO_SYNC
+    };
+    // SAFETY: the caller upholds this function's contract above, which is heed's contract
+    // for `open` (exclusive, local, unmodified files). `NO_SYNC` is the only flag ever set;
+    // heed marks `flags` unsafe for it because it weakens durability, not memory safety:
+    // LMDB still writes pages and meta in the same order, it only skips the `fdatasync`.
+    unsafe {
+        builder.flags(flags);
+        builder.open(dir)
+    }
+    .map_err(|e| from_heed(dir, "open environment", e))
+}
+
+/// Directory of generation `number` of the store in `root`.
+pub(crate) fn generation_dir(root: &Path, number: u64) -> PathBuf {
+    root.join(format!("{GEN_PREFIX}{number:016x}"))
+}
+
+/// Directory where generation `number` is written before it is renamed into place.
+pub(crate) fn temp_generation_dir(root: &Path, number: u64) -> PathBuf {
+    root.join(format!("{GEN_PREFIX}{number:016x}{TMP_SUFFIX}"))
+}
+
+/// Finds the live generation of the locked store (creating the first one in a new store),
+/// and deletes leftovers: unfinished copies and generations superseded by a later one.
+pub(crate) fn recover_generations(lock: &DirLock) -> Result<u64, BackendError> {
+    let root = lock.dir();
+    let mut complete = Vec::new();
+    let mut leftovers = Vec::new();
+    let entries = fs::read_dir(root).map_err(|e| BackendError::io(root, "read directory", e))?;
+    for entry in entries {
+        let entry = entry.map_err(|e| BackendError::io(root, "read directory", e))?;
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let Some(rest) = name.strip_prefix(GEN_PREFIX) else {
+            continue;
+        };
+        if let Some(number) = rest.strip_suffix(TMP_SUFFIX) {
+            if u64::from_str_radix(number, 16).is_ok() {
+                leftovers.push(entry.path());
+            }
+        } else if rest.len() == 16
+            && let Ok(number) = u64::from_str_radix(rest, 16)
+        {
+            complete.push(number);
+        }
+    }
+    complete.sort_unstable();
+    let live = match complete.pop() {
+        Some(number) => number,
+        None => {
+            let dir = generation_dir(root, 1);
+            fs::create_dir(&dir).map_err(|e| BackendError::io(&dir, "create directory", e))?;
+            sync_dir(root)?;
+            1
+        }
+    };
+    leftovers.extend(complete.iter().map(|&n| generation_dir(root, n)));
+    for dir in &leftovers {
+        tracing::info!(dir = %dir.display(), "removing a leftover generation");
+        fs::remove_dir_all(dir).map_err(|e| BackendError::io(dir, "remove directory", e))?;
+    }
+    if !leftovers.is_empty() {
+        sync_dir(root)?;
+    }
+    Ok(live)
+}
+
+/// Makes the entries of directory `dir` (creations, renames, removals) durable.
+pub(crate) fn sync_dir(dir: &Path) -> Result<(), BackendError> {
+    File::open(dir)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| BackendError::io(dir, "fsync directory", e))
+}

@@ -1,0 +1,190 @@
+//! Snapshot read transactions.
+//!
+//! An [`LmdbReadTxn`] is an LMDB read-only transaction on the environment of one generation,
+//! opened in `MDB_NOTLS` mode so that it can move between threads. It owns an `Arc` of its
+//! generation, so it stays valid after the backend handle is dropped or a defragment swaps in a
+//! new generation. LMDB read transactions take no lock the writer waits for: a commit never
+//! waits for readers, and readers never wait for a commit.
+//!
+//! A long-lived read transaction pins the pages of its snapshot: LMDB cannot reuse them, so the
+//! data file grows while it is open. The MVCC store keeps its read transactions short for this
+//! reason.
+
+use std::ops::Bound;
+use std::sync::Arc;
+
+use heed::types::Bytes;
+use heed::{Database, RoRange, RoTxn, WithoutTls};
+use keel_mvcc::{BackendError, Bucket, ReadTxn};
+
+use crate::env::Generation;
+use crate::error::{LmdbError, from_heed};
+use crate::keys;
+
+/// Keys up to this many stored bytes are looked up without allocating.
+const STACK_KEY: usize = 512;
+
+/// A consistent read-only view of an [`LmdbBackend`](crate::LmdbBackend) as of one commit.
+pub struct LmdbReadTxn {
+    // Dropped before `generation`: the transaction ends before its environment may close.
+    txn: RoTxn<'static, WithoutTls>,
+    db: Database<Bytes, Bytes>,
+    max_key: usize,
+    generation: Arc<Generation>,
+}
+
+impl LmdbReadTxn {
+    pub(crate) fn begin(
+        generation: Arc<Generation>,
+        max_readers: u32,
+    ) -> Result<LmdbReadTxn, BackendError> {
+        let txn = generation
+            .env()
+            .clone()
+            .static_read_txn()
+            .map_err(|e| match e {
+                heed::Error::Mdb(heed::MdbError::ReadersFull) => {
+                    BackendError::Other(Box::new(LmdbError::ReadersFull {
+                        path: generation.dir().to_path_buf(),
+                        max_readers,
+                    }))
+                }
+                e => from_heed(generation.dir(), "begin read transaction", e),
+            })?;
+        Ok(LmdbReadTxn {
+            txn,
+            db: generation.db(),
+            max_key: generation.max_key(),
+            generation,
+        })
+    }
+
+    /// LMDB's id of the commit this transaction sees.
+    pub fn commit_id(&self) -> usize {
+        self.txn.id()
+    }
+
+    fn err(&self, op: &'static str, e: heed::Error) -> BackendError {
+        from_heed(self.generation.dir(), op, e)
+    }
+}
+
+impl ReadTxn for LmdbReadTxn {
+    type Range<'a> = LmdbRange<'a>;
+
+    fn get(&self, bucket: &Bucket, key: &[u8]) -> Result<Option<&[u8]>, BackendError> {
+        let len = keys::prefix_len(bucket) + key.len();
+        if len > self.max_key {
+            // Longer than any stored key: absent.
+            return Ok(None);
+        }
+        let name = bucket.name().as_bytes();
+        let found = if len <= STACK_KEY {
+            let mut buf = [0u8; STACK_KEY];
+            buf[..name.len()].copy_from_slice(name);
+            buf[name.len()] = keys::SEPARATOR;
+            buf[name.len() + 1..len].copy_from_slice(key);
+            self.db.get(&self.txn, &buf[..len])
+        } else {
+            let mut buf = Vec::new();
+            keys::encode_into(bucket, key, &mut buf);
+            self.db.get(&self.txn, &buf)
+        };
+        found.map_err(|e| self.err("get", e))
+    }
+
+    fn range<'a>(
+        &'a self,
+        bucket: &Bucket,
+        start: &[u8],
+        end: Option<&[u8]>,
+    ) -> Result<LmdbRange<'a>, BackendError> {
+        let Some((lower, upper)) = keys::range_bounds(bucket, start, end, self.max_key) else {
+            return Ok(LmdbRange {
+                inner: None,
+                prefix: 0,
+                generation: &self.generation,
+            });
+        };
+        let bounds = (as_slice(&lower), as_slice(&upper));
+        let inner = self
+            .db
+            .range(&self.txn, &bounds)
+            .map_err(|e| self.err("range", e))?;
+        Ok(LmdbRange {
+            inner: Some(inner),
+            prefix: keys::prefix_len(bucket),
+            generation: &self.generation,
+        })
+    }
+
+    fn buckets(&self) -> Result<Vec<Bucket>, BackendError> {
+        let mut out = Vec::new();
+        let mut next = self.db.first(&self.txn).map_err(|e| self.err("first", e))?;
+        while let Some((stored, _)) = next {
+            let name =
+                keys::bucket_of(stored).ok_or_else(|| self.corrupt(stored, "no separator"))?;
+            let owned = String::from_utf8(name.to_vec())
+                .map_err(|_| self.corrupt(stored, "bucket name is not UTF-8"))?;
+            let bucket = Bucket::from_name(owned)
+                .map_err(|_| self.corrupt(stored, "invalid bucket name"))?;
+            let after = keys::after_bucket(name);
+            out.push(bucket);
+            next = self
+                .db
+                .get_greater_than_or_equal_to(&self.txn, &after)
+                .map_err(|e| self.err("seek", e))?;
+        }
+        Ok(out)
+    }
+}
+
+impl LmdbReadTxn {
+    fn corrupt(&self, stored: &[u8], why: &str) -> BackendError {
+        BackendError::Corrupt {
+            path: self.generation.dir().join(crate::env::DATA_FILE),
+            offset: 0,
+            reason: format!(
+                "stored key {:?} is not `bucket | 0x00 | key`: {why}",
+                String::from_utf8_lossy(stored)
+            ),
+        }
+    }
+}
+
+fn as_slice(bound: &Bound<Vec<u8>>) -> Bound<&[u8]> {
+    match bound {
+        Bound::Included(v) => Bound::Included(v.as_slice()),
+        Bound::Excluded(v) => Bound::Excluded(v.as_slice()),
+        Bound::Unbounded => Bound::Unbounded,
+    }
+}
+
+/// Iterator over a key range of one bucket, in ascending key order.
+pub struct LmdbRange<'a> {
+    inner: Option<RoRange<'a, Bytes, Bytes>>,
+    prefix: usize,
+    generation: &'a Generation,
+}
+
+impl<'a> Iterator for LmdbRange<'a> {
+    type Item = Result<(&'a [u8], &'a [u8]), BackendError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let item = self.inner.as_mut()?.next()?;
+        Some(match item {
+            Ok((stored, value)) => match stored.get(self.prefix..) {
+                Some(key) => Ok((key, value)),
+                None => Err(BackendError::Corrupt {
+                    path: self.generation.dir().join(crate::env::DATA_FILE),
+                    offset: 0,
+                    reason: "a stored key is shorter than its bucket prefix".to_owned(),
+                }),
+            },
+            Err(e) => {
+                self.inner = None;
+                Err(from_heed(self.generation.dir(), "range next", e))
+            }
+        })
+    }
+}
