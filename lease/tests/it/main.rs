@@ -1,0 +1,3 @@
+//! Integration tests of keel-lease, one module per theme.
+
+mod table;
