@@ -39,6 +39,8 @@ pub struct LmdbBackend {
     options: LmdbOptions,
     current: RwLock<Arc<Generation>>,
     writer: Mutex<Writer>,
+    #[cfg(feature = "failpoints")]
+    fail_next_commit: std::sync::atomic::AtomicBool,
 }
 
 struct Writer {
@@ -203,6 +205,28 @@ impl LmdbBackend {
         }
     }
 
+    /// Test-only: the next commit fails as if its `fdatasync` had failed, after which the
+    /// backend is poisoned. The failed commit writes nothing.
+    #[cfg(feature = "failpoints")]
+    pub fn fail_next_commit(&self) {
+        self.fail_next_commit
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    fn commit_txn(&self, wtxn: RwTxn<'_>) -> heed::Result<()> {
+        #[cfg(feature = "failpoints")]
+        if self
+            .fail_next_commit
+            .swap(false, std::sync::atomic::Ordering::AcqRel)
+        {
+            drop(wtxn);
+            return Err(heed::Error::Io(std::io::Error::other(
+                "injected failure at the commit's fdatasync",
+            )));
+        }
+        wtxn.commit()
+    }
+
     fn full(&self, generation: &Generation, map_size: usize) -> BackendError {
         let info = generation.env().info();
         let page = generation.env().stat().page_size as u64;
@@ -227,9 +251,12 @@ impl Backend for LmdbBackend {
     fn open(path: &Path, options: &LmdbOptions) -> Result<LmdbBackend, BackendError> {
         options.validate()?;
         let lock = Arc::new(DirLock::acquire(path)?);
-        let number = env::recover_generations(&lock)?;
         let map_size = options.rounded_map_size();
-        let generation = Generation::open(&lock, number, map_size, options)?;
+        let generation = match env::recover_generations(&lock)? {
+            Some(number) => Generation::open(&lock, number, map_size, options)?,
+            None => Generation::create(&lock, 1, map_size, options)?,
+        };
+        let number = generation.number();
         tracing::debug!(path = %path.display(), generation = number, "opened LMDB backend");
         Ok(LmdbBackend {
             path: path.to_path_buf(),
@@ -240,6 +267,8 @@ impl Backend for LmdbBackend {
                 map_size,
                 key_buf: Vec::new(),
             }),
+            #[cfg(feature = "failpoints")]
+            fail_next_commit: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -291,7 +320,7 @@ impl Backend for LmdbBackend {
                 e => from_heed(dir, "write", e),
             })?;
         }
-        match wtxn.commit() {
+        match self.commit_txn(wtxn) {
             Ok(()) => Ok(()),
             Err(heed::Error::Mdb(MdbError::MapFull)) => Err(self.full(&generation, map_size)),
             Err(e) => {

@@ -83,7 +83,12 @@ pub struct Generation {
 }
 
 impl Generation {
-    /// Opens (creating if needed) the environment of generation `number` of the locked store.
+    /// Opens the existing environment of generation `number` of the locked store.
+    ///
+    /// A generation directory only ever appears complete (it is written under a temporary
+    /// name and renamed), so a missing, empty or short data file is damage, reported as
+    /// [`BackendError::Corrupt`] rather than silently replaced by an empty store or left to
+    /// fault when LMDB touches a page past the end of the file.
     pub(crate) fn open(
         lock: &Arc<DirLock>,
         number: u64,
@@ -91,17 +96,37 @@ impl Generation {
         options: &LmdbOptions,
     ) -> Result<Generation, BackendError> {
         let dir = generation_dir(lock.dir(), number);
-        fs::create_dir_all(&dir).map_err(|e| BackendError::io(&dir, "create directory", e))?;
+        let data = dir.join(DATA_FILE);
+        let len = match fs::metadata(&data) {
+            Ok(meta) => meta.len(),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => 0,
+            Err(e) => return Err(BackendError::io(&data, "stat", e)),
+        };
+        if len == 0 {
+            return Err(BackendError::Corrupt {
+                path: data,
+                offset: 0,
+                reason: "the data file of a complete generation is missing or empty".to_owned(),
+            });
+        }
         // SAFETY: see `open_env`; `lock` is the store's held lock and `dir` is inside it.
         let env = unsafe { open_env(&dir, map_size, options) }?;
-        let mut wtxn = env
-            .write_txn()
-            .map_err(|e| from_heed(&dir, "begin write transaction", e))?;
-        let db: Database<Bytes, Bytes> = env
-            .create_database(&mut wtxn, None)
-            .map_err(|e| from_heed(&dir, "open the main database", e))?;
-        wtxn.commit()
-            .map_err(|e| from_heed(&dir, "commit the main database", e))?;
+        // Before any transaction touches the mapping: every page the last commit refers to
+        // must be inside the file.
+        let info = env.info();
+        let page = u64::from(env.stat().page_size);
+        let needed = (info.last_page_number as u64 + 1) * page;
+        if len < needed {
+            return Err(BackendError::Corrupt {
+                path: data,
+                offset: len,
+                reason: format!(
+                    "the data file is {len} bytes but its last commit uses pages up to byte \
+                     {needed}: it was truncated"
+                ),
+            });
+        }
+        let db = main_database(&env, &dir)?;
         let max_key = env.max_key_size();
         Ok(Generation {
             env: Some(env),
@@ -112,6 +137,44 @@ impl Generation {
             retired: AtomicBool::new(false),
             lock: Arc::clone(lock),
         })
+    }
+
+    /// Creates generation `number` of the locked store as an empty LMDB environment, written
+    /// under a temporary name and renamed into place once durable, then opens it.
+    pub(crate) fn create(
+        lock: &Arc<DirLock>,
+        number: u64,
+        map_size: usize,
+        options: &LmdbOptions,
+    ) -> Result<Generation, BackendError> {
+        let root = lock.dir();
+        let tmp = temp_generation_dir(root, number);
+        let build = || -> Result<(), BackendError> {
+            if tmp.exists() {
+                fs::remove_dir_all(&tmp)
+                    .map_err(|e| BackendError::io(&tmp, "remove directory", e))?;
+            }
+            fs::create_dir(&tmp).map_err(|e| BackendError::io(&tmp, "create directory", e))?;
+            let durable = LmdbOptions {
+                sync_on_commit: true,
+                ..options.clone()
+            };
+            // SAFETY: see `open_env`; `lock` is the store's held lock and `tmp` is inside it.
+            let env = unsafe { open_env(&tmp, map_size, &durable) }?;
+            main_database(&env, &tmp)?;
+            env.force_sync()
+                .map_err(|e| from_heed(&tmp, "fdatasync", e))?;
+            drop(env);
+            sync_dir(&tmp)?;
+            let dir = generation_dir(root, number);
+            fs::rename(&tmp, &dir).map_err(|e| BackendError::io(&tmp, "rename", e))?;
+            sync_dir(root)
+        };
+        if let Err(e) = build() {
+            let _ = fs::remove_dir_all(&tmp);
+            return Err(e);
+        }
+        Generation::open(lock, number, map_size, options)
     }
 
     /// The LMDB environment.
@@ -162,6 +225,23 @@ impl Generation {
         }
         Ok(total)
     }
+}
+
+/// The unnamed database, which holds every bucket; committing makes its handle valid for
+/// every later transaction.
+fn main_database(
+    env: &Env<WithoutTls>,
+    dir: &Path,
+) -> Result<Database<Bytes, Bytes>, BackendError> {
+    let mut wtxn = env
+        .write_txn()
+        .map_err(|e| from_heed(dir, "begin write transaction", e))?;
+    let db: Database<Bytes, Bytes> = env
+        .create_database(&mut wtxn, None)
+        .map_err(|e| from_heed(dir, "open the main database", e))?;
+    wtxn.commit()
+        .map_err(|e| from_heed(dir, "commit the main database", e))?;
+    Ok(db)
 }
 
 impl Drop for Generation {
@@ -241,9 +321,9 @@ pub(crate) fn temp_generation_dir(root: &Path, number: u64) -> PathBuf {
     root.join(format!("{GEN_PREFIX}{number:016x}{TMP_SUFFIX}"))
 }
 
-/// Finds the live generation of the locked store (creating the first one in a new store),
-/// and deletes leftovers: unfinished copies and generations superseded by a later one.
-pub(crate) fn recover_generations(lock: &DirLock) -> Result<u64, BackendError> {
+/// Finds the live generation of the locked store (`None` in a new store), and deletes
+/// leftovers: unfinished copies and generations superseded by a later one.
+pub(crate) fn recover_generations(lock: &DirLock) -> Result<Option<u64>, BackendError> {
     let root = lock.dir();
     let mut complete = Vec::new();
     let mut leftovers = Vec::new();
@@ -266,15 +346,7 @@ pub(crate) fn recover_generations(lock: &DirLock) -> Result<u64, BackendError> {
         }
     }
     complete.sort_unstable();
-    let live = match complete.pop() {
-        Some(number) => number,
-        None => {
-            let dir = generation_dir(root, 1);
-            fs::create_dir(&dir).map_err(|e| BackendError::io(&dir, "create directory", e))?;
-            sync_dir(root)?;
-            1
-        }
-    };
+    let live = complete.pop();
     leftovers.extend(complete.iter().map(|&n| generation_dir(root, n)));
     for dir in &leftovers {
         tracing::info!(dir = %dir.display(), "removing a leftover generation");

@@ -1,4 +1,10 @@
 //! Integration tests of the LMDB backend: the shared backend conformance suite, and what is
-//! specific to LMDB (map size, growth, generations, the directory lock).
+//! specific to LMDB (map size and growth, generations and recovery, the directory lock across
+//! processes, poisoning, crashes).
 
+mod common;
 mod conformance;
+mod map;
+mod poison;
+mod process;
+mod recovery;
