@@ -1,3 +1,32 @@
-//! keel raft-glue.
+//! keel's replicated node: raft-rs consensus glued to keel's WAL and MVCC store.
+//!
+//! How the pieces fit:
+//!
+//! - [`Node`] ([`node`]) runs one member: a thread drives raft-rs's `RawNode`, persists its
+//!   log through [`RaftStorage`] ([`storage`], raft-rs `Storage` over `keel_wal::Wal`),
+//!   applies committed entries to the MVCC store exactly once ([`apply`]), serves reads
+//!   (linearizable through ReadIndex, or serializable), and reports its [`NodeStatus`].
+//! - Requests travel in Raft entries as [`Envelope`]s ([`request`]: an explicit, versioned,
+//!   bounded binary format).
+//! - Members talk through a [`Transport`] ([`transport`]): Raft messages on one path, snapshot
+//!   streams on another; [`MemNetwork`] is the in-memory implementation with fault injection
+//!   used by the simulation harness.
+//! - A follower behind the compacted log receives the leader's backend as a checksummed,
+//!   chunked stream that it verifies, stores and installs ([`snapshot`]).
+//! - [`NodeOptions`] ([`options`]) holds every knob with etcd's defaults; [`NodeError`]
+//!   ([`error`]) every failure; raft-rs's logs reach `tracing` through [`logger`].
 
 #![forbid(unsafe_code)]
+
+pub mod error;
+pub mod logger;
+pub mod options;
+pub mod storage;
+pub mod transport;
+
+pub use error::NodeError;
+pub use options::NodeOptions;
+pub use storage::RaftStorage;
+pub use transport::{
+    Mailbox, MemNetwork, MemTransport, SnapshotAck, SnapshotChunk, SnapshotFrame, Transport,
+};
