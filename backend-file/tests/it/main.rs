@@ -1,4 +1,5 @@
 //! Integration tests of keel-backend-file: one binary, one module per theme.
 
 mod basic;
+mod conformance;
 mod support;
