@@ -1,9 +1,14 @@
-//! The expiry min-heap.
+//! The expiry queue: a min-heap of near deadlines fed by a timing wheel of far ones.
 //!
-//! A 4-ary min-heap of 16-byte timers ordered by deadline. Four children of a node are 64
-//! contiguous bytes, so a sift-down touches one cache line per level and the depth is
-//! log4(n) (10 levels for a million leases): popping the k earliest deadlines among n costs
-//! O(k log n) with few cache misses.
+//! [`TimerHeap`] is a 4-ary min-heap of 16-byte timers ordered by deadline (four children
+//! are 64 contiguous bytes, so a sift-down reads about one cache line per level).
+//! [`TimerQueue`] puts it behind a timing wheel: a timer is filed, unsorted, in the slot of
+//! its deadline's bucket (granule [`GRANULE_NANOS`], about 17 s; 4 096 slots, so a slot
+//! comes round every 19.5 h and a longer timer is looked at once per turn), and only when
+//! time reaches a bucket are its timers moved into the heap. The heap thus holds the timers
+//! of the current granule rather than all n of them and stays in cache: the k earliest
+//! timers are popped in O(k log h) for h timers in the heap (h ≤ n), plus O(1) per timer
+//! moved off the wheel, where one heap of a million leases misses the cache on every level.
 //!
 //! Timers are never removed from the middle. A timer names a lease slot and a tag (the slot's
 //! generation when the timer was pushed); the lease table discards a popped timer whose tag no
@@ -72,12 +77,6 @@ impl TimerHeap {
         self.heapify();
     }
 
-    /// Replaces the contents with `timers`: O(n).
-    pub fn rebuild(&mut self, timers: Vec<Timer>) {
-        self.items = timers;
-        self.heapify();
-    }
-
     fn heapify(&mut self) {
         let n = self.items.len();
         if n < 2 {
@@ -130,6 +129,122 @@ impl TimerHeap {
     }
 }
 
+/// Width of a calendar bucket: 2^34 ns, about 17.2 s.
+pub(crate) const GRANULE_NANOS: u64 = 1 << 34;
+/// Buckets on the wheel: 4 096 × 17.2 s ≈ 19.5 h before a slot comes round again.
+const WHEEL_SLOTS: usize = 4_096;
+
+/// A timing wheel of far timers in front of a [`TimerHeap`] of near ones; see the module
+/// docs.
+#[derive(Debug)]
+pub(crate) struct TimerQueue {
+    near: TimerHeap,
+    /// Slot `b % WHEEL_SLOTS` holds the unopened timers of bucket `b` (deadline / granule),
+    /// and those of buckets a whole number of turns later.
+    wheel: Vec<Vec<Timer>>,
+    /// Buckets below this one have been opened: their timers go straight to the heap.
+    opened: u64,
+    far_len: usize,
+}
+
+impl Default for TimerQueue {
+    fn default() -> TimerQueue {
+        TimerQueue {
+            near: TimerHeap::default(),
+            wheel: (0..WHEEL_SLOTS).map(|_| Vec::new()).collect(),
+            opened: 0,
+            far_len: 0,
+        }
+    }
+}
+
+impl TimerQueue {
+    /// Number of timers, stale ones included.
+    pub fn len(&self) -> usize {
+        self.near.len() + self.far_len
+    }
+
+    /// Bytes allocated.
+    pub fn allocated_bytes(&self) -> usize {
+        self.near.allocated_bytes()
+            + self.wheel.capacity() * std::mem::size_of::<Vec<Timer>>()
+            + self
+                .wheel
+                .iter()
+                .map(|v| v.capacity() * std::mem::size_of::<Timer>())
+                .sum::<usize>()
+    }
+
+    /// Files a timer: O(1) amortised on the wheel, O(log h) into the heap when its bucket is
+    /// already open.
+    pub fn push(&mut self, timer: Timer) {
+        let bucket = timer.deadline / GRANULE_NANOS;
+        if bucket < self.opened {
+            self.near.push(timer);
+        } else {
+            self.wheel[(bucket % WHEEL_SLOTS as u64) as usize].push(timer);
+            self.far_len += 1;
+        }
+    }
+
+    /// Removes and returns the earliest timer whose deadline is `<= now`, if any.
+    pub fn pop_due(&mut self, now: u64) -> Option<Timer> {
+        // Open every bucket up to the one holding `now`: afterwards every timer due by `now`
+        // is in the heap, since the wheel keeps only timers of later buckets.
+        let due = now / GRANULE_NANOS;
+        if due >= self.opened {
+            if due - self.opened >= WHEEL_SLOTS as u64 {
+                for slot in 0..WHEEL_SLOTS {
+                    self.open(slot, due);
+                }
+            } else {
+                for bucket in self.opened..=due {
+                    self.open((bucket % WHEEL_SLOTS as u64) as usize, due);
+                }
+            }
+            self.opened = due + 1;
+        }
+        match self.near.peek() {
+            Some(t) if t.deadline <= now => self.near.pop(),
+            _ => None,
+        }
+    }
+
+    /// Moves the timers of wheel slot `slot` whose bucket is `<= due` into the heap.
+    fn open(&mut self, slot: usize, due: u64) {
+        let near = &mut self.near;
+        let bucket = &mut self.wheel[slot];
+        let before = bucket.len();
+        bucket.retain(|t| {
+            if t.deadline / GRANULE_NANOS <= due {
+                near.push(*t);
+                false
+            } else {
+                true
+            }
+        });
+        self.far_len -= before - bucket.len();
+    }
+
+    /// Removes every timer.
+    pub fn clear(&mut self) {
+        self.near.clear();
+        for bucket in &mut self.wheel {
+            *bucket = Vec::new();
+        }
+        self.far_len = 0;
+    }
+
+    /// Keeps only the timers `keep` accepts: O(n).
+    pub fn retain(&mut self, mut keep: impl FnMut(&Timer) -> bool) {
+        self.near.retain(&mut keep);
+        for bucket in &mut self.wheel {
+            bucket.retain(&mut keep);
+        }
+        self.far_len = self.wheel.iter().map(Vec::len).sum();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -171,9 +286,53 @@ mod tests {
     }
 
     #[test]
-    fn rebuild_orders_any_input() {
+    fn queue_pops_every_due_timer_in_order_and_nothing_else() {
+        let mut rng = StdRng::seed_from_u64(9);
+        let mut queue = TimerQueue::default();
+        let mut model: Vec<u64> = Vec::new();
+        let mut now = 0u64;
+        for round in 0..3_000 {
+            match rng.random_range(0..3) {
+                0 => {
+                    let d = now + rng.random_range(0..GRANULE_NANOS * 8);
+                    queue.push(timer(d));
+                    model.push(d);
+                }
+                1 => now += rng.random_range(0..GRANULE_NANOS),
+                _ => {
+                    model.sort_unstable();
+                    let expected = model.first().copied().filter(|&d| d <= now);
+                    if expected.is_some() {
+                        model.remove(0);
+                    }
+                    assert_eq!(
+                        queue.pop_due(now).map(|t| t.deadline),
+                        expected,
+                        "round {round}"
+                    );
+                }
+            }
+            assert_eq!(queue.len(), model.len());
+        }
+        queue.retain(|t| t.deadline % 3 == 0);
+        model.retain(|d| d % 3 == 0);
+        assert_eq!(queue.len(), model.len());
+        model.sort_unstable();
+        let mut popped = Vec::new();
+        while let Some(t) = queue.pop_due(u64::MAX) {
+            popped.push(t.deadline);
+        }
+        assert_eq!(popped, model);
+    }
+
+    #[test]
+    fn retain_reorders_any_input() {
         let mut heap = TimerHeap::default();
-        heap.rebuild((0..1_000).rev().map(timer).collect());
+        for d in (0..1_000).rev() {
+            heap.push(timer(d));
+        }
+        heap.items.reverse();
+        heap.retain(|_| true);
         for d in 0..1_000 {
             assert_eq!(heap.peek().map(|t| t.deadline), Some(d));
             assert_eq!(heap.pop().map(|t| t.deadline), Some(d));
