@@ -1,10 +1,50 @@
-//! keel's revisioned (MVCC) key-value store.
+//! keel's revisioned (MVCC) key-value store: etcd's `mvcc` semantics over a pluggable
+//! [`Backend`].
+//!
+//! Every change gets a [`Revision`]; changes are stored in the backend's `key` bucket keyed by
+//! revision (see [`revision`] and the record format in `kv`), and an in-memory key index
+//! (key → generations of revisions) rebuilt on open maps keys to them. On top, [`Store`]
+//! offers etcd's operations — range, put, delete, transactions, compaction, the history hash
+//! and watch — plus [`ReadView`]s (snapshot reads that never block writers) and
+//! [`WriteTxn`]s (one atomic unit, one revision, with auxiliary bucket writes and the Raft
+//! consistent index in the same backend batch).
+//!
+//! Writes are buffered in memory and committed to the backend in batches by a background
+//! thread; reads see buffered writes. The write-ahead log above the store provides
+//! durability: after a crash, reopen and re-apply entries after
+//! [`Store::consistent_index`].
 
 #![forbid(unsafe_code)]
 
 pub mod backend;
+mod compact;
+mod error;
+mod key_index;
+mod kv;
+mod options;
+mod pending;
+mod read;
+mod request;
+pub mod revision;
+mod store;
+mod txn;
+mod watch;
+mod write;
 
 pub use backend::{Backend, BackendError, BackendSize, BatchOp, Bucket, ReadTxn, WriteBatch};
+pub use error::MvccError;
+pub use kv::{KeyValue, LeaseId};
+pub use options::StoreOptions;
+pub use read::ReadView;
+pub use request::{
+    Compare, CompareResult, CompareTarget, DeleteRangeRequest, DeleteResponse, HashKv, PutRequest,
+    PutResponse, RangeRequest, RangeResponse, TxnOp, TxnOpResponse, TxnRequest, TxnResponse,
+    prefix_end,
+};
+pub use revision::Revision;
+pub use store::{AuxPairs, KEY_BUCKET, META_BUCKET, STORE_FORMAT, Store};
+pub use watch::{Event, EventKind, WatchRequest, Watcher};
+pub use write::WriteTxn;
 
 #[cfg(feature = "testing")]
 pub mod testing;

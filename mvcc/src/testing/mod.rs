@@ -2,3 +2,6 @@
 //! backend and the model-based store test. Compiled with the `testing` feature.
 
 pub mod conformance;
+pub mod mem;
+
+pub use mem::{MemBackend, MemOptions};

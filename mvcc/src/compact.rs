@@ -1,0 +1,184 @@
+//! Compaction and the history hash.
+//!
+//! `compact(c)` is etcd's: under the writer lock it checks `c`, records
+//! `scheduled_compact_rev = c` in the pending meta writes and compacts the key index (reads
+//! below `c` fail from then on); it then commits the pending buffer, so the compaction point is
+//! durable and every revision `<= c` is in the backend. The compactor thread deletes from the
+//! `key` bucket, in batches of `compaction_batch_limit` with a pause between them, every
+//! revision `<= c` that the index compaction did not keep, and finally records
+//! `finished_compact_rev = c`. A store opened with `scheduled > finished` compacts again
+//! (deleting what is left is idempotent).
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use crossbeam_channel::Receiver;
+
+use crate::backend::{Backend, ReadTxn, WriteBatch};
+use crate::error::MvccError;
+use crate::read::ReadView;
+use crate::request::HashKv;
+use crate::revision::Revision;
+use crate::store::{Inner, KEY_BUCKET, META_BUCKET, META_FINISHED_COMPACT, META_SCHEDULED_COMPACT};
+
+/// Physical deletion work for the compactor thread; revision 0 stops the thread.
+pub(crate) struct CompactJob {
+    pub revision: u64,
+    pub available: HashSet<Revision>,
+}
+
+impl CompactJob {
+    pub fn shutdown() -> CompactJob {
+        CompactJob {
+            revision: 0,
+            available: HashSet::new(),
+        }
+    }
+}
+
+pub(crate) fn compact<B: Backend>(inner: &Arc<Inner<B>>, revision: u64) -> Result<(), MvccError> {
+    let guard = inner.write_lock.lock();
+    inner.check_poisoned()?;
+    let compacted = inner.compacted.load(Ordering::Acquire);
+    if revision <= compacted {
+        return Err(MvccError::Compacted {
+            requested: revision,
+            compacted,
+        });
+    }
+    {
+        let st = inner.state.lock();
+        if revision > st.revision {
+            return Err(MvccError::FutureRevision {
+                requested: revision,
+                current: st.revision,
+            });
+        }
+        let mut c = st.current.changes.write();
+        c.meta
+            .insert(META_SCHEDULED_COMPACT, revision.to_be_bytes().to_vec());
+        c.writes += 1;
+    }
+    let available = {
+        let mut idx = inner.index.write();
+        idx.compacted = revision;
+        idx.keys.compact(revision)
+    };
+    inner.compacted.store(revision, Ordering::Release);
+    drop(guard);
+    inner.commit_pending()?;
+    let _ = inner.compactor.send(CompactJob {
+        revision,
+        available,
+    });
+    Ok(())
+}
+
+pub(crate) fn compactor_loop<B: Backend>(inner: &Inner<B>, rx: &Receiver<CompactJob>) {
+    while let Ok(job) = rx.recv() {
+        if job.revision == 0 || inner.shutdown.load(Ordering::Acquire) {
+            return;
+        }
+        match delete_compacted(inner, &job) {
+            Ok(true) => tracing::debug!(revision = job.revision, "compaction finished"),
+            Ok(false) => return,
+            Err(e) => tracing::error!(revision = job.revision, error = %e, "compaction failed"),
+        }
+    }
+}
+
+/// Deletes what `job` does not keep; false when stopped by a shutdown (resumed on reopen).
+fn delete_compacted<B: Backend>(inner: &Inner<B>, job: &CompactJob) -> Result<bool, MvccError> {
+    let end = Revision::new(job.revision.saturating_add(1), 0).to_bytes();
+    let mut from: Vec<u8> = Vec::new();
+    let limit = inner.options.compaction_batch_limit;
+    loop {
+        if inner.shutdown.load(Ordering::Acquire) {
+            return Ok(false);
+        }
+        let mut batch = WriteBatch::new();
+        let mut next = None;
+        {
+            let txn = inner.backend.read_txn()?;
+            for item in txn.range(&KEY_BUCKET, &from, Some(&end[..]))? {
+                let (k, _) = item?;
+                let Some((rev, _)) = Revision::from_key(k) else {
+                    continue;
+                };
+                if !job.available.contains(&rev) {
+                    batch.delete(&KEY_BUCKET, k.to_vec());
+                    if batch.len() >= limit {
+                        let mut after = k.to_vec();
+                        after.push(0);
+                        next = Some(after);
+                        break;
+                    }
+                }
+            }
+        }
+        if !batch.is_empty() {
+            let _c = inner.commit_lock.lock();
+            inner.check_poisoned()?;
+            inner.backend.commit(&batch)?;
+        }
+        match next {
+            Some(n) => {
+                from = n;
+                std::thread::sleep(inner.options.compaction_sleep_interval);
+            }
+            None => break,
+        }
+    }
+    let mut batch = WriteBatch::new();
+    batch.put(
+        &META_BUCKET,
+        META_FINISHED_COMPACT.to_vec(),
+        job.revision.to_be_bytes().to_vec(),
+    );
+    let _c = inner.commit_lock.lock();
+    inner.check_poisoned()?;
+    inner.backend.commit(&batch)?;
+    Ok(true)
+}
+
+pub(crate) fn hash_kv<B: Backend>(
+    inner: &Arc<Inner<B>>,
+    revision: u64,
+) -> Result<HashKv, MvccError> {
+    let view = ReadView::open(inner)?;
+    let current = view.revision();
+    if revision > current {
+        return Err(MvccError::FutureRevision {
+            requested: revision,
+            current,
+        });
+    }
+    let rev = if revision == 0 { current } else { revision };
+    let (keep, compacted) = {
+        let idx = inner.index.read();
+        if rev < idx.compacted {
+            return Err(MvccError::Compacted {
+                requested: rev,
+                compacted: idx.compacted,
+            });
+        }
+        (idx.keys.keep(rev), idx.compacted)
+    };
+    let mut h = crc32fast::Hasher::new();
+    h.update(KEY_BUCKET.name().as_bytes());
+    view.sources(None)
+        .for_each_change(Revision::default(), rev, |r, _, k, v| {
+            if r.main <= compacted && !keep.contains(&r) {
+                return Ok(true);
+            }
+            h.update(k);
+            h.update(v);
+            Ok(true)
+        })?;
+    Ok(HashKv {
+        hash: h.finalize(),
+        compact_revision: compacted,
+        revision: rev,
+    })
+}

@@ -1,0 +1,344 @@
+//! The in-memory key index: for every key, the revisions of its changes grouped in
+//! generations (etcd `key_index.go`).
+//!
+//! A generation is one lifetime of a key: it starts with the put that creates the key and ends
+//! with the tombstone that deletes it; the tombstone is the last revision of the generation and
+//! a new, empty generation follows it. The last generation is the live one (empty when the key
+//! is deleted). Compaction at revision `c` keeps, per key, the last revision `<= c` (unless it
+//! is a tombstone) and everything after it, and drops keys left with nothing.
+//!
+//! The index is rebuilt on open from the `key` bucket; it lives behind one `RwLock` in the
+//! store, and readers hold the read lock only for short chunks of a scan.
+
+use std::collections::{BTreeMap, HashSet};
+use std::ops::Bound as RangeBound;
+
+use crate::request::Bound;
+use crate::revision::Revision;
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Generation {
+    /// Puts in this generation so far (the tombstone is not counted).
+    ver: u64,
+    created: Revision,
+    revs: Vec<Revision>,
+}
+
+/// The history of one key.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct KeyEntry {
+    gens: Vec<Generation>,
+}
+
+/// What a key looks like at a revision.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct KeyAt {
+    pub modified: Revision,
+    pub created: Revision,
+    pub version: u64,
+}
+
+impl KeyEntry {
+    fn is_empty(&self) -> bool {
+        self.gens.len() <= 1 && self.gens.first().is_none_or(|g| g.revs.is_empty())
+    }
+
+    /// The live state of the key at `at` (main revision), or `None` if it did not exist then.
+    pub fn get(&self, at: u64) -> Option<KeyAt> {
+        let last = self.gens.len().checked_sub(1)?;
+        for (i, g) in self.gens.iter().enumerate().rev() {
+            let (Some(first), Some(tail)) = (g.revs.first(), g.revs.last()) else {
+                continue;
+            };
+            if i != last && tail.main <= at {
+                // The generation ended (tombstone) at or before `at`.
+                return None;
+            }
+            if first.main <= at {
+                let n = g.revs.iter().rposition(|r| r.main <= at)?;
+                return Some(KeyAt {
+                    modified: g.revs[n],
+                    created: g.created,
+                    version: g.ver - (g.revs.len() - n - 1) as u64,
+                });
+            }
+        }
+        None
+    }
+
+    fn put(&mut self, rev: Revision) {
+        if self.gens.is_empty() {
+            self.gens.push(Generation::default());
+        }
+        let g = self.gens.last_mut().expect("a generation");
+        if g.revs.is_empty() {
+            g.created = rev;
+        }
+        g.revs.push(rev);
+        g.ver += 1;
+    }
+
+    /// Starts a generation from a stored change whose earlier history may be compacted away.
+    fn restore(&mut self, created: Revision, modified: Revision, ver: u64) {
+        if self.gens.last().is_some_and(|g| g.revs.is_empty()) {
+            self.gens.pop();
+        }
+        self.gens.push(Generation {
+            ver,
+            created,
+            revs: vec![modified],
+        });
+    }
+
+    /// Returns false (and changes nothing) when the key is not live.
+    fn tombstone(&mut self, rev: Revision) -> bool {
+        match self.gens.last() {
+            Some(g) if !g.revs.is_empty() => {}
+            _ => return false,
+        }
+        self.put(rev);
+        self.gens.push(Generation::default());
+        true
+    }
+
+    /// Undoes the change at `rev`, which must be the key's latest.
+    fn rollback(&mut self, rev: Revision) {
+        let n = self.gens.len();
+        if n >= 2 && self.gens[n - 1].revs.is_empty() && self.gens[n - 2].revs.last() == Some(&rev)
+        {
+            self.gens.pop();
+        }
+        let Some(g) = self.gens.last_mut() else {
+            return;
+        };
+        if g.revs.last() == Some(&rev) {
+            g.revs.pop();
+            g.ver = g.ver.saturating_sub(1);
+            if g.revs.is_empty() {
+                *g = Generation::default();
+            }
+        }
+    }
+
+    /// etcd `doCompact`: the generation index to keep from and the revision index in it;
+    /// calls `keep` on the revision that survives.
+    fn compact_point(&self, at: u64, keep: &mut impl FnMut(Revision)) -> (usize, Option<usize>) {
+        let mut gi = 0;
+        while gi + 1 < self.gens.len() {
+            let g = &self.gens[gi];
+            if g.revs.last().is_some_and(|t| t.main > at) {
+                break;
+            }
+            gi += 1;
+        }
+        let g = &self.gens[gi];
+        let ri = g.revs.iter().rposition(|r| r.main <= at);
+        if let Some(ri) = ri {
+            keep(g.revs[ri]);
+        }
+        (gi, ri)
+    }
+
+    fn compact(&mut self, at: u64, available: &mut HashSet<Revision>) {
+        if self.gens.is_empty() {
+            return;
+        }
+        let (mut gi, ri) = self.compact_point(at, &mut |r| {
+            available.insert(r);
+        });
+        let last = self.gens.len() - 1;
+        let g = &mut self.gens[gi];
+        if !g.revs.is_empty() {
+            if let Some(ri) = ri {
+                g.revs.drain(..ri);
+            }
+            // A lone tombstone left in an ended generation goes too.
+            if g.revs.len() == 1 && gi != last {
+                available.remove(&g.revs[0]);
+                gi += 1;
+            }
+        }
+        self.gens.drain(..gi);
+    }
+
+    fn keep(&self, at: u64, available: &mut HashSet<Revision>) {
+        if self.gens.is_empty() {
+            return;
+        }
+        let mut kept = None;
+        let (gi, ri) = self.compact_point(at, &mut |r| kept = Some(r));
+        let g = &self.gens[gi];
+        if let (Some(r), Some(ri)) = (kept, ri) {
+            let tombstone_alone = g.revs.len() - ri == 1 && gi != self.gens.len() - 1;
+            if !tombstone_alone {
+                available.insert(r);
+            }
+        }
+    }
+}
+
+/// The key index.
+#[derive(Debug, Default)]
+pub(crate) struct KeyIndex {
+    map: BTreeMap<Box<[u8]>, KeyEntry>,
+}
+
+impl KeyIndex {
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn get(&self, key: &[u8], at: u64) -> Option<KeyAt> {
+        self.map.get(key)?.get(at)
+    }
+
+    /// Records a put of `key` at `rev`.
+    pub fn put(&mut self, key: &[u8], rev: Revision) {
+        match self.map.get_mut(key) {
+            Some(e) => e.put(rev),
+            None => {
+                let mut e = KeyEntry::default();
+                e.put(rev);
+                self.map.insert(key.into(), e);
+            }
+        }
+    }
+
+    /// Records a deletion; false when the key is not live.
+    pub fn tombstone(&mut self, key: &[u8], rev: Revision) -> bool {
+        self.map.get_mut(key).is_some_and(|e| e.tombstone(rev))
+    }
+
+    /// Undoes the change at `rev` of `key` (its latest), dropping the key if nothing is left.
+    pub fn rollback(&mut self, key: &[u8], rev: Revision) {
+        if let Some(e) = self.map.get_mut(key) {
+            e.rollback(rev);
+            if e.is_empty() {
+                self.map.remove(key);
+            }
+        }
+    }
+
+    /// Rebuild step for a stored put (see [`KeyEntry::restore`] for keys seen first or after a
+    /// tombstone).
+    pub fn restore_put(&mut self, key: &[u8], created: Revision, rev: Revision, ver: u64) {
+        match self.map.get_mut(key) {
+            Some(e) if e.gens.last().is_some_and(|g| !g.revs.is_empty()) => e.put(rev),
+            Some(e) => e.restore(created, rev, ver),
+            None => {
+                let mut e = KeyEntry::default();
+                e.restore(created, rev, ver);
+                self.map.insert(key.into(), e);
+            }
+        }
+    }
+
+    /// Visits keys of `[start, bound)` in order, starting after `after` when given, calling
+    /// `f(key, entry)` until it returns false. Returns true when the range was exhausted.
+    pub fn scan(
+        &self,
+        start: &[u8],
+        bound: &Bound<'_>,
+        after: Option<&[u8]>,
+        mut f: impl FnMut(&[u8], &KeyEntry) -> bool,
+    ) -> bool {
+        let lower = match after {
+            Some(a) => RangeBound::Excluded(a),
+            None => RangeBound::Included(start),
+        };
+        let upper = match bound {
+            Bound::Single => RangeBound::Included(start),
+            Bound::Until(end) => RangeBound::Excluded(*end),
+            Bound::Unbounded => RangeBound::Unbounded,
+        };
+        if let (RangeBound::Excluded(a), RangeBound::Included(b)) = (lower, upper)
+            && a >= b
+        {
+            return true;
+        }
+        if let (RangeBound::Included(a) | RangeBound::Excluded(a), RangeBound::Excluded(b)) =
+            (lower, upper)
+            && a >= b
+        {
+            return true;
+        }
+        for (k, e) in self
+            .map
+            .range::<[u8], (RangeBound<&[u8]>, RangeBound<&[u8]>)>((lower, upper))
+        {
+            if !f(k, e) {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Compacts every key at `at`; returns the revisions `<= at` that stay in the store.
+    pub fn compact(&mut self, at: u64) -> HashSet<Revision> {
+        let mut available = HashSet::new();
+        self.map.retain(|_, e| {
+            e.compact(at, &mut available);
+            !e.is_empty()
+        });
+        available
+    }
+
+    /// The revisions `<= at` that compacting at `at` would keep, without compacting.
+    pub fn keep(&self, at: u64) -> HashSet<Revision> {
+        let mut available = HashSet::new();
+        for e in self.map.values() {
+            e.keep(at, &mut available);
+        }
+        available
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn r(main: u64) -> Revision {
+        Revision::new(main, 0)
+    }
+
+    #[test]
+    fn generations_follow_etcd() {
+        let mut idx = KeyIndex::default();
+        idx.put(b"foo", r(2));
+        idx.put(b"foo", r(4));
+        assert!(idx.tombstone(b"foo", r(6)));
+        idx.put(b"foo", r(8));
+        idx.put(b"foo", r(10));
+        assert!(idx.tombstone(b"foo", r(12)));
+        idx.put(b"foo", r(14));
+        assert_eq!(idx.get(b"foo", 1), None);
+        let at = idx.get(b"foo", 5).unwrap();
+        assert_eq!((at.modified, at.created, at.version), (r(4), r(2), 2));
+        assert_eq!(idx.get(b"foo", 6), None);
+        assert_eq!(idx.get(b"foo", 7), None);
+        let at = idx.get(b"foo", 11).unwrap();
+        assert_eq!((at.modified, at.created, at.version), (r(10), r(8), 2));
+        assert_eq!(idx.get(b"foo", 13), None);
+        assert_eq!(idx.get(b"foo", 14).unwrap().modified, r(14));
+        assert!(!idx.tombstone(b"bar", r(15)));
+
+        let keep = idx.keep(7);
+        let avail = idx.compact(7);
+        assert_eq!(keep, avail);
+        // Generation one ended at 6 <= 7: gone; nothing of it survives.
+        assert!(avail.is_empty());
+        assert_eq!(idx.get(b"foo", 11).unwrap().modified, r(10));
+        let avail = idx.compact(10);
+        assert_eq!(avail, HashSet::from([r(10)]));
+        assert_eq!(idx.get(b"foo", 10).unwrap().version, 2);
+        let avail = idx.compact(13);
+        assert!(avail.is_empty());
+        assert_eq!(idx.get(b"foo", 14).unwrap().created, r(14));
+        assert_eq!(idx.len(), 1);
+        assert!(idx.tombstone(b"foo", r(16)));
+        let keep = idx.keep(16);
+        assert!(keep.is_empty());
+        assert!(idx.compact(16).is_empty());
+        assert_eq!(idx.len(), 0);
+    }
+}

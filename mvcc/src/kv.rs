@@ -1,0 +1,152 @@
+//! Key-value pairs as the store returns them, and the record that stores one change in the
+//! `key` bucket.
+//!
+//! Record format (value of a revision key, see [`crate::revision`]); integers big-endian:
+//!
+//! ```text
+//! offset 0        format          u8   (= 1)
+//! offset 1..9     create_revision u64  (0 for a tombstone)
+//! offset 9..17    mod_revision    u64  (the change's main revision)
+//! offset 17..25   version         u64  (0 for a tombstone)
+//! offset 25..33   lease           i64  (0 = no lease)
+//! offset 33..37   key_len         u32
+//! offset 37..     key             key_len bytes
+//! then            value           the rest up to the checksum (empty for a tombstone)
+//! last 4 bytes    crc             u32  CRC-32 (IEEE) of every byte before it
+//! ```
+
+use crate::error::MvccError;
+use crate::revision::Revision;
+
+/// A lease identifier; `0` means "no lease" (etcd).
+pub type LeaseId = i64;
+
+/// Current record format number.
+pub const RECORD_FORMAT: u8 = 1;
+const HEADER: usize = 37;
+const CRC: usize = 4;
+
+/// A key with its value and metadata, as of some revision.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct KeyValue {
+    /// The key.
+    pub key: Vec<u8>,
+    /// The value (empty when the range asked for keys only).
+    pub value: Vec<u8>,
+    /// Revision of the put that created the key's current generation.
+    pub create_revision: u64,
+    /// Revision of the key's last change.
+    pub mod_revision: u64,
+    /// Number of puts since the key was (re)created, from 1.
+    pub version: u64,
+    /// The lease attached to the key, 0 for none.
+    pub lease: LeaseId,
+}
+
+/// Encodes one change; `kv.value` is ignored for a tombstone (`kv.version == 0`).
+pub(crate) fn encode_record(kv: &KeyValue) -> Vec<u8> {
+    let mut out = Vec::with_capacity(HEADER + kv.key.len() + kv.value.len() + CRC);
+    out.push(RECORD_FORMAT);
+    out.extend_from_slice(&kv.create_revision.to_be_bytes());
+    out.extend_from_slice(&kv.mod_revision.to_be_bytes());
+    out.extend_from_slice(&kv.version.to_be_bytes());
+    out.extend_from_slice(&kv.lease.to_be_bytes());
+    out.extend_from_slice(&(kv.key.len() as u32).to_be_bytes());
+    out.extend_from_slice(&kv.key);
+    out.extend_from_slice(&kv.value);
+    let crc = crc32fast::hash(&out);
+    out.extend_from_slice(&crc.to_be_bytes());
+    out
+}
+
+/// A decoded record borrowing its key and value.
+pub(crate) struct RecordRef<'a> {
+    pub key: &'a [u8],
+    pub value: &'a [u8],
+    pub create_revision: u64,
+    pub mod_revision: u64,
+    pub version: u64,
+    pub lease: LeaseId,
+}
+
+impl RecordRef<'_> {
+    /// Copies it out; `with_value = false` leaves the value empty.
+    pub fn to_kv(&self, with_value: bool) -> KeyValue {
+        KeyValue {
+            key: self.key.to_vec(),
+            value: if with_value {
+                self.value.to_vec()
+            } else {
+                Vec::new()
+            },
+            create_revision: self.create_revision,
+            mod_revision: self.mod_revision,
+            version: self.version,
+            lease: self.lease,
+        }
+    }
+}
+
+fn be64(b: &[u8], at: usize) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[at..at + 8]);
+    u64::from_be_bytes(a)
+}
+
+/// Decodes and checks a record stored under `rev`.
+pub(crate) fn decode_record(rev: Revision, bytes: &[u8]) -> Result<RecordRef<'_>, MvccError> {
+    let corrupt = |reason: String| MvccError::Corrupt {
+        revision: rev,
+        reason,
+    };
+    if bytes.len() < HEADER + CRC {
+        return Err(corrupt(format!(
+            "record of {} bytes is too short",
+            bytes.len()
+        )));
+    }
+    let (body, crc) = bytes.split_at(bytes.len() - CRC);
+    let stored = u32::from_be_bytes([crc[0], crc[1], crc[2], crc[3]]);
+    if crc32fast::hash(body) != stored {
+        return Err(corrupt("record checksum mismatch".to_owned()));
+    }
+    if body[0] != RECORD_FORMAT {
+        return Err(corrupt(format!("unknown record format {}", body[0])));
+    }
+    let key_len = u32::from_be_bytes([body[33], body[34], body[35], body[36]]) as usize;
+    if key_len > body.len() - HEADER {
+        return Err(corrupt(format!("key length {key_len} exceeds the record")));
+    }
+    Ok(RecordRef {
+        key: &body[HEADER..HEADER + key_len],
+        value: &body[HEADER + key_len..],
+        create_revision: be64(body, 1),
+        mod_revision: be64(body, 9),
+        version: be64(body, 17),
+        lease: be64(body, 25) as i64,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn record_round_trip_and_checksum() {
+        let kv = KeyValue {
+            key: b"k".to_vec(),
+            value: b"value".to_vec(),
+            create_revision: 3,
+            mod_revision: 7,
+            version: 2,
+            lease: -5,
+        };
+        let mut bytes = encode_record(&kv);
+        let back = decode_record(Revision::new(7, 0), &bytes)
+            .unwrap()
+            .to_kv(true);
+        assert_eq!(back, kv);
+        bytes[40] ^= 1;
+        assert!(decode_record(Revision::new(7, 0), &bytes).is_err());
+    }
+}

@@ -1,0 +1,87 @@
+//! Store options.
+
+use std::time::Duration;
+
+use crate::error::MvccError;
+
+/// Options for [`Store::open`](crate::Store::open).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoreOptions {
+    /// Longest time a write waits in memory before the background committer writes it to the
+    /// backend. Default: 100 ms (etcd).
+    pub batch_interval: Duration,
+    /// Pending writes (changed revisions plus auxiliary writes) that trigger a backend commit
+    /// before the interval ends. Default: 10 000 (etcd).
+    pub batch_limit: usize,
+    /// Largest request, counting keys, values and range ends. Default: 1.5 MiB (etcd).
+    pub max_request_bytes: usize,
+    /// Most operations in one transaction branch, nested transactions included. Default: 128
+    /// (etcd).
+    pub max_txn_ops: usize,
+    /// Revisions deleted per backend batch while compacting. Default: 1 000 (etcd).
+    pub compaction_batch_limit: usize,
+    /// Pause between two compaction batches, so compaction never hogs the backend.
+    /// Default: 10 ms (etcd).
+    pub compaction_sleep_interval: Duration,
+    /// Responses (one per revision) a watcher's channel holds before the watcher is marked
+    /// slow and catches up from the store later. Default: 128 (etcd's channel length).
+    pub watch_channel_capacity: usize,
+    /// How often slow watchers and watchers started in the past are caught up.
+    /// Default: 100 ms (etcd).
+    pub watch_sync_interval: Duration,
+    /// Revisions a catching-up watcher reads per step. Default: 1 000.
+    pub watch_sync_batch: usize,
+}
+
+impl Default for StoreOptions {
+    fn default() -> StoreOptions {
+        StoreOptions {
+            batch_interval: Duration::from_millis(100),
+            batch_limit: 10_000,
+            max_request_bytes: 3 * 512 * 1024,
+            max_txn_ops: 128,
+            compaction_batch_limit: 1_000,
+            compaction_sleep_interval: Duration::from_millis(10),
+            watch_channel_capacity: 128,
+            watch_sync_interval: Duration::from_millis(100),
+            watch_sync_batch: 1_000,
+        }
+    }
+}
+
+impl StoreOptions {
+    /// Checks every field.
+    pub fn validate(&self) -> Result<(), MvccError> {
+        let bad = |option: &'static str, reason: &str| {
+            Err(MvccError::InvalidOption {
+                option,
+                reason: reason.to_owned(),
+            })
+        };
+        if self.batch_interval.is_zero() {
+            return bad("batch_interval", "must be greater than zero");
+        }
+        if self.batch_limit == 0 {
+            return bad("batch_limit", "must be at least 1");
+        }
+        if self.max_request_bytes == 0 {
+            return bad("max_request_bytes", "must be at least 1");
+        }
+        if self.max_txn_ops == 0 {
+            return bad("max_txn_ops", "must be at least 1");
+        }
+        if self.compaction_batch_limit == 0 {
+            return bad("compaction_batch_limit", "must be at least 1");
+        }
+        if self.watch_channel_capacity == 0 {
+            return bad("watch_channel_capacity", "must be at least 1");
+        }
+        if self.watch_sync_interval.is_zero() {
+            return bad("watch_sync_interval", "must be greater than zero");
+        }
+        if self.watch_sync_batch == 0 {
+            return bad("watch_sync_batch", "must be at least 1");
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,91 @@
+//! The write buffer: changes acknowledged to callers but not yet committed to the backend.
+//!
+//! Write transactions append to the store's *current* buffer. The committer swaps it for an
+//! empty one, commits the old one to the backend in one batch, and then forgets it. A read
+//! view clones the `Arc`s of the buffers it may need (current and, while a commit runs, the
+//! committing one) before it opens its backend read transaction, so every change at or below
+//! its revision is in one of the buffers or in the backend: revisions are immutable, so it does
+//! not matter which copy a value is read from. Deletions are tombstones appended like any
+//! other change, so a pending delete is never hidden by an older committed value.
+
+use std::collections::BTreeMap;
+
+use parking_lot::RwLock;
+
+use crate::backend::{Bucket, WriteBatch};
+use crate::revision::Revision;
+use crate::store::{KEY_BUCKET, META_BUCKET};
+
+/// One stored change.
+#[derive(Clone, Debug)]
+pub(crate) struct PendingRev {
+    pub rev: Revision,
+    pub tombstone: bool,
+    pub record: Vec<u8>,
+}
+
+/// The changes of one or more write transactions.
+#[derive(Debug, Default)]
+pub(crate) struct Changes {
+    /// Ascending by revision.
+    pub revs: Vec<PendingRev>,
+    /// Auxiliary writes: `None` deletes.
+    pub aux: BTreeMap<Bucket, BTreeMap<Vec<u8>, Option<Vec<u8>>>>,
+    /// Writes to the meta bucket.
+    pub meta: BTreeMap<&'static [u8], Vec<u8>>,
+    /// Number of writes, for the batch limit.
+    pub writes: usize,
+}
+
+impl Changes {
+    pub fn is_empty(&self) -> bool {
+        self.writes == 0
+    }
+
+    /// The stored change at `rev`, if it is here.
+    pub fn find(&self, rev: Revision) -> Option<&PendingRev> {
+        let i = self.revs.binary_search_by(|p| p.rev.cmp(&rev)).ok()?;
+        Some(&self.revs[i])
+    }
+
+    /// The auxiliary write to `bucket`/`key`, if any: `Some(None)` is a pending delete.
+    pub fn aux(&self, bucket: &Bucket, key: &[u8]) -> Option<Option<&[u8]>> {
+        self.aux.get(bucket)?.get(key).map(|v| v.as_deref())
+    }
+
+    /// Moves everything of `other` (newer) into `self`.
+    pub fn absorb(&mut self, other: Changes) {
+        self.revs.extend(other.revs);
+        for (bucket, writes) in other.aux {
+            self.aux.entry(bucket).or_default().extend(writes);
+        }
+        self.meta.extend(other.meta);
+        self.writes += other.writes;
+    }
+
+    /// The backend batch that commits these changes.
+    pub fn to_batch(&self) -> WriteBatch {
+        let mut batch = WriteBatch::new();
+        for p in &self.revs {
+            batch.put(&KEY_BUCKET, p.rev.to_key(p.tombstone), p.record.clone());
+        }
+        for (bucket, writes) in &self.aux {
+            for (key, value) in writes {
+                match value {
+                    Some(v) => batch.put(bucket, key.clone(), v.clone()),
+                    None => batch.delete(bucket, key.clone()),
+                }
+            }
+        }
+        for (key, value) in &self.meta {
+            batch.put(&META_BUCKET, key.to_vec(), value.clone());
+        }
+        batch
+    }
+}
+
+/// A shared, append-only buffer of changes.
+#[derive(Debug, Default)]
+pub(crate) struct Pending {
+    pub changes: RwLock<Changes>,
+}

@@ -1,0 +1,326 @@
+//! Read views: snapshot reads at a revision, and the lookups shared with write transactions.
+//!
+//! A view resolves a range in two steps: it walks the key index in chunks of
+//! [`INDEX_CHUNK`](crate::store::INDEX_CHUNK) keys (holding the index read lock only per
+//! chunk) to find, per key, the revision visible at the view's revision; then it reads those
+//! revisions' records from the pending buffers it holds or from its backend read transaction,
+//! walking the backend in revision order with one cursor (re-seeking over gaps).
+
+use std::sync::Arc;
+
+use crate::backend::{Backend, ReadTxn};
+use crate::error::MvccError;
+use crate::key_index::KeyAt;
+use crate::kv::{KeyValue, decode_record};
+use crate::pending::{Changes, Pending};
+use crate::request::{Bound, RangeRequest, RangeResponse, bound, check_range};
+use crate::revision::{REV_KEY_LEN, Revision};
+use crate::store::{INDEX_CHUNK, Inner, KEY_BUCKET};
+
+/// Entries a cursor may skip before a lookup re-seeks instead.
+const MAX_SKIP: usize = 16;
+
+/// A consistent read-only view of the store at one revision.
+///
+/// It sees every write transaction committed before it was opened, whether or not the
+/// backend holds it yet, and nothing later. It is `Send + 'static`: keep it on any thread for
+/// as long as needed; writers and backend commits never wait for it. A read below the
+/// compaction point fails with [`MvccError::Compacted`], also when a compaction overtakes a
+/// view that is still open.
+pub struct ReadView<B: Backend> {
+    pub(crate) inner: Arc<Inner<B>>,
+    pub(crate) revision: u64,
+    pub(crate) current: Arc<Pending>,
+    pub(crate) committing: Option<Arc<Pending>>,
+    pub(crate) txn: B::ReadTxn,
+}
+
+impl<B: Backend> ReadView<B> {
+    pub(crate) fn open(inner: &Arc<Inner<B>>) -> Result<ReadView<B>, MvccError> {
+        let (revision, current, committing) = {
+            let st = inner.state.lock();
+            (st.revision, st.current.clone(), st.committing.clone())
+        };
+        // Opened after the buffers were taken: anything that left them since is in the backend.
+        let txn = inner.backend.read_txn()?;
+        Ok(ReadView {
+            inner: inner.clone(),
+            revision,
+            current,
+            committing,
+            txn,
+        })
+    }
+
+    /// The revision this view reads at.
+    pub fn revision(&self) -> u64 {
+        self.revision
+    }
+
+    /// Reads a key or range at `req.revision` (0: the view's revision).
+    pub fn range(&self, req: &RangeRequest) -> Result<RangeResponse, MvccError> {
+        range(&self.inner, &self.sources(None), req, self.revision)
+    }
+
+    pub(crate) fn sources<'a>(&'a self, staged: Option<&'a Changes>) -> Sources<'a, B::ReadTxn> {
+        Sources {
+            staged,
+            current: &self.current,
+            committing: self.committing.as_deref(),
+            txn: &self.txn,
+        }
+    }
+}
+
+/// Where a reader finds records: a write transaction's own changes, the pending buffers, the
+/// backend.
+pub(crate) struct Sources<'a, T: ReadTxn> {
+    pub staged: Option<&'a Changes>,
+    pub current: &'a Pending,
+    pub committing: Option<&'a Pending>,
+    pub txn: &'a T,
+}
+
+impl<T: ReadTxn> Sources<'_, T> {
+    /// The records at `revs` (puts, in any order) as key-values, in the same order.
+    pub fn fetch(
+        &self,
+        compacted: impl Fn() -> u64,
+        revs: &[Revision],
+        with_value: bool,
+    ) -> Result<Vec<KeyValue>, MvccError> {
+        let mut out: Vec<Option<KeyValue>> = vec![None; revs.len()];
+        let mut misses: Vec<(Revision, usize)> = Vec::new();
+        {
+            let current = self.current.changes.read();
+            let committing = self.committing.map(|c| c.changes.read());
+            for (i, &rev) in revs.iter().enumerate() {
+                let found = self
+                    .staged
+                    .and_then(|s| s.find(rev))
+                    .or_else(|| current.find(rev))
+                    .or_else(|| committing.as_ref().and_then(|c| c.find(rev)));
+                match found {
+                    Some(p) => out[i] = Some(decode_record(rev, &p.record)?.to_kv(with_value)),
+                    None => misses.push((rev, i)),
+                }
+            }
+        }
+        if !misses.is_empty() {
+            misses.sort_unstable();
+            let mut m = 0;
+            while m < misses.len() {
+                let start = misses[m].0.to_bytes();
+                let mut skipped = 0;
+                let mut iter = self.txn.range(&KEY_BUCKET, &start, None)?;
+                loop {
+                    let Some(item) = iter.next() else {
+                        return Err(missing(misses[m].0, &compacted));
+                    };
+                    let (k, v) = item?;
+                    let want = misses[m].0;
+                    let have = Revision::from_key(k).map(|(r, _)| r);
+                    match have {
+                        Some(r) if r == want && k.len() == REV_KEY_LEN => {
+                            out[misses[m].1] = Some(decode_record(r, v)?.to_kv(with_value));
+                            m += 1;
+                            skipped = 0;
+                            if m == misses.len() {
+                                break;
+                            }
+                        }
+                        Some(r) if r < want => {
+                            skipped += 1;
+                            if skipped > MAX_SKIP {
+                                break;
+                            }
+                        }
+                        _ => return Err(missing(want, &compacted)),
+                    }
+                }
+            }
+        }
+        out.into_iter()
+            .zip(revs)
+            .map(|(kv, &rev)| kv.ok_or_else(|| missing(rev, &compacted)))
+            .collect()
+    }
+
+    /// Visits every stored change with `from <= revision` and `revision.main <= to`, in
+    /// revision order: `f(revision, tombstone, revision key, record)`; stops when `f` returns
+    /// false.
+    pub fn for_each_change(
+        &self,
+        from: Revision,
+        to: u64,
+        mut f: impl FnMut(Revision, bool, &[u8], &[u8]) -> Result<bool, MvccError>,
+    ) -> Result<(), MvccError> {
+        let end = Revision::new(to.saturating_add(1), 0).to_bytes();
+        let mut last: Option<Revision> = None;
+        for item in self
+            .txn
+            .range(&KEY_BUCKET, &from.to_bytes(), Some(&end[..]))?
+        {
+            let (k, v) = item?;
+            let Some((rev, tomb)) = Revision::from_key(k) else {
+                continue;
+            };
+            last = Some(rev);
+            if !f(rev, tomb, k, v)? {
+                return Ok(());
+            }
+        }
+        // The backend holds a prefix of the history; the buffers hold the rest (perhaps also
+        // some of what the backend holds).
+        let buffers = self
+            .committing
+            .into_iter()
+            .chain(std::iter::once(self.current));
+        for p in buffers {
+            let changes = p.changes.read();
+            let lo = changes.revs.partition_point(|c| c.rev < from);
+            for c in &changes.revs[lo..] {
+                if c.rev.main > to {
+                    return Ok(());
+                }
+                if last.is_some_and(|l| c.rev <= l) {
+                    continue;
+                }
+                last = Some(c.rev);
+                let key = c.rev.to_key(c.tombstone);
+                if !f(c.rev, c.tombstone, &key, &c.record)? {
+                    return Ok(());
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn missing(rev: Revision, compacted: &impl Fn() -> u64) -> MvccError {
+    let c = compacted();
+    if rev.main <= c {
+        MvccError::Compacted {
+            requested: rev.main,
+            compacted: c,
+        }
+    } else {
+        MvccError::Corrupt {
+            revision: rev,
+            reason: "the key index names a revision the store does not hold".to_owned(),
+        }
+    }
+}
+
+/// The revision a request reads at, checked against the compaction point and `current`.
+pub(crate) fn read_revision<B: Backend>(
+    inner: &Inner<B>,
+    requested: u64,
+    current: u64,
+) -> Result<u64, MvccError> {
+    if requested > current {
+        return Err(MvccError::FutureRevision { requested, current });
+    }
+    let rev = if requested == 0 { current } else { requested };
+    let compacted = inner.index.read().compacted;
+    if rev < compacted {
+        return Err(MvccError::Compacted {
+            requested: rev,
+            compacted,
+        });
+    }
+    Ok(rev)
+}
+
+/// Runs a range for a view (or a write transaction) whose revision is `current`.
+pub(crate) fn range<B: Backend>(
+    inner: &Inner<B>,
+    src: &Sources<'_, B::ReadTxn>,
+    req: &RangeRequest,
+    current: u64,
+) -> Result<RangeResponse, MvccError> {
+    check_range(&req.key, req.range_end.as_deref())?;
+    if req.bytes() > inner.options.max_request_bytes {
+        return Err(MvccError::RequestTooLarge {
+            size: req.bytes(),
+            limit: inner.options.max_request_bytes,
+        });
+    }
+    let rev = read_revision(inner, req.revision, current)?;
+    let b = bound(req.range_end.as_deref());
+    let limit = if req.limit == 0 {
+        usize::MAX
+    } else {
+        req.limit
+    };
+    let mut hits: Vec<(Vec<u8>, KeyAt)> = Vec::new();
+    let count = scan_live(inner, &req.key, &b, rev, |key, at| {
+        if !req.count_only && hits.len() < limit {
+            hits.push((key.to_vec(), at));
+        }
+    })?;
+    let mut resp = RangeResponse {
+        kvs: Vec::new(),
+        count,
+        more: count > hits.len() && !req.count_only,
+        revision: rev,
+    };
+    if req.count_only {
+        resp.more = false;
+        return Ok(resp);
+    }
+    let revs: Vec<Revision> = hits.iter().map(|(_, at)| at.modified).collect();
+    let compacted = || inner.index.read().compacted;
+    let kvs = src.fetch(compacted, &revs, !req.keys_only)?;
+    for (kv, (key, _)) in kvs.iter().zip(&hits) {
+        if kv.key != *key {
+            return Err(MvccError::Corrupt {
+                revision: Revision::new(kv.mod_revision, 0),
+                reason: "record key differs from the key index".to_owned(),
+            });
+        }
+    }
+    resp.kvs = kvs;
+    Ok(resp)
+}
+
+/// Calls `f(key, state)` for every key of `[start, bound)` live at `rev`, in key order, holding
+/// the index lock one chunk at a time; returns how many there were.
+pub(crate) fn scan_live<B: Backend>(
+    inner: &Inner<B>,
+    start: &[u8],
+    b: &Bound<'_>,
+    rev: u64,
+    mut f: impl FnMut(&[u8], KeyAt),
+) -> Result<usize, MvccError> {
+    let mut count = 0;
+    let mut after: Option<Vec<u8>> = None;
+    loop {
+        let idx = inner.index.read();
+        if rev < idx.compacted {
+            return Err(MvccError::Compacted {
+                requested: rev,
+                compacted: idx.compacted,
+            });
+        }
+        let mut seen = 0;
+        let mut last: Option<Vec<u8>> = None;
+        let done = idx.keys.scan(start, b, after.as_deref(), |key, entry| {
+            if let Some(at) = entry.get(rev) {
+                count += 1;
+                f(key, at);
+            }
+            seen += 1;
+            if seen >= INDEX_CHUNK {
+                last = Some(key.to_vec());
+                return false;
+            }
+            true
+        });
+        if done {
+            return Ok(count);
+        }
+        after = last;
+        drop(idx);
+    }
+}

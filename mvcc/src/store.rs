@@ -1,0 +1,504 @@
+//! The store: open and rebuild, the shared state, the background committer, and the
+//! operations that are shorthands for one read view or one write transaction.
+//!
+//! Buckets used by the store (auxiliary writes may use any other name):
+//!
+//! ```text
+//! key   revision key (see `revision`) -> change record (see `kv`)
+//! meta  "format"                -> u32 big-endian, = 1
+//!       "consistent_index"      -> u64 big-endian, last Raft index applied
+//!       "scheduled_compact_rev" -> u64 big-endian, compaction point recorded by `compact`
+//!       "finished_compact_rev"  -> u64 big-endian, last compaction fully deleted
+//! ```
+//!
+//! Concurrency: write transactions are serialised by one mutex and apply their changes to the
+//! key index at once (at the next revision, which readers do not look at until it is
+//! published) and to a private buffer; `commit` appends that buffer to the shared pending
+//! buffer and publishes the revision under the short `state` lock. Readers take the `state`
+//! lock only to copy the published revision and the `Arc`s of the pending buffers, then read
+//! the key index in short chunks. Backend commits run on the committer thread (every
+//! `batch_interval`, or when `batch_limit` writes are pending) under their own lock, so
+//! neither readers nor writers wait for them.
+
+use std::io::Write;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use parking_lot::{Mutex, RwLock};
+
+use crate::backend::{Backend, Bucket, ReadTxn};
+use crate::compact::CompactJob;
+use crate::error::MvccError;
+use crate::key_index::KeyIndex;
+use crate::kv::{LeaseId, decode_record};
+use crate::options::StoreOptions;
+use crate::pending::Pending;
+use crate::read::ReadView;
+use crate::request::{
+    DeleteRangeRequest, DeleteResponse, HashKv, PutRequest, PutResponse, RangeRequest,
+    RangeResponse, TxnRequest, TxnResponse,
+};
+use crate::revision::Revision;
+use crate::watch::{WatchHub, WatchRequest, Watcher};
+use crate::write::WriteTxn;
+
+/// Bucket of the revision-keyed changes.
+pub const KEY_BUCKET: Bucket = Bucket::new("key");
+/// Bucket of the store's metadata.
+pub const META_BUCKET: Bucket = Bucket::new("meta");
+
+pub(crate) const META_FORMAT: &[u8] = b"format";
+pub(crate) const META_CONSISTENT_INDEX: &[u8] = b"consistent_index";
+pub(crate) const META_SCHEDULED_COMPACT: &[u8] = b"scheduled_compact_rev";
+pub(crate) const META_FINISHED_COMPACT: &[u8] = b"finished_compact_rev";
+/// Store format written and read by this build.
+pub const STORE_FORMAT: u32 = 1;
+
+/// Keys visited per hold of the key-index read lock.
+pub(crate) const INDEX_CHUNK: usize = 256;
+
+pub(crate) struct IndexState {
+    pub keys: KeyIndex,
+    /// Compaction point: reads below it fail.
+    pub compacted: u64,
+}
+
+pub(crate) struct State {
+    /// Published revision.
+    pub revision: u64,
+    /// Buffer that write transactions append to.
+    pub current: Arc<Pending>,
+    /// Buffer being committed to the backend (kept after a failed commit).
+    pub committing: Option<Arc<Pending>>,
+}
+
+pub(crate) enum Signal {
+    Commit,
+    Shutdown,
+}
+
+pub(crate) struct Inner<B: Backend> {
+    pub backend: B,
+    pub options: StoreOptions,
+    pub write_lock: Mutex<()>,
+    pub index: RwLock<IndexState>,
+    pub state: Mutex<State>,
+    pub commit_lock: Mutex<()>,
+    pub consistent_index: AtomicU64,
+    pub compacted: AtomicU64,
+    pub poisoned: Mutex<Option<String>>,
+    pub committer: Sender<Signal>,
+    pub compactor: Sender<CompactJob>,
+    pub shutdown: AtomicBool,
+    /// A commit signal is in flight to the committer.
+    pub commit_requested: AtomicBool,
+    pub watch: WatchHub,
+}
+
+/// A revisioned key-value store over a [`Backend`]. `Send + Sync`; share it with an `Arc`.
+///
+/// Writes are acknowledged once they are in memory and visible to every later read; the
+/// backend receives them in batches (see [`StoreOptions::batch_interval`]), each batch with the
+/// consistent index it covers. Durability comes from the caller's write-ahead log: after a
+/// crash, reopen, read [`consistent_index`](Store::consistent_index) and re-apply later
+/// entries. [`force_commit`](Store::force_commit) makes everything acknowledged so far durable.
+pub struct Store<B: Backend> {
+    pub(crate) inner: Arc<Inner<B>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+fn meta_u64(txn: &impl ReadTxn, key: &'static [u8]) -> Result<u64, MvccError> {
+    match txn.get(&META_BUCKET, key)? {
+        None => Ok(0),
+        Some(v) if v.len() == 8 => {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(v);
+            Ok(u64::from_be_bytes(b))
+        }
+        Some(v) => Err(MvccError::BadMeta {
+            key: String::from_utf8_lossy(key).into_owned(),
+            reason: format!("expected 8 bytes, found {}", v.len()),
+        }),
+    }
+}
+
+impl<B: Backend> Store<B> {
+    /// Opens a store over `backend`: rebuilds the key index from the backend, and resumes a
+    /// compaction that a crash interrupted.
+    pub fn open(backend: B, options: StoreOptions) -> Result<Store<B>, MvccError> {
+        options.validate()?;
+        let txn = backend.read_txn()?;
+        let format = match txn.get(&META_BUCKET, META_FORMAT)? {
+            None => None,
+            Some(v) if v.len() == 4 => Some(u32::from_be_bytes([v[0], v[1], v[2], v[3]])),
+            Some(v) => {
+                return Err(MvccError::BadMeta {
+                    key: "format".to_owned(),
+                    reason: format!("expected 4 bytes, found {}", v.len()),
+                });
+            }
+        };
+        if let Some(f) = format
+            && f != STORE_FORMAT
+        {
+            return Err(MvccError::BadMeta {
+                key: "format".to_owned(),
+                reason: format!("store format {f}; this build reads format {STORE_FORMAT}"),
+            });
+        }
+        let consistent_index = meta_u64(&txn, META_CONSISTENT_INDEX)?;
+        let scheduled = meta_u64(&txn, META_SCHEDULED_COMPACT)?;
+        let finished = meta_u64(&txn, META_FINISHED_COMPACT)?;
+
+        let mut keys = KeyIndex::default();
+        let mut revision = 0u64;
+        for item in txn.range(&KEY_BUCKET, &[], None)? {
+            let (k, v) = item?;
+            let Some((rev, tombstone)) = Revision::from_key(k) else {
+                return Err(MvccError::Corrupt {
+                    revision: Revision::default(),
+                    reason: format!("key bucket holds a non-revision key {k:02x?}"),
+                });
+            };
+            let rec = decode_record(rev, v)?;
+            if tombstone {
+                keys.tombstone(rec.key, rev);
+            } else {
+                keys.restore_put(
+                    rec.key,
+                    Revision::new(rec.create_revision, 0),
+                    rev,
+                    rec.version,
+                );
+            }
+            revision = revision.max(rev.main);
+        }
+        drop(txn);
+        revision = revision.max(scheduled);
+        let mut job = None;
+        if scheduled > 0 {
+            let available = keys.compact(scheduled);
+            if scheduled > finished {
+                job = Some(CompactJob {
+                    revision: scheduled,
+                    available,
+                });
+            }
+        }
+
+        let current = Pending::default();
+        if format.is_none() {
+            let mut c = current.changes.write();
+            c.meta
+                .insert(META_FORMAT, STORE_FORMAT.to_be_bytes().to_vec());
+            c.writes += 1;
+        }
+        let (commit_tx, commit_rx) = crossbeam_channel::unbounded();
+        let (compact_tx, compact_rx) = crossbeam_channel::unbounded();
+        let inner = Arc::new(Inner {
+            backend,
+            watch: WatchHub::new(&options),
+            options,
+            write_lock: Mutex::new(()),
+            index: RwLock::new(IndexState {
+                keys,
+                compacted: scheduled,
+            }),
+            state: Mutex::new(State {
+                revision,
+                current: Arc::new(current),
+                committing: None,
+            }),
+            commit_lock: Mutex::new(()),
+            consistent_index: AtomicU64::new(consistent_index),
+            compacted: AtomicU64::new(scheduled),
+            poisoned: Mutex::new(None),
+            committer: commit_tx,
+            compactor: compact_tx,
+            shutdown: AtomicBool::new(false),
+            commit_requested: AtomicBool::new(false),
+        });
+        if let Some(job) = job {
+            tracing::info!(revision = job.revision, "resuming interrupted compaction");
+            let _ = inner.compactor.send(job);
+        }
+        let mut threads = Vec::new();
+        threads.push(spawn("keel-mvcc-commit", {
+            let inner = inner.clone();
+            move || committer_loop(&inner, &commit_rx)
+        })?);
+        threads.push(spawn("keel-mvcc-compact", {
+            let inner = inner.clone();
+            move || crate::compact::compactor_loop(&inner, &compact_rx)
+        })?);
+        threads.push(spawn("keel-mvcc-watch", {
+            let inner = inner.clone();
+            move || crate::watch::syncer_loop(&inner)
+        })?);
+        Ok(Store {
+            inner,
+            threads: Mutex::new(threads),
+        })
+    }
+
+    /// Reads a key or range; see [`RangeRequest`].
+    pub fn range(&self, req: &RangeRequest) -> Result<RangeResponse, MvccError> {
+        self.read()?.range(req)
+    }
+
+    /// Puts `key = value` with `lease` (0: none) as one revision; the previous pair is not
+    /// read (use [`put_with`](Store::put_with) for it).
+    pub fn put(&self, key: &[u8], value: &[u8], lease: LeaseId) -> Result<PutResponse, MvccError> {
+        let mut txn = self.write();
+        let mut resp = txn.put(key, value, lease)?;
+        resp.revision = txn.commit()?;
+        Ok(resp)
+    }
+
+    /// Puts with every option of [`PutRequest`] (the previous pair on request).
+    pub fn put_with(&self, req: &PutRequest) -> Result<PutResponse, MvccError> {
+        let mut txn = self.write();
+        let mut resp = txn.put_with(req)?;
+        resp.revision = txn.commit()?;
+        Ok(resp)
+    }
+
+    /// Deletes `key`, or `[key, end)` (etcd range conventions), as one revision; the deleted
+    /// pairs are not read (use [`delete_with`](Store::delete_with) for them). Deleting nothing
+    /// does not change the revision.
+    pub fn delete_range(
+        &self,
+        key: &[u8],
+        end: Option<&[u8]>,
+    ) -> Result<DeleteResponse, MvccError> {
+        let mut txn = self.write();
+        let mut resp = txn.delete_range(key, end)?;
+        resp.revision = txn.commit()?;
+        Ok(resp)
+    }
+
+    /// Deletes with every option of [`DeleteRangeRequest`] (the deleted pairs on request).
+    pub fn delete_with(&self, req: &DeleteRangeRequest) -> Result<DeleteResponse, MvccError> {
+        let mut txn = self.write();
+        let mut resp = txn.delete_with(req)?;
+        resp.revision = txn.commit()?;
+        Ok(resp)
+    }
+
+    /// Runs a transaction atomically as one revision (none if it changes no key).
+    pub fn txn(&self, req: &TxnRequest) -> Result<TxnResponse, MvccError> {
+        let mut txn = self.write();
+        let mut resp = txn.txn(req)?;
+        let revision = txn.commit()?;
+        crate::txn::set_revision(&mut resp, revision);
+        Ok(resp)
+    }
+
+    /// A snapshot read view at the current revision. It sees every write committed before
+    /// this call (in the backend or not), may move to another thread and live as long as
+    /// needed; holding it never blocks writers or backend commits.
+    pub fn read(&self) -> Result<ReadView<B>, MvccError> {
+        ReadView::open(&self.inner)
+    }
+
+    /// Starts a write transaction: one atomic unit and one revision if it changes a key.
+    /// Write transactions run one at a time; this waits for the previous one to end.
+    pub fn write(&self) -> WriteTxn<'_, B> {
+        WriteTxn::begin(&self.inner)
+    }
+
+    /// Compacts the history at `revision`: reads below it fail from now on; the superseded
+    /// changes are deleted in the background in batches of
+    /// [`StoreOptions::compaction_batch_limit`]. The compaction point is durable when this
+    /// returns, so a crash resumes the deletion on the next open.
+    pub fn compact(&self, revision: u64) -> Result<(), MvccError> {
+        crate::compact::compact(&self.inner, revision)
+    }
+
+    /// Hash of the history up to `revision` (0: current), for comparing replicas; see
+    /// [`HashKv`].
+    pub fn hash_kv(&self, revision: u64) -> Result<HashKv, MvccError> {
+        crate::compact::hash_kv(&self.inner, revision)
+    }
+
+    /// Watches a key or range; see [`WatchRequest`].
+    pub fn watch(&self, req: WatchRequest) -> Result<Watcher, MvccError> {
+        crate::watch::watch(&self.inner, req)
+    }
+
+    /// The revision of the last write transaction that changed a key.
+    pub fn current_revision(&self) -> u64 {
+        self.inner.state.lock().revision
+    }
+
+    /// Number of keys in the key index (live or with history not yet compacted).
+    pub fn key_count(&self) -> usize {
+        self.inner.index.read().keys.len()
+    }
+
+    /// The compaction point (0 if never compacted).
+    pub fn compacted_revision(&self) -> u64 {
+        self.inner.compacted.load(Ordering::Acquire)
+    }
+
+    /// The last Raft index applied by a write transaction (0 if none).
+    pub fn consistent_index(&self) -> u64 {
+        self.inner.consistent_index.load(Ordering::Acquire)
+    }
+
+    /// Commits every acknowledged write to the backend now; durable when this returns.
+    pub fn force_commit(&self) -> Result<(), MvccError> {
+        self.inner.commit_pending()
+    }
+
+    /// Writes a consistent copy of the backend (after a [`force_commit`](Store::force_commit))
+    /// to `out`; returns the bytes written. Writes continue meanwhile.
+    pub fn snapshot(&self, out: &mut dyn Write) -> Result<u64, MvccError> {
+        self.force_commit()?;
+        Ok(self.inner.backend.snapshot(out)?)
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        &self.inner.backend
+    }
+
+    /// The value of `key` in auxiliary `bucket`, including writes not yet committed to the
+    /// backend.
+    pub fn aux_get(&self, bucket: &Bucket, key: &[u8]) -> Result<Option<Vec<u8>>, MvccError> {
+        check_aux_bucket(bucket)?;
+        let (current, committing) = self.inner.pending_snapshot();
+        for p in std::iter::once(&current).chain(committing.as_ref()) {
+            if let Some(v) = p.changes.read().aux(bucket, key) {
+                return Ok(v.map(<[u8]>::to_vec));
+            }
+        }
+        let txn = self.inner.backend.read_txn()?;
+        Ok(txn.get(bucket, key)?.map(<[u8]>::to_vec))
+    }
+
+    /// Every pair of auxiliary `bucket` in ascending key order, including writes not yet
+    /// committed to the backend.
+    pub fn aux_scan(&self, bucket: &Bucket) -> Result<AuxPairs, MvccError> {
+        check_aux_bucket(bucket)?;
+        let (current, committing) = self.inner.pending_snapshot();
+        let txn = self.inner.backend.read_txn()?;
+        let mut all = std::collections::BTreeMap::new();
+        for item in txn.range(bucket, &[], None)? {
+            let (k, v) = item?;
+            all.insert(k.to_vec(), Some(v.to_vec()));
+        }
+        for p in committing.iter().chain(std::iter::once(&current)) {
+            if let Some(writes) = p.changes.read().aux.get(bucket) {
+                all.extend(writes.iter().map(|(k, v)| (k.clone(), v.clone())));
+            }
+        }
+        Ok(all
+            .into_iter()
+            .filter_map(|(k, v)| v.map(|v| (k, v)))
+            .collect())
+    }
+}
+
+/// The pairs of an auxiliary bucket, in ascending key order.
+pub type AuxPairs = Vec<(Vec<u8>, Vec<u8>)>;
+
+pub(crate) fn check_aux_bucket(bucket: &Bucket) -> Result<(), MvccError> {
+    if *bucket == KEY_BUCKET || *bucket == META_BUCKET {
+        return Err(MvccError::ReservedBucket {
+            bucket: bucket.clone(),
+        });
+    }
+    bucket.validate()?;
+    Ok(())
+}
+
+fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>, MvccError> {
+    std::thread::Builder::new()
+        .name(name.to_owned())
+        .spawn(f)
+        .map_err(|e| {
+            MvccError::Backend(crate::backend::BackendError::io(
+                std::path::PathBuf::from(name),
+                "spawn thread",
+                e,
+            ))
+        })
+}
+
+impl<B: Backend> Inner<B> {
+    /// The published revision and the pending buffers a reader needs, taken together.
+    pub(crate) fn pending_snapshot(&self) -> (Arc<Pending>, Option<Arc<Pending>>) {
+        let st = self.state.lock();
+        (st.current.clone(), st.committing.clone())
+    }
+
+    pub(crate) fn check_poisoned(&self) -> Result<(), MvccError> {
+        match &*self.poisoned.lock() {
+            Some(reason) => Err(MvccError::Poisoned {
+                reason: reason.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Commits the current pending buffer to the backend (one batch).
+    pub(crate) fn commit_pending(&self) -> Result<(), MvccError> {
+        let _commit = self.commit_lock.lock();
+        self.check_poisoned()?;
+        let pending = {
+            let mut st = self.state.lock();
+            if st.current.changes.read().is_empty() {
+                return Ok(());
+            }
+            let p = std::mem::take(&mut st.current);
+            st.committing = Some(p.clone());
+            p
+        };
+        let batch = pending.changes.read().to_batch();
+        match self.backend.commit(&batch) {
+            Ok(()) => {
+                self.state.lock().committing = None;
+                Ok(())
+            }
+            Err(e) => {
+                // The buffer stays as `committing` so reads keep seeing it.
+                tracing::error!(error = %e, "backend commit failed; store is poisoned");
+                *self.poisoned.lock() = Some(e.to_string());
+                Err(e.into())
+            }
+        }
+    }
+}
+
+fn committer_loop<B: Backend>(inner: &Inner<B>, rx: &Receiver<Signal>) {
+    loop {
+        let stop = match rx.recv_timeout(inner.options.batch_interval) {
+            Ok(Signal::Commit) | Err(RecvTimeoutError::Timeout) => false,
+            Ok(Signal::Shutdown) | Err(RecvTimeoutError::Disconnected) => true,
+        };
+        inner.commit_requested.store(false, Ordering::Release);
+        if let Err(e) = inner.commit_pending()
+            && !matches!(e, MvccError::Poisoned { .. })
+        {
+            tracing::error!(error = %e, "background backend commit failed");
+        }
+        if stop {
+            return;
+        }
+    }
+}
+
+impl<B: Backend> Drop for Store<B> {
+    fn drop(&mut self) {
+        self.inner.shutdown.store(true, Ordering::Release);
+        let _ = self.inner.committer.send(Signal::Shutdown);
+        let _ = self.inner.compactor.send(CompactJob::shutdown());
+        self.inner.watch.shutdown();
+        for t in self.threads.lock().drain(..) {
+            let _ = t.join();
+        }
+    }
+}

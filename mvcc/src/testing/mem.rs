@@ -1,0 +1,221 @@
+//! [`MemBackend`]: an in-memory [`Backend`] for tests.
+//!
+//! Contents live in a process-global registry keyed by path, so dropping a backend and opening
+//! the same path again "reopens" it with every committed batch (but nothing survives the
+//! process). Each bucket is an `Arc<BTreeMap>`: a commit copies the buckets it touches when a
+//! read transaction still shares them, so readers keep their snapshot and never block the
+//! writer. [`MemBackend::set_fail_commits`] makes commits fail, to test error paths.
+
+use std::collections::{BTreeMap, HashMap};
+use std::ops::Bound;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, LazyLock};
+
+use parking_lot::Mutex;
+
+use crate::backend::{Backend, BackendError, BackendSize, BatchOp, Bucket, ReadTxn, WriteBatch};
+
+type Tree = BTreeMap<Vec<u8>, Vec<u8>>;
+type Data = BTreeMap<Bucket, Arc<Tree>>;
+
+struct Shared {
+    data: Mutex<Arc<Data>>,
+    open: AtomicBool,
+}
+
+static REGISTRY: LazyLock<Mutex<HashMap<PathBuf, Arc<Shared>>>> =
+    LazyLock::new(|| Mutex::new(HashMap::new()));
+
+/// Options of [`MemBackend`] (none matter; kept for the [`Backend`] contract).
+#[derive(Clone, Debug, Default)]
+pub struct MemOptions {}
+
+/// An in-memory backend; see the module docs.
+pub struct MemBackend {
+    path: PathBuf,
+    shared: Arc<Shared>,
+    commit: Mutex<()>,
+    fail: AtomicBool,
+}
+
+impl MemBackend {
+    /// Makes every later commit fail with an I/O error (`true`) or succeed again (`false`).
+    pub fn set_fail_commits(&self, fail: bool) {
+        self.fail.store(fail, Ordering::Release);
+    }
+
+    /// Forgets the contents stored under `path` (the path must not be open).
+    pub fn forget(path: &Path) {
+        REGISTRY.lock().remove(path);
+    }
+
+    /// Number of pairs in `bucket` as last committed.
+    pub fn len(&self, bucket: &Bucket) -> usize {
+        self.shared.data.lock().get(bucket).map_or(0, |t| t.len())
+    }
+
+    /// True when no bucket holds a pair.
+    pub fn is_empty(&self) -> bool {
+        self.shared.data.lock().is_empty()
+    }
+}
+
+impl Drop for MemBackend {
+    fn drop(&mut self) {
+        self.shared.open.store(false, Ordering::Release);
+    }
+}
+
+/// A snapshot of a [`MemBackend`].
+pub struct MemReadTxn {
+    data: Arc<Data>,
+}
+
+/// Iterator of [`MemReadTxn::range`].
+pub struct MemRange<'a> {
+    inner: Option<std::collections::btree_map::Range<'a, Vec<u8>, Vec<u8>>>,
+}
+
+impl<'a> Iterator for MemRange<'a> {
+    type Item = Result<(&'a [u8], &'a [u8]), BackendError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let (k, v) = self.inner.as_mut()?.next()?;
+        Some(Ok((k.as_slice(), v.as_slice())))
+    }
+}
+
+type KeyBounds<'a> = (Bound<&'a [u8]>, Bound<&'a [u8]>);
+
+fn bounds<'a>(start: &'a [u8], end: Option<&'a [u8]>) -> Option<KeyBounds<'a>> {
+    match end {
+        Some(e) if e <= start => None,
+        Some(e) => Some((Bound::Included(start), Bound::Excluded(e))),
+        None => Some((Bound::Included(start), Bound::Unbounded)),
+    }
+}
+
+impl ReadTxn for MemReadTxn {
+    type Range<'a> = MemRange<'a>;
+
+    fn get(&self, bucket: &Bucket, key: &[u8]) -> Result<Option<&[u8]>, BackendError> {
+        Ok(self
+            .data
+            .get(bucket)
+            .and_then(|t| t.get(key))
+            .map(Vec::as_slice))
+    }
+
+    fn range<'a>(
+        &'a self,
+        bucket: &Bucket,
+        start: &[u8],
+        end: Option<&[u8]>,
+    ) -> Result<MemRange<'a>, BackendError> {
+        let inner = match (self.data.get(bucket), bounds(start, end)) {
+            (Some(t), Some(b)) => Some(t.range::<[u8], _>(b)),
+            _ => None,
+        };
+        Ok(MemRange { inner })
+    }
+
+    fn buckets(&self) -> Result<Vec<Bucket>, BackendError> {
+        Ok(self.data.keys().cloned().collect())
+    }
+}
+
+impl Backend for MemBackend {
+    type Options = MemOptions;
+    type ReadTxn = MemReadTxn;
+
+    fn open(path: &Path, _options: &MemOptions) -> Result<MemBackend, BackendError> {
+        let shared = REGISTRY
+            .lock()
+            .entry(path.to_path_buf())
+            .or_insert_with(|| {
+                Arc::new(Shared {
+                    data: Mutex::new(Arc::new(Data::new())),
+                    open: AtomicBool::new(false),
+                })
+            })
+            .clone();
+        if shared.open.swap(true, Ordering::AcqRel) {
+            return Err(BackendError::Locked {
+                path: path.to_path_buf(),
+            });
+        }
+        Ok(MemBackend {
+            path: path.to_path_buf(),
+            shared,
+            commit: Mutex::new(()),
+            fail: AtomicBool::new(false),
+        })
+    }
+
+    fn read_txn(&self) -> Result<MemReadTxn, BackendError> {
+        Ok(MemReadTxn {
+            data: self.shared.data.lock().clone(),
+        })
+    }
+
+    fn commit(&self, batch: &WriteBatch) -> Result<(), BackendError> {
+        let _c = self.commit.lock();
+        if self.fail.load(Ordering::Acquire) {
+            return Err(BackendError::io(
+                &self.path,
+                "commit",
+                std::io::Error::other("injected commit failure"),
+            ));
+        }
+        let mut data: Data = (**self.shared.data.lock()).clone();
+        for op in batch.ops() {
+            match op {
+                BatchOp::Put { bucket, key, value } => {
+                    bucket.validate()?;
+                    Arc::make_mut(data.entry(bucket.clone()).or_default())
+                        .insert(key.clone(), value.clone());
+                }
+                BatchOp::Delete { bucket, key } => {
+                    bucket.validate()?;
+                    if let Some(t) = data.get_mut(bucket) {
+                        Arc::make_mut(t).remove(key);
+                    }
+                }
+                BatchOp::DeleteRange { bucket, start, end } => {
+                    bucket.validate()?;
+                    if let Some(t) = data.get_mut(bucket)
+                        && let Some(b) = bounds(start, end.as_deref())
+                    {
+                        let doomed: Vec<Vec<u8>> =
+                            t.range::<[u8], _>(b).map(|(k, _)| k.clone()).collect();
+                        let t = Arc::make_mut(t);
+                        for k in doomed {
+                            t.remove(&k);
+                        }
+                    }
+                }
+            }
+        }
+        data.retain(|_, t| !t.is_empty());
+        *self.shared.data.lock() = Arc::new(data);
+        Ok(())
+    }
+
+    fn size(&self) -> Result<BackendSize, BackendError> {
+        let data = self.shared.data.lock().clone();
+        let bytes: usize = data
+            .values()
+            .flat_map(|t| t.iter())
+            .map(|(k, v)| k.len() + v.len())
+            .sum();
+        Ok(BackendSize {
+            on_disk: bytes as u64,
+            in_use: bytes as u64,
+        })
+    }
+
+    fn defragment(&self) -> Result<(), BackendError> {
+        Ok(())
+    }
+}

@@ -1,0 +1,669 @@
+//! Watch: streams of changes to a key or range, from a revision on.
+//!
+//! Every watcher owns a bounded channel ([`StoreOptions::watch_channel_capacity`] responses,
+//! one response per revision). A watcher is either *synced* — the committing writer hands it
+//! the events of each new revision with a non-blocking send — or *unsynced*: it started in the
+//! past, or its channel was full when a writer tried to deliver. Writers never wait for a
+//! watcher: a full channel just turns the watcher unsynced, remembering the first revision it
+//! missed. The syncer thread then reads the missed revisions back from the store (pending
+//! buffers and backend, through a read view), for up to 512 unsynced watchers in one scan of
+//! at most [`StoreOptions::watch_sync_batch`] revisions, and moves a watcher back to synced
+//! once it has everything up to the last revision writers dispatched. Memory therefore stays
+//! bounded by the channels, whatever the consumers do.
+//!
+//! A watcher whose next revision falls below the compaction point receives
+//! [`MvccError::Compacted`] and ends (etcd's "required revision has been compacted").
+//!
+//! [`StoreOptions::watch_channel_capacity`]: crate::StoreOptions::watch_channel_capacity
+//! [`StoreOptions::watch_sync_batch`]: crate::StoreOptions::watch_sync_batch
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError, TrySendError};
+use parking_lot::Mutex;
+
+use crate::backend::Backend;
+use crate::error::MvccError;
+use crate::kv::{KeyValue, decode_record};
+use crate::options::StoreOptions;
+use crate::pending::Changes;
+use crate::read::ReadView;
+use crate::request::{RangeRequest, check_range};
+use crate::revision::Revision;
+use crate::store::Inner;
+
+/// Unsynced watchers caught up per store scan (etcd's `maxWatchersPerSync`).
+const WATCHERS_PER_SYNC: usize = 512;
+
+/// What to watch.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct WatchRequest {
+    /// The key (or first key).
+    pub key: Vec<u8>,
+    /// Range end, with the conventions of [`RangeRequest`].
+    pub range_end: Option<Vec<u8>>,
+    /// First revision to report; 0 means "changes after the current revision". A past
+    /// revision is caught up from the store; it must be above the compaction point.
+    pub start_revision: u64,
+    /// Attach each change's previous pair to its event.
+    pub prev_kv: bool,
+}
+
+impl WatchRequest {
+    /// Watches one key from the next revision on.
+    pub fn key(key: impl Into<Vec<u8>>) -> WatchRequest {
+        WatchRequest {
+            key: key.into(),
+            ..WatchRequest::default()
+        }
+    }
+
+    /// Watches every key starting with `prefix`.
+    pub fn prefix(prefix: impl Into<Vec<u8>>) -> WatchRequest {
+        let r = RangeRequest::prefix(prefix);
+        WatchRequest {
+            key: r.key,
+            range_end: r.range_end,
+            ..WatchRequest::default()
+        }
+    }
+
+    /// The same request from `revision` on.
+    pub fn from(mut self, revision: u64) -> WatchRequest {
+        self.start_revision = revision;
+        self
+    }
+}
+
+/// Kind of change.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventKind {
+    /// A put.
+    Put,
+    /// A deletion; the event's `kv` holds the key and the deleting revision only.
+    Delete,
+}
+
+/// One change seen by a watcher.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Event {
+    /// Put or delete.
+    pub kind: EventKind,
+    /// The pair after the change.
+    pub kv: KeyValue,
+    /// The pair before it, when the watch asked for it and the key existed (and was not
+    /// compacted away by the time the event was read).
+    pub prev_kv: Option<KeyValue>,
+}
+
+/// An event before per-watcher `prev_kv` resolution.
+#[derive(Clone, Debug)]
+pub(crate) struct RawEvent {
+    kind: EventKind,
+    kv: KeyValue,
+    prev_rev: Option<Revision>,
+}
+
+/// The events of a committed transaction's changes.
+pub(crate) fn events_of(
+    staged: &Changes,
+    prev_revs: &[Option<Revision>],
+) -> Result<Vec<RawEvent>, MvccError> {
+    staged
+        .revs
+        .iter()
+        .zip(prev_revs)
+        .map(|(p, prev)| {
+            let rec = decode_record(p.rev, &p.record)?;
+            Ok(RawEvent {
+                kind: if p.tombstone {
+                    EventKind::Delete
+                } else {
+                    EventKind::Put
+                },
+                kv: rec.to_kv(true),
+                prev_rev: *prev,
+            })
+        })
+        .collect()
+}
+
+#[derive(Clone, Debug)]
+enum KeyBound {
+    Single,
+    Until(Vec<u8>),
+    Unbounded,
+}
+
+struct WatcherState {
+    key: Vec<u8>,
+    bound: KeyBound,
+    prev_kv: bool,
+    tx: Sender<Vec<Event>>,
+    end: Arc<WatchEnd>,
+    /// First revision this watcher has not received (for a synced watcher: the lowest
+    /// revision it may still receive).
+    next_rev: u64,
+    synced: bool,
+}
+
+impl WatcherState {
+    fn matches(&self, key: &[u8]) -> bool {
+        match &self.bound {
+            KeyBound::Single => key == self.key.as_slice(),
+            KeyBound::Until(end) => key >= self.key.as_slice() && key < end.as_slice(),
+            KeyBound::Unbounded => key >= self.key.as_slice(),
+        }
+    }
+}
+
+/// Why a watcher ended, read by its receiver once the channel is drained.
+#[derive(Default)]
+struct WatchEnd {
+    error: Mutex<Option<MvccError>>,
+}
+
+#[derive(Default)]
+struct HubState {
+    watchers: HashMap<u64, WatcherState>,
+    synced_keys: HashMap<Vec<u8>, Vec<u64>>,
+    synced_ranges: HashSet<u64>,
+    unsynced: HashSet<u64>,
+    /// Last revision whose events writers dispatched.
+    last_notified: u64,
+}
+
+impl HubState {
+    fn add_synced(&mut self, id: u64) {
+        let Some(w) = self.watchers.get_mut(&id) else {
+            return;
+        };
+        w.synced = true;
+        match w.bound {
+            KeyBound::Single => self.synced_keys.entry(w.key.clone()).or_default().push(id),
+            _ => {
+                self.synced_ranges.insert(id);
+            }
+        }
+        self.unsynced.remove(&id);
+    }
+
+    fn remove_synced(&mut self, id: u64) {
+        let Some(w) = self.watchers.get_mut(&id) else {
+            return;
+        };
+        if !w.synced {
+            return;
+        }
+        w.synced = false;
+        match w.bound {
+            KeyBound::Single => {
+                if let Some(ids) = self.synced_keys.get_mut(&w.key) {
+                    ids.retain(|&i| i != id);
+                    if ids.is_empty() {
+                        self.synced_keys.remove(&w.key);
+                    }
+                }
+            }
+            _ => {
+                self.synced_ranges.remove(&id);
+            }
+        }
+    }
+
+    fn remove(&mut self, id: u64) -> Option<WatcherState> {
+        self.remove_synced(id);
+        self.unsynced.remove(&id);
+        self.watchers.remove(&id)
+    }
+}
+
+struct HubShared {
+    state: Mutex<HubState>,
+    count: AtomicUsize,
+    closed: AtomicBool,
+}
+
+impl HubShared {
+    fn cancel(&self, id: u64) {
+        if self.state.lock().remove(id).is_some() {
+            self.count.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+/// The store's registry of watchers.
+pub(crate) struct WatchHub {
+    shared: Arc<HubShared>,
+    next_id: AtomicU64,
+    capacity: usize,
+    wake: (Sender<()>, Receiver<()>),
+}
+
+impl WatchHub {
+    pub fn new(options: &StoreOptions) -> WatchHub {
+        WatchHub {
+            shared: Arc::new(HubShared {
+                state: Mutex::new(HubState::default()),
+                count: AtomicUsize::new(0),
+                closed: AtomicBool::new(false),
+            }),
+            next_id: AtomicU64::new(1),
+            capacity: options.watch_channel_capacity,
+            wake: crossbeam_channel::bounded(1),
+        }
+    }
+
+    pub fn has_watchers(&self) -> bool {
+        self.shared.count.load(Ordering::Acquire) > 0
+    }
+
+    /// Closes every watcher (their receivers then report [`MvccError::WatchClosed`]).
+    pub fn shutdown(&self) {
+        self.shared.closed.store(true, Ordering::Release);
+        let mut st = self.shared.state.lock();
+        let n = st.watchers.len();
+        *st = HubState::default();
+        self.shared.count.fetch_sub(n, Ordering::AcqRel);
+        drop(st);
+        let _ = self.wake.0.try_send(());
+    }
+
+    /// Hands the events of `revision` to synced watchers; called by the committing writer,
+    /// in revision order. Never blocks on a watcher.
+    pub fn notify<B: Backend>(&self, inner: &Arc<Inner<B>>, revision: u64, events: Vec<RawEvent>) {
+        let mut st = self.shared.state.lock();
+        st.last_notified = revision;
+        let mut batches: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
+        for (i, ev) in events.iter().enumerate() {
+            if let Some(ids) = st.synced_keys.get(&ev.kv.key) {
+                for &id in ids {
+                    batches.entry(id).or_default().push(i);
+                }
+            }
+            for &id in &st.synced_ranges {
+                if st.watchers.get(&id).is_some_and(|w| w.matches(&ev.kv.key)) {
+                    batches.entry(id).or_default().push(i);
+                }
+            }
+        }
+        if batches.is_empty() {
+            return;
+        }
+        let mut prevs: HashMap<usize, Option<KeyValue>> = HashMap::new();
+        let mut view: Option<Option<ReadView<B>>> = None;
+        let mut gone = Vec::new();
+        for (id, idxs) in batches {
+            let Some(w) = st.watchers.get(&id) else {
+                continue;
+            };
+            if revision < w.next_rev {
+                continue;
+            }
+            let mut out = Vec::with_capacity(idxs.len());
+            for i in idxs {
+                let ev = &events[i];
+                let prev_kv = if w.prev_kv {
+                    prevs
+                        .entry(i)
+                        .or_insert_with(|| {
+                            let v = view.get_or_insert_with(|| ReadView::open(inner).ok());
+                            resolve_prev(inner, v.as_ref(), ev.prev_rev)
+                        })
+                        .clone()
+                } else {
+                    None
+                };
+                out.push(Event {
+                    kind: ev.kind,
+                    kv: ev.kv.clone(),
+                    prev_kv,
+                });
+            }
+            match w.tx.try_send(out) {
+                Ok(()) => {}
+                Err(TrySendError::Full(_)) => {
+                    st.remove_synced(id);
+                    if let Some(w) = st.watchers.get_mut(&id) {
+                        w.next_rev = revision;
+                    }
+                    st.unsynced.insert(id);
+                }
+                Err(TrySendError::Disconnected(_)) => gone.push(id),
+            }
+        }
+        for id in gone {
+            if st.remove(id).is_some() {
+                self.shared.count.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+    }
+}
+
+fn resolve_prev<B: Backend>(
+    inner: &Inner<B>,
+    view: Option<&ReadView<B>>,
+    prev: Option<Revision>,
+) -> Option<KeyValue> {
+    let (view, prev) = (view?, prev?);
+    let compacted = || inner.index.read().compacted;
+    view.sources(None)
+        .fetch(compacted, &[prev], true)
+        .ok()?
+        .pop()
+}
+
+/// A stream of changes; see the module docs. Dropping it cancels the watch.
+pub struct Watcher {
+    id: u64,
+    rx: Receiver<Vec<Event>>,
+    end: Arc<WatchEnd>,
+    hub: Weak<HubShared>,
+}
+
+impl std::fmt::Debug for Watcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Watcher").field("id", &self.id).finish()
+    }
+}
+
+impl Watcher {
+    /// The watch id, unique within its store.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    fn ended(&self) -> MvccError {
+        self.end
+            .error
+            .lock()
+            .take()
+            .unwrap_or(MvccError::WatchClosed { id: self.id })
+    }
+
+    /// Waits for the events of the next revision that touched the watched keys. Fails with
+    /// [`MvccError::Compacted`] when the watcher fell below the compaction point, or
+    /// [`MvccError::WatchClosed`] after the store was dropped.
+    pub fn recv(&self) -> Result<Vec<Event>, MvccError> {
+        self.rx.recv().map_err(|_| self.ended())
+    }
+
+    /// Like [`recv`](Watcher::recv) but gives up after `timeout` with `Ok(None)`.
+    pub fn recv_timeout(&self, timeout: Duration) -> Result<Option<Vec<Event>>, MvccError> {
+        match self.rx.recv_timeout(timeout) {
+            Ok(events) => Ok(Some(events)),
+            Err(RecvTimeoutError::Timeout) => Ok(None),
+            Err(RecvTimeoutError::Disconnected) => Err(self.ended()),
+        }
+    }
+
+    /// The next revision's events if already delivered.
+    pub fn try_recv(&self) -> Result<Option<Vec<Event>>, MvccError> {
+        match self.rx.try_recv() {
+            Ok(events) => Ok(Some(events)),
+            Err(TryRecvError::Empty) => Ok(None),
+            Err(TryRecvError::Disconnected) => Err(self.ended()),
+        }
+    }
+
+    /// Stops the watch; events not yet received are dropped.
+    pub fn cancel(self) {}
+}
+
+impl Drop for Watcher {
+    fn drop(&mut self) {
+        if let Some(hub) = self.hub.upgrade() {
+            hub.cancel(self.id);
+        }
+    }
+}
+
+/// Registers a watcher.
+pub(crate) fn watch<B: Backend>(
+    inner: &Arc<Inner<B>>,
+    req: WatchRequest,
+) -> Result<Watcher, MvccError> {
+    check_range(&req.key, req.range_end.as_deref())?;
+    let size = req.key.len() + req.range_end.as_ref().map_or(0, Vec::len);
+    if size > inner.options.max_request_bytes {
+        return Err(MvccError::RequestTooLarge {
+            size,
+            limit: inner.options.max_request_bytes,
+        });
+    }
+    let hub = &inner.watch;
+    let bound = match req.range_end.as_deref() {
+        None => KeyBound::Single,
+        Some([0]) => KeyBound::Unbounded,
+        Some(e) => KeyBound::Until(e.to_vec()),
+    };
+    let (tx, rx) = crossbeam_channel::bounded(hub.capacity);
+    let end = Arc::new(WatchEnd::default());
+    let id = hub.next_id.fetch_add(1, Ordering::Relaxed);
+    // The write lock orders registration against commits: nothing is published meanwhile.
+    let _w = inner.write_lock.lock();
+    let current = inner.state.lock().revision;
+    let compacted = inner.compacted.load(Ordering::Acquire);
+    if req.start_revision != 0 && req.start_revision <= compacted {
+        return Err(MvccError::Compacted {
+            requested: req.start_revision,
+            compacted,
+        });
+    }
+    let start = if req.start_revision == 0 {
+        current + 1
+    } else {
+        req.start_revision
+    };
+    let mut st = hub.shared.state.lock();
+    st.last_notified = st.last_notified.max(current);
+    st.watchers.insert(
+        id,
+        WatcherState {
+            key: req.key,
+            bound,
+            prev_kv: req.prev_kv,
+            tx,
+            end: end.clone(),
+            next_rev: start,
+            synced: false,
+        },
+    );
+    hub.shared.count.fetch_add(1, Ordering::AcqRel);
+    if start > current {
+        st.add_synced(id);
+    } else {
+        st.unsynced.insert(id);
+        let _ = hub.wake.0.try_send(());
+    }
+    Ok(Watcher {
+        id,
+        rx,
+        end,
+        hub: Arc::downgrade(&hub.shared),
+    })
+}
+
+/// A watcher's parameters copied out for one catch-up round.
+struct SyncTarget {
+    id: u64,
+    next: u64,
+    matcher: WatcherState,
+}
+
+/// The syncer thread: catches unsynced watchers up until the store shuts down.
+pub(crate) fn syncer_loop<B: Backend>(inner: &Arc<Inner<B>>) {
+    let hub = &inner.watch;
+    loop {
+        match hub.wake.1.recv_timeout(inner.options.watch_sync_interval) {
+            Ok(()) | Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => return,
+        }
+        if hub.shared.closed.load(Ordering::Acquire) || inner.shutdown.load(Ordering::Acquire) {
+            return;
+        }
+        // Keep going while rounds make progress; a round with only full channels waits.
+        for _ in 0..64 {
+            match sync_round(inner) {
+                Ok(true) => {}
+                Ok(false) => break,
+                Err(e) => {
+                    tracing::warn!(error = %e, "watch catch-up failed; retrying later");
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// One catch-up pass; true when some watcher made progress and more work may remain.
+fn sync_round<B: Backend>(inner: &Arc<Inner<B>>) -> Result<bool, MvccError> {
+    let hub = &inner.watch;
+    let view = ReadView::open(inner)?;
+    let compacted = inner.compacted.load(Ordering::Acquire);
+    let mut targets = Vec::new();
+    {
+        let mut st = hub.shared.state.lock();
+        let ids: Vec<u64> = st
+            .unsynced
+            .iter()
+            .copied()
+            .take(WATCHERS_PER_SYNC)
+            .collect();
+        for id in ids {
+            let Some(w) = st.watchers.get(&id) else {
+                continue;
+            };
+            if w.next_rev <= compacted {
+                if let Some(w) = st.remove(id) {
+                    hub.shared.count.fetch_sub(1, Ordering::AcqRel);
+                    *w.end.error.lock() = Some(MvccError::Compacted {
+                        requested: w.next_rev,
+                        compacted,
+                    });
+                }
+                continue;
+            }
+            targets.push(SyncTarget {
+                id,
+                next: w.next_rev,
+                matcher: WatcherState {
+                    key: w.key.clone(),
+                    bound: w.bound.clone(),
+                    prev_kv: w.prev_kv,
+                    tx: w.tx.clone(),
+                    end: w.end.clone(),
+                    next_rev: w.next_rev,
+                    synced: false,
+                },
+            });
+        }
+    }
+    if targets.is_empty() {
+        return Ok(false);
+    }
+    let min_next = targets.iter().map(|t| t.next).min().unwrap_or(u64::MAX);
+    let upto = view
+        .revision()
+        .min(min_next.saturating_add(inner.options.watch_sync_batch as u64 - 1));
+    // Events of [min_next, upto], grouped by revision.
+    let mut revs: Vec<(u64, Vec<RawEvent>)> = Vec::new();
+    if min_next <= upto {
+        view.sources(None).for_each_change(
+            Revision::new(min_next, 0),
+            upto,
+            |rev, tomb, _, rec| {
+                let kv = decode_record(rev, rec)?.to_kv(true);
+                let ev = RawEvent {
+                    kind: if tomb {
+                        EventKind::Delete
+                    } else {
+                        EventKind::Put
+                    },
+                    kv,
+                    prev_rev: None,
+                };
+                match revs.last_mut() {
+                    Some((main, evs)) if *main == rev.main => evs.push(ev),
+                    _ => revs.push((rev.main, vec![ev])),
+                }
+                Ok(true)
+            },
+        )?;
+    }
+    let mut progressed = false;
+    for t in &mut targets {
+        let start = revs.partition_point(|(main, _)| *main < t.next);
+        let mut blocked = false;
+        for (main, evs) in &revs[start..] {
+            let out: Vec<Event> = evs
+                .iter()
+                .filter(|e| t.matcher.matches(&e.kv.key))
+                .map(|e| Event {
+                    kind: e.kind,
+                    kv: e.kv.clone(),
+                    prev_kv: if t.matcher.prev_kv {
+                        prev_at(inner, &view, &e.kv.key, *main)
+                    } else {
+                        None
+                    },
+                })
+                .collect();
+            if out.is_empty() {
+                continue;
+            }
+            match t.matcher.tx.try_send(out) {
+                Ok(()) => {}
+                Err(TrySendError::Full(_)) => {
+                    t.next = *main;
+                    blocked = true;
+                    break;
+                }
+                Err(TrySendError::Disconnected(_)) => {
+                    blocked = true;
+                    break;
+                }
+            }
+            t.next = main + 1;
+            progressed = true;
+        }
+        if !blocked && t.next <= upto {
+            t.next = upto + 1;
+            progressed = true;
+        }
+    }
+    let mut st = hub.shared.state.lock();
+    let last = st.last_notified;
+    for t in targets {
+        let Some(w) = st.watchers.get_mut(&t.id) else {
+            continue;
+        };
+        if w.synced {
+            continue;
+        }
+        w.next_rev = t.next;
+        if t.next > last {
+            st.add_synced(t.id);
+            progressed = true;
+        }
+    }
+    Ok(progressed && !st.unsynced.is_empty())
+}
+
+/// The pair `key` had just before revision `main`, read through `view`.
+fn prev_at<B: Backend>(
+    inner: &Inner<B>,
+    view: &ReadView<B>,
+    key: &[u8],
+    main: u64,
+) -> Option<KeyValue> {
+    let at = main.checked_sub(1).filter(|&r| r > 0)?;
+    let req = RangeRequest::key(key.to_vec()).at(at);
+    crate::read::range(inner, &view.sources(None), &req, view.revision())
+        .ok()?
+        .kvs
+        .pop()
+}

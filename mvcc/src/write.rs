@@ -1,0 +1,343 @@
+//! Write transactions: one atomic unit, one revision.
+//!
+//! A transaction holds the store's writer mutex from `begin` to `commit` or drop. Its changes
+//! go into the key index at once, at revision `base + 1`, which readers ignore until `commit`
+//! publishes it; the records wait in a private buffer. `commit` appends that buffer to the
+//! shared pending buffer (so the whole transaction lands in one backend batch), publishes the
+//! revision and notifies watchers. Dropping the transaction instead removes its revisions from
+//! the key index again, leaving no trace.
+
+use std::cell::OnceCell;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use parking_lot::MutexGuard;
+
+use crate::backend::{Backend, Bucket};
+use crate::error::MvccError;
+use crate::kv::{KeyValue, LeaseId, decode_record, encode_record};
+use crate::pending::{Changes, PendingRev};
+use crate::read::{ReadView, range, scan_live};
+use crate::request::{
+    DeleteRangeRequest, DeleteResponse, PutRequest, PutResponse, RangeRequest, RangeResponse,
+    TxnRequest, TxnResponse, bound, check_range,
+};
+use crate::revision::Revision;
+use crate::store::{Inner, META_CONSISTENT_INDEX, Signal, check_aux_bucket};
+
+/// A write transaction; see the module docs. Obtained from [`Store::write`](crate::Store::write).
+///
+/// Reads through it ([`range`](WriteTxn::range)) see its own earlier writes.
+pub struct WriteTxn<'a, B: Backend> {
+    inner: &'a Arc<Inner<B>>,
+    _guard: MutexGuard<'a, ()>,
+    base: u64,
+    next_sub: u64,
+    staged: Changes,
+    /// Per staged revision: the key's revision just before it (for watchers' `prev_kv`).
+    prev_revs: Vec<Option<Revision>>,
+    consistent_index: Option<u64>,
+    view: OnceCell<ReadView<B>>,
+    done: bool,
+}
+
+impl<'a, B: Backend> WriteTxn<'a, B> {
+    pub(crate) fn begin(inner: &'a Arc<Inner<B>>) -> WriteTxn<'a, B> {
+        let guard = inner.write_lock.lock();
+        let base = inner.state.lock().revision;
+        WriteTxn {
+            inner,
+            _guard: guard,
+            base,
+            next_sub: 0,
+            staged: Changes::default(),
+            prev_revs: Vec::new(),
+            consistent_index: None,
+            view: OnceCell::new(),
+            done: false,
+        }
+    }
+
+    /// The revision reads in this transaction see: the one it will commit as once it changed
+    /// a key, else the store's current revision.
+    pub fn revision(&self) -> u64 {
+        if self.staged.revs.is_empty() {
+            self.base
+        } else {
+            self.base + 1
+        }
+    }
+
+    pub(crate) fn options(&self) -> &crate::options::StoreOptions {
+        &self.inner.options
+    }
+
+    fn view(&self) -> Result<&ReadView<B>, MvccError> {
+        if let Some(v) = self.view.get() {
+            return Ok(v);
+        }
+        let v = ReadView::open(self.inner)?;
+        Ok(self.view.get_or_init(|| v))
+    }
+
+    fn fetch(&self, revs: &[Revision]) -> Result<Vec<KeyValue>, MvccError> {
+        if revs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let view = self.view()?;
+        let compacted = || self.inner.index.read().compacted;
+        view.sources(Some(&self.staged))
+            .fetch(compacted, revs, true)
+    }
+
+    fn check_size(&self, size: usize) -> Result<(), MvccError> {
+        let limit = self.inner.options.max_request_bytes;
+        if size > limit {
+            return Err(MvccError::RequestTooLarge { size, limit });
+        }
+        Ok(())
+    }
+
+    /// Reads a key or range, seeing this transaction's own writes.
+    pub fn range(&self, req: &RangeRequest) -> Result<RangeResponse, MvccError> {
+        let view = self.view()?;
+        range(
+            self.inner,
+            &view.sources(Some(&self.staged)),
+            req,
+            self.revision(),
+        )
+    }
+
+    /// Puts `key = value` with `lease` (0: none); the previous pair is not read.
+    pub fn put(
+        &mut self,
+        key: &[u8],
+        value: &[u8],
+        lease: LeaseId,
+    ) -> Result<PutResponse, MvccError> {
+        self.put_inner(key, value, lease, false)
+    }
+
+    /// Puts with every option of [`PutRequest`].
+    pub fn put_with(&mut self, req: &PutRequest) -> Result<PutResponse, MvccError> {
+        self.put_inner(&req.key, &req.value, req.lease, req.prev_kv)
+    }
+
+    fn put_inner(
+        &mut self,
+        key: &[u8],
+        value: &[u8],
+        lease: LeaseId,
+        want_prev: bool,
+    ) -> Result<PutResponse, MvccError> {
+        if key.is_empty() {
+            return Err(MvccError::EmptyKey);
+        }
+        self.check_size(key.len() + value.len())?;
+        let rev = Revision::new(self.base + 1, self.next_sub);
+        let prev = self.inner.index.read().keys.get(key, rev.main);
+        let prev_kv = match prev {
+            Some(p) if want_prev => self.fetch(&[p.modified])?.pop(),
+            _ => None,
+        };
+        let (create_revision, version) = match prev {
+            Some(p) => (p.created.main, p.version + 1),
+            None => (rev.main, 1),
+        };
+        let record = encode_record(&KeyValue {
+            key: key.to_vec(),
+            value: value.to_vec(),
+            create_revision,
+            mod_revision: rev.main,
+            version,
+            lease,
+        });
+        self.inner.index.write().keys.put(key, rev);
+        self.next_sub += 1;
+        self.staged.revs.push(PendingRev {
+            rev,
+            tombstone: false,
+            record,
+        });
+        self.staged.writes += 1;
+        self.prev_revs.push(prev.map(|p| p.modified));
+        Ok(PutResponse {
+            revision: rev.main,
+            prev_kv,
+        })
+    }
+
+    /// Deletes `key`, or `[key, end)` (etcd range conventions); the deleted pairs are not read.
+    pub fn delete_range(
+        &mut self,
+        key: &[u8],
+        end: Option<&[u8]>,
+    ) -> Result<DeleteResponse, MvccError> {
+        self.delete_inner(key, end, false)
+    }
+
+    /// Deletes with every option of [`DeleteRangeRequest`].
+    pub fn delete_with(&mut self, req: &DeleteRangeRequest) -> Result<DeleteResponse, MvccError> {
+        self.delete_inner(&req.key, req.range_end.as_deref(), req.prev_kv)
+    }
+
+    fn delete_inner(
+        &mut self,
+        key: &[u8],
+        end: Option<&[u8]>,
+        want_prev: bool,
+    ) -> Result<DeleteResponse, MvccError> {
+        check_range(key, end)?;
+        self.check_size(key.len() + end.map_or(0, <[u8]>::len))?;
+        let at = self.base + 1;
+        let mut victims = Vec::new();
+        scan_live(self.inner, key, &bound(end), at, |k, state| {
+            victims.push((k.to_vec(), state.modified));
+        })?;
+        let prev_kvs = if want_prev {
+            let revs: Vec<Revision> = victims.iter().map(|(_, r)| *r).collect();
+            self.fetch(&revs)?
+        } else {
+            Vec::new()
+        };
+        for chunk in victims.chunks(crate::store::INDEX_CHUNK) {
+            let mut idx = self.inner.index.write();
+            for (k, prev) in chunk {
+                let rev = Revision::new(at, self.next_sub);
+                idx.keys.tombstone(k, rev);
+                self.next_sub += 1;
+                self.staged.revs.push(PendingRev {
+                    rev,
+                    tombstone: true,
+                    record: encode_record(&KeyValue {
+                        key: k.clone(),
+                        mod_revision: at,
+                        ..KeyValue::default()
+                    }),
+                });
+                self.staged.writes += 1;
+                self.prev_revs.push(Some(*prev));
+            }
+        }
+        Ok(DeleteResponse {
+            revision: self.revision(),
+            deleted: victims.len(),
+            prev_kvs,
+        })
+    }
+
+    /// Runs a transaction request inside this write transaction.
+    pub fn txn(&mut self, req: &TxnRequest) -> Result<TxnResponse, MvccError> {
+        crate::txn::run(self, req)
+    }
+
+    /// Sets `key = value` in auxiliary `bucket` (e.g. "lease", "members"), committed in the
+    /// same backend batch as this transaction's key changes. The store's own buckets ("key",
+    /// "meta") are refused.
+    pub fn put_aux(&mut self, bucket: &Bucket, key: &[u8], value: &[u8]) -> Result<(), MvccError> {
+        check_aux_bucket(bucket)?;
+        self.check_size(key.len() + value.len())?;
+        self.staged
+            .aux
+            .entry(bucket.clone())
+            .or_default()
+            .insert(key.to_vec(), Some(value.to_vec()));
+        self.staged.writes += 1;
+        Ok(())
+    }
+
+    /// Deletes `key` from auxiliary `bucket`, in the same backend batch as this transaction.
+    pub fn delete_aux(&mut self, bucket: &Bucket, key: &[u8]) -> Result<(), MvccError> {
+        check_aux_bucket(bucket)?;
+        self.check_size(key.len())?;
+        self.staged
+            .aux
+            .entry(bucket.clone())
+            .or_default()
+            .insert(key.to_vec(), None);
+        self.staged.writes += 1;
+        Ok(())
+    }
+
+    /// Records that this transaction applies Raft entry `index`; stored in the same backend
+    /// batch. Refused when `index` is not above the store's
+    /// [`consistent_index`](crate::Store::consistent_index) (nor above an index already set on
+    /// this transaction).
+    pub fn set_consistent_index(&mut self, index: u64) -> Result<(), MvccError> {
+        let applied = self
+            .inner
+            .consistent_index
+            .load(Ordering::Acquire)
+            .max(self.consistent_index.unwrap_or(0));
+        if index <= applied {
+            return Err(MvccError::IndexAlreadyApplied { index, applied });
+        }
+        self.consistent_index = Some(index);
+        Ok(())
+    }
+
+    /// Ends the transaction: its changes become visible to every reader opened from now on
+    /// and to watchers, and are queued for the next backend batch. Returns the store's
+    /// revision. Fails only when an earlier backend commit failed (the store is poisoned); the
+    /// transaction is then discarded.
+    pub fn commit(mut self) -> Result<u64, MvccError> {
+        self.inner.check_poisoned()?;
+        let changed = !self.staged.revs.is_empty();
+        let revision = self.revision();
+        if let Some(ci) = self.consistent_index {
+            self.staged
+                .meta
+                .insert(META_CONSISTENT_INDEX, ci.to_be_bytes().to_vec());
+            self.staged.writes += 1;
+        }
+        let staged = std::mem::take(&mut self.staged);
+        let events = if changed && self.inner.watch.has_watchers() {
+            Some(crate::watch::events_of(&staged, &self.prev_revs)?)
+        } else {
+            None
+        };
+        let pending_writes = {
+            let mut st = self.inner.state.lock();
+            let mut current = st.current.changes.write();
+            current.absorb(staged);
+            let writes = current.writes;
+            drop(current);
+            st.revision = revision;
+            if let Some(ci) = self.consistent_index {
+                self.inner.consistent_index.store(ci, Ordering::Release);
+            }
+            writes
+        };
+        self.done = true;
+        if let Some(events) = events {
+            self.inner.watch.notify(self.inner, revision, events);
+        }
+        let limit = self.inner.options.batch_limit;
+        if pending_writes >= limit.saturating_mul(4) {
+            // The committer fell far behind: commit here so memory stays bounded.
+            if let Err(e) = self.inner.commit_pending() {
+                tracing::error!(error = %e, "backend commit from a writer failed");
+            }
+        } else if pending_writes >= limit
+            && !self.inner.commit_requested.swap(true, Ordering::AcqRel)
+        {
+            let _ = self.inner.committer.send(Signal::Commit);
+        }
+        Ok(revision)
+    }
+}
+
+impl<B: Backend> Drop for WriteTxn<'_, B> {
+    fn drop(&mut self) {
+        if self.done || self.staged.revs.is_empty() {
+            return;
+        }
+        let mut idx = self.inner.index.write();
+        for p in self.staged.revs.iter().rev() {
+            if let Ok(rec) = decode_record(p.rev, &p.record) {
+                idx.keys.rollback(rec.key, p.rev);
+            }
+        }
+    }
+}
