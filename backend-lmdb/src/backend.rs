@@ -10,7 +10,7 @@
 use std::fs::File;
 use std::ops::Bound;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use heed::types::Bytes;
 use heed::{CompactionOption, Database, MdbError, RwTxn};
@@ -38,6 +38,8 @@ pub struct LmdbBackend {
     path: PathBuf,
     options: LmdbOptions,
     current: RwLock<Arc<Generation>>,
+    /// Superseded generations, alive while read transactions still use them.
+    retired: Mutex<Vec<Weak<Generation>>>,
     writer: Mutex<Writer>,
     #[cfg(feature = "failpoints")]
     fail_next_commit: std::sync::atomic::AtomicBool,
@@ -182,6 +184,9 @@ impl LmdbBackend {
             Ok(generation) => {
                 old.retire();
                 *self.current.write() = Arc::new(generation);
+                let mut retired = self.retired.lock();
+                retired.retain(|g| g.strong_count() > 0);
+                retired.push(Arc::downgrade(&old));
                 tracing::info!(
                     path = %self.path.display(),
                     generation = number,
@@ -262,6 +267,7 @@ impl Backend for LmdbBackend {
             path: path.to_path_buf(),
             options: options.clone(),
             current: RwLock::new(Arc::new(generation)),
+            retired: Mutex::new(Vec::new()),
             writer: Mutex::new(Writer {
                 poisoned: None,
                 map_size,
@@ -314,6 +320,12 @@ impl Backend for LmdbBackend {
             .write_txn()
             .map_err(|e| from_heed(dir, "begin write transaction", e))?;
         let db = generation.db();
+        let id = wtxn.id() as u64;
+        db.put(&mut wtxn, keys::COMMIT_STAMP, &id.to_be_bytes())
+            .map_err(|e| match e {
+                heed::Error::Mdb(MdbError::MapFull) => self.full(&generation, map_size),
+                e => from_heed(dir, "write commit stamp", e),
+            })?;
         for op in batch.ops() {
             apply(db, &mut wtxn, op, max_key, &mut writer.key_buf).map_err(|e| match e {
                 heed::Error::Mdb(MdbError::MapFull) => self.full(&generation, map_size),
@@ -336,7 +348,18 @@ impl Backend for LmdbBackend {
 
     fn size(&self) -> Result<BackendSize, BackendError> {
         let generation = self.generation();
-        let on_disk = generation.disk_size()?;
+        let mut on_disk = generation.disk_size()?;
+        // Generations still open for old readers take space too, until those readers drop.
+        let retired: Vec<Arc<Generation>> = self
+            .retired
+            .lock()
+            .iter()
+            .filter_map(Weak::upgrade)
+            .collect();
+        for old in &retired {
+            on_disk += old.disk_size()?;
+        }
+        drop(retired);
         let txn = generation
             .env()
             .read_txn()

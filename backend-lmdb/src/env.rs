@@ -127,6 +127,7 @@ impl Generation {
             });
         }
         let db = main_database(&env, &dir)?;
+        stamp(&env, db, &dir)?;
         let max_key = env.max_key_size();
         Ok(Generation {
             env: Some(env),
@@ -242,6 +243,35 @@ fn main_database(
     wtxn.commit()
         .map_err(|e| from_heed(dir, "commit the main database", e))?;
     Ok(db)
+}
+
+/// Makes the commit stamp name the last commit, with a commit of its own if needed: after a
+/// compacting copy (which restarts LMDB's transaction ids) or in a new store. Runs before any
+/// read transaction can use the environment.
+fn stamp(
+    env: &Env<WithoutTls>,
+    db: Database<Bytes, Bytes>,
+    dir: &Path,
+) -> Result<(), BackendError> {
+    let rtxn = env
+        .read_txn()
+        .map_err(|e| from_heed(dir, "begin read transaction", e))?;
+    let current = db
+        .get(&rtxn, crate::keys::COMMIT_STAMP)
+        .map_err(|e| from_heed(dir, "read commit stamp", e))?;
+    let matches = current == Some(&(rtxn.id() as u64).to_be_bytes()[..]);
+    drop(rtxn);
+    if matches {
+        return Ok(());
+    }
+    let mut wtxn = env
+        .write_txn()
+        .map_err(|e| from_heed(dir, "begin write transaction", e))?;
+    let id = wtxn.id() as u64;
+    db.put(&mut wtxn, crate::keys::COMMIT_STAMP, &id.to_be_bytes())
+        .map_err(|e| from_heed(dir, "write commit stamp", e))?;
+    wtxn.commit()
+        .map_err(|e| from_heed(dir, "commit the commit stamp", e))
 }
 
 impl Drop for Generation {

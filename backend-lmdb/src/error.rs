@@ -23,6 +23,18 @@ pub enum LmdbError {
         /// The configured limit.
         max_readers: u32,
     },
+    /// Read transactions kept seeing a snapshot other than the one their id names (see
+    /// [`LmdbReadTxn`](crate::LmdbReadTxn)); the store's commit stamp is missing or damaged.
+    #[error(
+        "LMDB store {path}: no consistent read snapshot after {attempts} attempts; the \
+         commit stamp is missing or damaged"
+    )]
+    NoConsistentSnapshot {
+        /// The store's generation directory.
+        path: PathBuf,
+        /// Attempts made.
+        attempts: u32,
+    },
     /// Any other LMDB error.
     #[error("LMDB store {path}: {op} failed: {source}")]
     Lmdb {

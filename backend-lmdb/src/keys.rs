@@ -8,6 +8,9 @@
 //!   because `0x00` is below every name byte);
 //! - the first stored key at or after `name | 0x01` belongs to the next bucket.
 //!
+//! Stored keys starting with `0x00` are reserved for the backend itself (no bucket name
+//! starts with it): [`COMMIT_STAMP`] is the only one.
+//!
 //! LMDB limits a stored key to [`Env::max_key_size`](heed::Env::max_key_size) bytes (511 in
 //! the default build), so a bucket's keys can be at most `511 - name length - 1` bytes. Range
 //! bounds may be longer than that: [`range_bounds`] rewrites them into equivalent bounds LMDB
@@ -16,6 +19,13 @@
 use std::ops::Bound;
 
 use keel_mvcc::Bucket;
+
+/// Reserved key whose value is the LMDB transaction id (`u64`, big-endian) of the commit that
+/// wrote it; every commit rewrites it, so a snapshot states which commit it is.
+pub const COMMIT_STAMP: &[u8] = b"\x00commit";
+
+/// The smallest stored key that can belong to a bucket.
+pub const FIRST_BUCKET_KEY: &[u8] = &[0x01];
 
 /// Separator between the bucket name and the key.
 pub const SEPARATOR: u8 = 0x00;

@@ -21,6 +21,9 @@ use crate::env::Generation;
 use crate::error::{LmdbError, from_heed};
 use crate::keys;
 
+/// Attempts at opening a read transaction whose snapshot matches its commit stamp.
+const MAX_OPEN_ATTEMPTS: u32 = 10_000;
+
 /// Keys up to this many stored bytes are looked up without allocating.
 const STACK_KEY: usize = 512;
 
@@ -34,29 +37,61 @@ pub struct LmdbReadTxn {
 }
 
 impl LmdbReadTxn {
+    /// Opens a read transaction on `generation`, retrying until LMDB hands out a snapshot
+    /// that is the commit its transaction id names.
+    ///
+    /// LMDB (0.9, as bundled by heed) begins a read transaction by reading the last
+    /// transaction id `T` and then copying meta page `T & 1`. A reader preempted between the
+    /// two can find that page already overwritten by commit `T + 2`, and so see a commit that
+    /// had not returned when it began, while a reader opened just after sees `T + 1`: reads
+    /// go back in time. Every commit writes its own transaction id under
+    /// [`keys::COMMIT_STAMP`], so the snapshot says which commit it is; a mismatch means the
+    /// race was hit and the transaction is opened again. This never waits for the writer.
     pub(crate) fn begin(
         generation: Arc<Generation>,
         max_readers: u32,
     ) -> Result<LmdbReadTxn, BackendError> {
-        let txn = generation
-            .env()
-            .clone()
-            .static_read_txn()
-            .map_err(|e| match e {
-                heed::Error::Mdb(heed::MdbError::ReadersFull) => {
-                    BackendError::Other(Box::new(LmdbError::ReadersFull {
-                        path: generation.dir().to_path_buf(),
-                        max_readers,
-                    }))
-                }
-                e => from_heed(generation.dir(), "begin read transaction", e),
-            })?;
-        Ok(LmdbReadTxn {
-            txn,
-            db: generation.db(),
-            max_key: generation.max_key(),
-            generation,
-        })
+        let db = generation.db();
+        for attempt in 0..MAX_OPEN_ATTEMPTS {
+            let txn = generation
+                .env()
+                .clone()
+                .static_read_txn()
+                .map_err(|e| match e {
+                    heed::Error::Mdb(heed::MdbError::ReadersFull) => {
+                        BackendError::Other(Box::new(LmdbError::ReadersFull {
+                            path: generation.dir().to_path_buf(),
+                            max_readers,
+                        }))
+                    }
+                    e => from_heed(generation.dir(), "begin read transaction", e),
+                })?;
+            let id = txn.id() as u64;
+            let stamp = db
+                .get(&txn, keys::COMMIT_STAMP)
+                .map_err(|e| from_heed(generation.dir(), "read commit stamp", e))?;
+            if stamp == Some(&id.to_be_bytes()[..]) {
+                return Ok(LmdbReadTxn {
+                    txn,
+                    db,
+                    max_key: generation.max_key(),
+                    generation,
+                });
+            }
+            drop(txn);
+            tracing::debug!(
+                attempt,
+                id,
+                "read transaction saw a later commit; reopening"
+            );
+            std::thread::yield_now();
+        }
+        Err(BackendError::Other(Box::new(
+            LmdbError::NoConsistentSnapshot {
+                path: generation.dir().to_path_buf(),
+                attempts: MAX_OPEN_ATTEMPTS,
+            },
+        )))
     }
 
     /// LMDB's id of the commit this transaction sees.
@@ -120,7 +155,10 @@ impl ReadTxn for LmdbReadTxn {
 
     fn buckets(&self) -> Result<Vec<Bucket>, BackendError> {
         let mut out = Vec::new();
-        let mut next = self.db.first(&self.txn).map_err(|e| self.err("first", e))?;
+        let mut next = self
+            .db
+            .get_greater_than_or_equal_to(&self.txn, keys::FIRST_BUCKET_KEY)
+            .map_err(|e| self.err("seek", e))?;
         while let Some((stored, _)) = next {
             let name =
                 keys::bucket_of(stored).ok_or_else(|| self.corrupt(stored, "no separator"))?;

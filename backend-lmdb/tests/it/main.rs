@@ -8,3 +8,4 @@ mod map;
 mod poison;
 mod process;
 mod recovery;
+mod snapshot;
