@@ -13,7 +13,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use crossbeam_channel::Receiver;
+use crossbeam_channel::{Receiver, RecvTimeoutError};
 
 use crate::backend::{Backend, ReadTxn, WriteBatch};
 use crate::error::MvccError;
@@ -75,12 +75,18 @@ pub(crate) fn compact<B: Backend>(inner: &Arc<Inner<B>>, revision: u64) -> Resul
     Ok(())
 }
 
-pub(crate) fn compactor_loop<B: Backend>(inner: &Inner<B>, rx: &Receiver<CompactJob>) {
+/// The compactor thread; `stop` disconnects when the store is dropped, which also cuts the
+/// pause between batches short.
+pub(crate) fn compactor_loop<B: Backend>(
+    inner: &Inner<B>,
+    rx: &Receiver<CompactJob>,
+    stop: &Receiver<()>,
+) {
     while let Ok(job) = rx.recv() {
         if job.revision == 0 || inner.shutdown.load(Ordering::Acquire) {
             return;
         }
-        match delete_compacted(inner, &job) {
+        match delete_compacted(inner, &job, stop) {
             Ok(true) => tracing::debug!(revision = job.revision, "compaction finished"),
             Ok(false) => return,
             Err(e) => tracing::error!(revision = job.revision, error = %e, "compaction failed"),
@@ -89,7 +95,11 @@ pub(crate) fn compactor_loop<B: Backend>(inner: &Inner<B>, rx: &Receiver<Compact
 }
 
 /// Deletes what `job` does not keep; false when stopped by a shutdown (resumed on reopen).
-fn delete_compacted<B: Backend>(inner: &Inner<B>, job: &CompactJob) -> Result<bool, MvccError> {
+fn delete_compacted<B: Backend>(
+    inner: &Inner<B>,
+    job: &CompactJob,
+    stop: &Receiver<()>,
+) -> Result<bool, MvccError> {
     let end = Revision::new(job.revision.saturating_add(1), 0).to_bytes();
     let mut from: Vec<u8> = Vec::new();
     let limit = inner.options.compaction_batch_limit;
@@ -125,7 +135,11 @@ fn delete_compacted<B: Backend>(inner: &Inner<B>, job: &CompactJob) -> Result<bo
         match next {
             Some(n) => {
                 from = n;
-                std::thread::sleep(inner.options.compaction_sleep_interval);
+                if let Err(RecvTimeoutError::Disconnected) =
+                    stop.recv_timeout(inner.options.compaction_sleep_interval)
+                {
+                    return Ok(false);
+                }
             }
             None => break,
         }

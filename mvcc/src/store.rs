@@ -107,6 +107,8 @@ pub(crate) struct Inner<B: Backend> {
 pub struct Store<B: Backend> {
     pub(crate) inner: Arc<Inner<B>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
+    /// Dropped on shutdown to wake the compactor from its pause.
+    stop: Mutex<Option<Sender<()>>>,
 }
 
 fn meta_u64(txn: &impl ReadTxn, key: &'static [u8]) -> Result<u64, MvccError> {
@@ -224,6 +226,7 @@ impl<B: Backend> Store<B> {
             tracing::info!(revision = job.revision, "resuming interrupted compaction");
             let _ = inner.compactor.send(job);
         }
+        let (stop_tx, stop_rx) = crossbeam_channel::bounded::<()>(0);
         let mut threads = Vec::new();
         threads.push(spawn("keel-mvcc-commit", {
             let inner = inner.clone();
@@ -231,7 +234,7 @@ impl<B: Backend> Store<B> {
         })?);
         threads.push(spawn("keel-mvcc-compact", {
             let inner = inner.clone();
-            move || crate::compact::compactor_loop(&inner, &compact_rx)
+            move || crate::compact::compactor_loop(&inner, &compact_rx, &stop_rx)
         })?);
         threads.push(spawn("keel-mvcc-watch", {
             let inner = inner.clone();
@@ -240,6 +243,7 @@ impl<B: Backend> Store<B> {
         Ok(Store {
             inner,
             threads: Mutex::new(threads),
+            stop: Mutex::new(Some(stop_tx)),
         })
     }
 
@@ -336,6 +340,11 @@ impl<B: Backend> Store<B> {
     /// Number of keys in the key index (live or with history not yet compacted).
     pub fn key_count(&self) -> usize {
         self.inner.index.read().keys.len()
+    }
+
+    /// Number of registered watchers.
+    pub fn watcher_count(&self) -> usize {
+        self.inner.watch.count()
     }
 
     /// The compaction point (0 if never compacted).
@@ -497,6 +506,7 @@ impl<B: Backend> Drop for Store<B> {
         let _ = self.inner.committer.send(Signal::Shutdown);
         let _ = self.inner.compactor.send(CompactJob::shutdown());
         self.inner.watch.shutdown();
+        self.stop.lock().take();
         for t in self.threads.lock().drain(..) {
             let _ = t.join();
         }

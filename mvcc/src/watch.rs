@@ -257,6 +257,10 @@ impl WatchHub {
         }
     }
 
+    pub fn count(&self) -> usize {
+        self.shared.count.load(Ordering::Acquire)
+    }
+
     pub fn has_watchers(&self) -> bool {
         self.shared.count.load(Ordering::Acquire) > 0
     }

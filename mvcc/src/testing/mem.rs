@@ -9,7 +9,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Bound;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock};
 
 use parking_lot::Mutex;
@@ -22,6 +22,15 @@ type Data = BTreeMap<Bucket, Arc<Tree>>;
 struct Shared {
     data: Mutex<Arc<Data>>,
     open: AtomicBool,
+    /// Largest payload since the last defragmentation: what a file would have grown to.
+    high_water: AtomicU64,
+}
+
+fn payload(data: &Data) -> u64 {
+    data.values()
+        .flat_map(|t| t.iter())
+        .map(|(k, v)| (k.len() + v.len()) as u64)
+        .sum()
 }
 
 static REGISTRY: LazyLock<Mutex<HashMap<PathBuf, Arc<Shared>>>> =
@@ -137,6 +146,7 @@ impl Backend for MemBackend {
                 Arc::new(Shared {
                     data: Mutex::new(Arc::new(Data::new())),
                     open: AtomicBool::new(false),
+                    high_water: AtomicU64::new(0),
                 })
             })
             .clone();
@@ -198,24 +208,25 @@ impl Backend for MemBackend {
             }
         }
         data.retain(|_, t| !t.is_empty());
+        self.shared
+            .high_water
+            .fetch_max(payload(&data), Ordering::AcqRel);
         *self.shared.data.lock() = Arc::new(data);
         Ok(())
     }
 
     fn size(&self) -> Result<BackendSize, BackendError> {
-        let data = self.shared.data.lock().clone();
-        let bytes: usize = data
-            .values()
-            .flat_map(|t| t.iter())
-            .map(|(k, v)| k.len() + v.len())
-            .sum();
+        let in_use = payload(&self.shared.data.lock().clone());
         Ok(BackendSize {
-            on_disk: bytes as u64,
-            in_use: bytes as u64,
+            on_disk: self.shared.high_water.load(Ordering::Acquire).max(in_use),
+            in_use,
         })
     }
 
     fn defragment(&self) -> Result<(), BackendError> {
+        let _c = self.commit.lock();
+        let in_use = payload(&self.shared.data.lock().clone());
+        self.shared.high_water.store(in_use, Ordering::Release);
         Ok(())
     }
 }

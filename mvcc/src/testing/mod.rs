@@ -3,5 +3,6 @@
 
 pub mod conformance;
 pub mod mem;
+pub mod model;
 
 pub use mem::{MemBackend, MemOptions};

@@ -1,4 +1,8 @@
 //! Integration tests of keel-mvcc, one module per theme, all over the in-memory backend.
 
+mod bad_input;
 mod common;
+mod concurrency;
+mod conformance;
+mod model;
 mod ops;
