@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use keel_mvcc::BackendError;
+use parking_lot::Mutex;
 
 /// What an injected fault does to one write.
 #[derive(Debug)]
@@ -43,6 +44,7 @@ pub struct FaultPlan {
     next: AtomicU64,
     strike: Option<(u64, Strike)>,
     truncates_fail: bool,
+    writes: Mutex<Vec<u64>>,
 }
 
 /// What a [`FaultPlan`] does to the operation it strikes.
@@ -68,6 +70,7 @@ impl FaultPlan {
             next: AtomicU64::new(0),
             strike: Some((op, strike)),
             truncates_fail,
+            writes: Mutex::new(Vec::new()),
         })
     }
 
@@ -76,8 +79,16 @@ impl FaultPlan {
         self.next.load(Ordering::SeqCst)
     }
 
-    fn take(&self) -> Option<Strike> {
+    /// The numbers of the operations so far that were writes (the others were syncs).
+    pub fn writes(&self) -> Vec<u64> {
+        self.writes.lock().clone()
+    }
+
+    fn take(&self, write: bool) -> Option<Strike> {
         let n = self.next.fetch_add(1, Ordering::SeqCst);
+        if write {
+            self.writes.lock().push(n);
+        }
         match self.strike {
             Some((at, s)) if at == n => Some(s),
             _ => None,
@@ -91,7 +102,7 @@ fn injected() -> io::Error {
 
 impl FaultHook for FaultPlan {
     fn before_write(&self, _path: &Path, _offset: u64, len: usize) -> WriteFault {
-        match self.take() {
+        match self.take(true) {
             None => WriteFault::Proceed,
             Some(Strike::Fail) => WriteFault::Fail(injected()),
             Some(Strike::Tear(n)) => WriteFault::Torn {
@@ -101,7 +112,7 @@ impl FaultHook for FaultPlan {
     }
 
     fn before_sync(&self, _path: &Path) -> io::Result<()> {
-        match self.take() {
+        match self.take(false) {
             None => Ok(()),
             Some(_) => Err(injected()),
         }

@@ -52,8 +52,9 @@
 //!
 //! A frame is the commit point: a batch is in the store exactly when its whole frame is
 //! present with a matching checksum and sequence number. In the last segment, the first frame
-//! that is incomplete, fails its checksum or breaks the sequence ends the log (a torn commit);
-//! open truncates the file there. Anywhere else it is corruption.
+//! that is incomplete or fails its checksum ends the log (a torn commit); open truncates the
+//! file there. Anywhere else that is corruption, and so is a frame with a valid checksum but
+//! the wrong sequence number anywhere (a torn write cannot produce one).
 //!
 //! ## Records (inside a payload)
 //!

@@ -335,10 +335,16 @@ impl Replay {
                 } else if format::frame_crc(&rest[8..FRAME_HEADER + len]) != crc {
                     Some("frame checksum mismatch".to_string())
                 } else if self.expected_seq.is_some_and(|e| e != seq) {
-                    Some(format!(
-                        "frame sequence {seq} where {} was expected",
-                        self.expected_seq.unwrap_or_default()
-                    ))
+                    // A whole frame with a valid checksum is never the product of a torn
+                    // write: a frame out of sequence means frames or segments went missing.
+                    return Err(corrupt(
+                        path,
+                        at as u64,
+                        format!(
+                            "frame sequence {seq} where {} was expected",
+                            self.expected_seq.unwrap_or_default()
+                        ),
+                    ));
                 } else {
                     let payload = &rest[FRAME_HEADER..FRAME_HEADER + len];
                     let base = at + FRAME_HEADER;

@@ -2,4 +2,7 @@
 
 mod basic;
 mod conformance;
+mod corruption;
+mod crash;
+mod faults;
 mod support;

@@ -39,3 +39,13 @@ pub fn open(dir: &Path, options: &FileOptions) -> FileBackend {
 
 pub const B: Bucket = Bucket::new("key");
 pub const META_B: Bucket = Bucket::new("meta");
+
+/// A short description of a dump for failure messages: keys per bucket and the `meta/n` value.
+pub fn summary(d: &Dump) -> String {
+    let counts: Vec<String> = d
+        .iter()
+        .map(|(b, m)| format!("{b}: {} keys", m.len()))
+        .collect();
+    let n = d.get("meta").and_then(|m| m.get(&b"n"[..])).cloned();
+    format!("[{}] n={n:?}", counts.join(", "))
+}
