@@ -2,16 +2,22 @@
 //! through the expiry heap against a full scan of the same table (same run, goal ≥ 100×), and
 //! the time to produce one checkpoint batch of 1 000 among a million leases.
 //!
+//! Grant + attach is measured twice: on the in-memory lease table (1 000 000 leases per
+//! sample), and through the lessor over an MVCC store on the file (or LMDB) backend, where
+//! each lease is one grant transaction plus one put of a key with the lease, against plain
+//! puts of the same keys without a lease in the same run.
+//!
 //! `cargo bench -p keel-benches --bench lease` (a few minutes); `-- --test` is the smoke run
 //! (10 000 leases instead of 1 000 000).
 
 use std::hint::black_box;
-use std::sync::LazyLock;
+use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput};
 use keel_benches::{Better, Recorder};
-use keel_lease::{LeaseTable, LessorOptions};
+use keel_lease::{LeaseTable, Lessor, LessorOptions, ManualClock};
+use keel_mvcc::{Backend, Store, StoreOptions};
 use rand::seq::SliceRandom;
 use rand::{SeedableRng, rngs::StdRng};
 
@@ -118,6 +124,80 @@ fn grant_attach_table(c: &mut Criterion) {
             per * 1e6
         );
     }
+}
+
+/// Grant + put of a key with the lease through the lessor, against a plain put of the same
+/// key without a lease, on a fresh store per sample.
+fn grant_attach_store<B: Backend>(c: &mut Criterion, backend: &str, options: B::Options) {
+    let mut group = c.benchmark_group(format!("lease/grant_attach_store/{backend}"));
+    group.sample_size(10);
+    group.throughput(Throughput::Elements(1));
+    let open = |dir: &std::path::Path| {
+        let backend = B::open(dir, &options).expect("open backend");
+        Arc::new(Store::open(backend, StoreOptions::default()).expect("open store"))
+    };
+    let ours = format!("grant+attach lessor {backend}");
+    let reference = format!("plain put {backend}");
+    group.bench_function("lessor_grant_put", |b| {
+        b.iter_custom(|iters| {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let store = open(dir.path());
+            let lessor = Lessor::open(
+                store.clone(),
+                Arc::new(ManualClock::new()),
+                LessorOptions::default(),
+            )
+            .expect("open lessor");
+            lessor.promote();
+            let start = Instant::now();
+            for id in 1..=iters as i64 {
+                lessor.grant(id, 3_600, None).expect("grant");
+                lessor.put(&key_of(id), b"value", id, None).expect("put");
+            }
+            store.force_commit().expect("commit");
+            let elapsed = start.elapsed();
+            RECORDER.record(&ours, elapsed, iters);
+            elapsed
+        });
+    });
+    group.bench_function("plain_put", |b| {
+        b.iter_custom(|iters| {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let store = open(dir.path());
+            let start = Instant::now();
+            for id in 1..=iters as i64 {
+                store.put(&key_of(id), b"value", 0).expect("put");
+            }
+            store.force_commit().expect("commit");
+            let elapsed = start.elapsed();
+            RECORDER.record(&reference, elapsed, iters);
+            elapsed
+        });
+    });
+    group.finish();
+    if let Some(per) = RECORDER.median(&ours) {
+        println!(
+            "THROUGHPUT grant+attach through the lessor on {backend}: {:.0} leases/s ({:.2} us/lease)",
+            1.0 / per,
+            per * 1e6
+        );
+    }
+    RECORDER.ratio(
+        &format!("grant+attach through the lessor vs a plain put, {backend}"),
+        &ours,
+        &reference,
+        Better::LowerTime,
+        None,
+    );
+}
+
+fn grant_attach_stores(c: &mut Criterion) {
+    #[cfg(feature = "backend-file")]
+    grant_attach_store::<keel_backend_file::FileBackend>(c, "file", Default::default());
+    #[cfg(all(feature = "backend-lmdb", not(feature = "backend-file")))]
+    grant_attach_store::<keel_backend_lmdb::LmdbBackend>(c, "lmdb", Default::default());
+    #[cfg(not(any(feature = "backend-file", feature = "backend-lmdb")))]
+    let _ = c;
 }
 
 /// A primary table of `n` leases where exactly one lease expires per second, for ever: at
@@ -277,6 +357,7 @@ fn main() {
     memory_report();
     let mut c = Criterion::default().configure_from_args();
     grant_attach_table(&mut c);
+    grant_attach_stores(&mut c);
     find_expired(&mut c);
     checkpoint_batches(&mut c);
     c.final_summary();

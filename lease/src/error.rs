@@ -60,4 +60,8 @@ pub enum LeaseError {
     /// Options failed validation.
     #[error("invalid lessor option: {0}")]
     InvalidOption(String),
+    /// The MVCC store under the lessor refused or failed the write; nothing the failing call
+    /// changed is kept.
+    #[error("lease storage failed: {0}")]
+    Store(#[from] keel_mvcc::MvccError),
 }

@@ -23,14 +23,16 @@ mod error;
 mod heap;
 mod index;
 mod keys;
+mod lessor;
 mod options;
 pub mod record;
 mod table;
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use error::LeaseError;
+pub use lessor::{Lessor, Recovered, Revoked};
 pub use options::{LessorOptions, MAX_LEASE_TTL};
 pub use table::{Checkpoint, LeaseStatus, LeaseTable, MemoryUsage, Renewal, TimeToLive};
 
 /// A lease id; 0 means "no lease".
-pub type LeaseId = i64;
+pub use keel_mvcc::LeaseId;
