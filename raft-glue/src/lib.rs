@@ -21,11 +21,14 @@
 pub mod error;
 pub mod logger;
 pub mod options;
+pub mod request;
+pub mod snapshot;
 pub mod storage;
 pub mod transport;
 
 pub use error::NodeError;
 pub use options::NodeOptions;
+pub use request::{Envelope, LeaseCheckpoint, MemberChange, Request, Response};
 pub use storage::RaftStorage;
 pub use transport::{
     Mailbox, MemNetwork, MemTransport, SnapshotAck, SnapshotChunk, SnapshotFrame, Transport,

@@ -1,0 +1,360 @@
+//! Snapshot transfer: the leader streams a consistent copy of its backend to a follower that
+//! is behind the compacted log; the follower verifies, stores and installs it.
+//!
+//! # Sender
+//!
+//! When raft-rs asks to send `MsgSnapshot` for index `i`, the state machine holds exactly
+//! `i` (the node applies entries on the Raft thread and raft-rs takes the snapshot metadata
+//! from the applied index). The node commits the store's pending batch and opens a backend
+//! read transaction right there, so the stream is the state as of `i`. A sender thread then
+//! writes the backend-independent stream ([`keel_mvcc::backend::snapshot`]) as
+//! [`SnapshotChunk`]s of `snapshot_chunk_bytes`, each with its CRC-32, the first carrying the
+//! `MsgSnapshot`, the last carrying the stream's length and CRC-32, and waits for the
+//! receiver's [`SnapshotAck`]. The outcome is reported to raft-rs (`report_snapshot`); on
+//! failure raft-rs probes again and a new transfer starts.
+//!
+//! # Receiver
+//!
+//! Chunks are appended to `<dir>/snap/<from>-<transfer>.tmp` in order; a chunk out of order,
+//! failing its CRC, or a stream whose length or CRC differs from the end marker aborts the
+//! transfer: the temporary file is deleted and a negative ack sent, nothing is installed. A
+//! complete stream is fsynced and renamed to `<dir>/snap/<index>-<term>.snap` (directory
+//! fsynced), restored into a fresh backend directory (see [`crate::apply`]), and only then
+//! is the `MsgSnapshot` handed to raft-rs, which makes the node swap the prepared backend in.
+
+use std::collections::HashMap;
+use std::fs::{self, File};
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crossbeam_channel::{Receiver, Sender, bounded};
+use parking_lot::Mutex;
+use raft::eraftpb::Message;
+
+use crate::error::NodeError;
+use crate::transport::{SnapshotAck, SnapshotChunk, SnapshotFrame, Transport};
+
+/// Waiting senders, by transfer id.
+pub(crate) type AckWaiters = Arc<Mutex<HashMap<u64, Sender<SnapshotAck>>>>;
+
+/// Cuts a stream into chunks and sends them.
+struct ChunkWriter<'a> {
+    transport: &'a dyn Transport,
+    from: u64,
+    to: u64,
+    transfer: u64,
+    seq: u32,
+    message: Option<Box<Message>>,
+    buf: Vec<u8>,
+    chunk: usize,
+    total: u64,
+    hasher: crc32fast::Hasher,
+}
+
+impl ChunkWriter<'_> {
+    fn flush_chunk(&mut self, end: bool) -> Result<(), NodeError> {
+        let data = std::mem::take(&mut self.buf);
+        self.hasher.update(&data);
+        self.total += data.len() as u64;
+        let chunk = SnapshotChunk {
+            from: self.from,
+            to: self.to,
+            transfer: self.transfer,
+            seq: self.seq,
+            message: self.message.take(),
+            crc: crc32fast::hash(&data),
+            data,
+            end: end.then(|| (self.total, self.hasher.clone().finalize())),
+        };
+        self.seq += 1;
+        self.transport.send_snapshot(SnapshotFrame::Chunk(chunk))
+    }
+}
+
+impl Write for ChunkWriter<'_> {
+    fn write(&mut self, data: &[u8]) -> io::Result<usize> {
+        let room = self.chunk - self.buf.len();
+        let n = room.min(data.len());
+        self.buf.extend_from_slice(&data[..n]);
+        if self.buf.len() == self.chunk {
+            self.flush_chunk(false).map_err(io::Error::other)?;
+            self.buf.reserve(self.chunk);
+        }
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Streams `txn` to `msg.to` and waits for the ack. Runs on its own thread.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn send<T: keel_mvcc::ReadTxn>(
+    transport: &dyn Transport,
+    acks: &AckWaiters,
+    transfer: u64,
+    msg: Message,
+    txn: T,
+    chunk_bytes: usize,
+    timeout: Duration,
+) -> Result<(), NodeError> {
+    let (from, to) = (msg.from, msg.to);
+    let (tx, rx) = bounded(1);
+    acks.lock().insert(transfer, tx);
+    let result = (|| {
+        let mut w = ChunkWriter {
+            transport,
+            from,
+            to,
+            transfer,
+            seq: 0,
+            message: Some(Box::new(msg)),
+            buf: Vec::with_capacity(chunk_bytes),
+            chunk: chunk_bytes,
+            total: 0,
+            hasher: crc32fast::Hasher::new(),
+        };
+        keel_mvcc::backend::snapshot::write(&txn, &mut w).map_err(|e| NodeError::Snapshot {
+            from,
+            to,
+            reason: format!("streaming the backend: {e}"),
+        })?;
+        drop(txn);
+        w.flush_chunk(true)?;
+        match rx.recv_timeout(timeout) {
+            Ok(SnapshotAck { error: None, .. }) => Ok(()),
+            Ok(SnapshotAck {
+                error: Some(reason),
+                ..
+            }) => Err(NodeError::Snapshot { from, to, reason }),
+            Err(_) => Err(NodeError::Snapshot {
+                from,
+                to,
+                reason: format!("no acknowledgement within {} ms", timeout.as_millis()),
+            }),
+        }
+    })();
+    acks.lock().remove(&transfer);
+    result
+}
+
+/// A verified snapshot stream on disk.
+pub(crate) struct Received {
+    /// The `MsgSnapshot` to step into raft once the backend is prepared.
+    pub message: Message,
+    /// The stored stream.
+    pub path: PathBuf,
+}
+
+struct Incoming {
+    file: File,
+    path: PathBuf,
+    next: u32,
+    len: u64,
+    hasher: crc32fast::Hasher,
+    message: Option<Message>,
+}
+
+/// Reassembles incoming transfers.
+pub(crate) struct Assembler {
+    dir: PathBuf,
+    incoming: HashMap<(u64, u64), Incoming>,
+}
+
+fn fsync_dir(dir: &Path) -> Result<(), NodeError> {
+    File::open(dir)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| NodeError::io(dir, "fsync directory", e))
+}
+
+impl Assembler {
+    /// Stores transfers under `dir` (created if needed); removes leftovers of earlier runs.
+    pub fn new(dir: PathBuf) -> Result<Assembler, NodeError> {
+        fs::create_dir_all(&dir).map_err(|e| NodeError::io(&dir, "create directory", e))?;
+        let entries = fs::read_dir(&dir).map_err(|e| NodeError::io(&dir, "read directory", e))?;
+        for entry in entries.flatten() {
+            let p = entry.path();
+            if p.extension().is_some_and(|x| x == "tmp" || x == "snap") {
+                let _ = fs::remove_file(&p);
+            }
+        }
+        Ok(Assembler {
+            dir,
+            incoming: HashMap::new(),
+        })
+    }
+
+    /// Takes one chunk. Returns `Ok(Some(_))` when a transfer completed and verified,
+    /// `Ok(None)` when more chunks are expected, `Err` when the transfer is aborted (its
+    /// temporary file is gone).
+    pub fn chunk(&mut self, c: SnapshotChunk) -> Result<Option<Received>, NodeError> {
+        let key = (c.from, c.transfer);
+        let fail = |reason: String| NodeError::Snapshot {
+            from: c.from,
+            to: c.to,
+            reason,
+        };
+        let res = self.take(key, &c, &fail);
+        if res.is_err()
+            && let Some(inc) = self.incoming.remove(&key)
+        {
+            let _ = fs::remove_file(&inc.path);
+        }
+        res
+    }
+
+    fn take(
+        &mut self,
+        key: (u64, u64),
+        c: &SnapshotChunk,
+        fail: &dyn Fn(String) -> NodeError,
+    ) -> Result<Option<Received>, NodeError> {
+        if c.seq == 0 {
+            if let Some(old) = self.incoming.remove(&key) {
+                let _ = fs::remove_file(&old.path);
+            }
+            let path = self.dir.join(format!("{}-{}.tmp", c.from, c.transfer));
+            let file = File::create(&path).map_err(|e| NodeError::io(&path, "create", e))?;
+            let message = c
+                .message
+                .as_deref()
+                .cloned()
+                .ok_or_else(|| fail("first chunk carries no snapshot message".into()))?;
+            self.incoming.insert(
+                key,
+                Incoming {
+                    file,
+                    path,
+                    next: 0,
+                    len: 0,
+                    hasher: crc32fast::Hasher::new(),
+                    message: Some(message),
+                },
+            );
+        }
+        let inc = self
+            .incoming
+            .get_mut(&key)
+            .ok_or_else(|| fail(format!("chunk {} of an unknown transfer", c.seq)))?;
+        if c.seq != inc.next {
+            return Err(fail(format!(
+                "chunk {} arrived, {} expected",
+                c.seq, inc.next
+            )));
+        }
+        if crc32fast::hash(&c.data) != c.crc {
+            return Err(fail(format!("chunk {} fails its checksum", c.seq)));
+        }
+        inc.file
+            .write_all(&c.data)
+            .map_err(|e| NodeError::io(&inc.path, "write", e))?;
+        inc.hasher.update(&c.data);
+        inc.len += c.data.len() as u64;
+        inc.next += 1;
+        let Some((len, crc)) = c.end else {
+            return Ok(None);
+        };
+        if len != inc.len || crc != inc.hasher.clone().finalize() {
+            return Err(fail(format!(
+                "stream of {} bytes fails its end marker ({len} bytes expected, checksum {})",
+                inc.len,
+                if crc == inc.hasher.clone().finalize() {
+                    "matches"
+                } else {
+                    "differs"
+                }
+            )));
+        }
+        inc.file
+            .sync_all()
+            .map_err(|e| NodeError::io(&inc.path, "fsync", e))?;
+        let message = inc
+            .message
+            .take()
+            .ok_or_else(|| fail("transfer already completed".into()))?;
+        let meta = message.get_snapshot().get_metadata();
+        let path = self.dir.join(format!("{}-{}.snap", meta.index, meta.term));
+        let inc = self
+            .incoming
+            .remove(&key)
+            .ok_or_else(|| fail("transfer vanished".into()))?;
+        fs::rename(&inc.path, &path).map_err(|e| NodeError::io(&inc.path, "rename", e))?;
+        fsync_dir(&self.dir)?;
+        Ok(Some(Received { message, path }))
+    }
+}
+
+/// Routes an ack to the sender waiting for it.
+pub(crate) fn route_ack(acks: &AckWaiters, ack: SnapshotAck) {
+    if let Some(tx) = acks.lock().get(&ack.transfer) {
+        let _ = tx.try_send(ack);
+    }
+}
+
+/// The receiving side of an ack channel, for tests.
+#[allow(dead_code)]
+pub(crate) type AckReceiver = Receiver<SnapshotAck>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunk(seq: u32, data: &[u8], end: Option<(u64, u32)>) -> SnapshotChunk {
+        let mut m = Message {
+            from: 1,
+            to: 2,
+            ..Message::default()
+        };
+        m.mut_snapshot().mut_metadata().index = 10;
+        m.mut_snapshot().mut_metadata().term = 2;
+        SnapshotChunk {
+            from: 1,
+            to: 2,
+            transfer: 5,
+            seq,
+            message: (seq == 0).then(|| Box::new(m)),
+            data: data.to_vec(),
+            crc: crc32fast::hash(data),
+            end,
+        }
+    }
+
+    #[test]
+    fn assembles_verifies_and_refuses_damage() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut a = Assembler::new(dir.path().join("snap")).expect("assembler");
+        let all = b"hello world".to_vec();
+        let end = Some((all.len() as u64, crc32fast::hash(&all)));
+        assert!(a.chunk(chunk(0, &all[..5], None)).expect("ok").is_none());
+        let got = a
+            .chunk(chunk(1, &all[5..], end))
+            .expect("ok")
+            .expect("done");
+        assert_eq!(fs::read(&got.path).expect("read"), all);
+        assert!(got.path.ends_with("10-2.snap"));
+
+        // A corrupted chunk aborts and leaves no temporary file.
+        let mut bad = chunk(0, &all[..5], None);
+        bad.data[0] ^= 1;
+        assert!(a.chunk(bad).is_err());
+        assert!(
+            a.chunk(chunk(1, &all[5..], end)).is_err(),
+            "unknown transfer"
+        );
+        // A missing chunk aborts.
+        assert!(a.chunk(chunk(0, &all[..5], None)).expect("ok").is_none());
+        assert!(a.chunk(chunk(2, &all[5..], end)).is_err());
+        // A wrong end marker aborts.
+        assert!(a.chunk(chunk(0, &all[..5], None)).expect("ok").is_none());
+        assert!(a.chunk(chunk(1, &all[5..], Some((11, 0)))).is_err());
+        let tmp: Vec<_> = fs::read_dir(dir.path().join("snap"))
+            .expect("dir")
+            .flatten()
+            .filter(|e| e.path().extension().is_some_and(|x| x == "tmp"))
+            .collect();
+        assert!(tmp.is_empty(), "aborted transfers leave nothing behind");
+    }
+}
