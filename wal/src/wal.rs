@@ -17,6 +17,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use tracing::{debug, warn};
@@ -152,12 +153,23 @@ fn lock_dir(dir: &Path) -> Result<File, WalError> {
         .truncate(false)
         .open(&path)
         .map_err(|e| WalError::io("open lock file", &path, e))?;
-    match f.try_lock() {
-        Ok(()) => Ok(f),
-        Err(TryLockError::WouldBlock) => Err(WalError::Locked {
-            path: dir.to_path_buf(),
-        }),
-        Err(TryLockError::Error(e)) => Err(WalError::io("lock", &path, e)),
+    // A lock is briefly held on behalf of a closed log too: a child process forked by
+    // another thread shares the descriptor until it execs. So retry for a moment before
+    // calling the directory taken.
+    let deadline = Instant::now() + Duration::from_millis(500);
+    loop {
+        match f.try_lock() {
+            Ok(()) => return Ok(f),
+            Err(TryLockError::WouldBlock) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(TryLockError::WouldBlock) => {
+                return Err(WalError::Locked {
+                    path: dir.to_path_buf(),
+                });
+            }
+            Err(TryLockError::Error(e)) => return Err(WalError::io("lock", &path, e)),
+        }
     }
 }
 

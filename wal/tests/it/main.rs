@@ -1,4 +1,9 @@
 //! Integration tests of keel-wal, one module per theme.
 
 mod basic;
+mod corruption;
+mod crash;
+mod faults;
+mod model;
+mod torn;
 mod util;

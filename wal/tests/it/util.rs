@@ -3,8 +3,8 @@
 
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 
 use keel_wal::{Entry, FileSystem, RealFs, WalFile, WalOptions};
 use parking_lot::Mutex;
@@ -77,6 +77,8 @@ pub struct Faults {
     pub reads: Mutex<Vec<String>>,
     /// Number of syncs done.
     pub syncs: AtomicU64,
+    /// Every file opened, to follow renames.
+    files: Mutex<Vec<Weak<FaultFile>>>,
 }
 
 /// The real file system with switchable faults.
@@ -86,8 +88,12 @@ pub struct FaultFs(pub Arc<Faults>);
 #[derive(Debug)]
 struct FaultFile {
     inner: Arc<dyn WalFile>,
-    name: String,
+    name: Mutex<String>,
     faults: Arc<Faults>,
+}
+
+fn name_of(path: &Path) -> String {
+    path.file_name().unwrap().to_string_lossy().into_owned()
 }
 
 fn enospc() -> io::Error {
@@ -96,15 +102,16 @@ fn enospc() -> io::Error {
 
 impl WalFile for FaultFile {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
-        self.faults.reads.lock().push(self.name.clone());
+        self.faults.reads.lock().push(self.name.lock().clone());
         self.inner.read_at(buf, offset)
     }
     fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<usize> {
         let f = &self.faults;
-        if self.name.ends_with(".tmp") && f.enospc_new_segment.load(Ordering::SeqCst) {
+        let name = self.name.lock().clone();
+        if name.ends_with(".tmp") && f.enospc_new_segment.load(Ordering::SeqCst) {
             return Err(enospc());
         }
-        if self.name.ends_with(".wal") && f.enospc_write.load(Ordering::SeqCst) {
+        if name.ends_with(".wal") && f.enospc_write.load(Ordering::SeqCst) {
             return Err(enospc());
         }
         if f.short_writes.load(Ordering::SeqCst) {
@@ -134,7 +141,9 @@ impl WalFile for FaultFile {
         self.inner.set_len(len)
     }
     fn allocate(&self, offset: u64, len: u64) -> io::Result<()> {
-        if self.name.ends_with(".tmp") && self.faults.enospc_new_segment.load(Ordering::SeqCst) {
+        if self.name.lock().ends_with(".tmp")
+            && self.faults.enospc_new_segment.load(Ordering::SeqCst)
+        {
             return Err(enospc());
         }
         self.inner.allocate(offset, len)
@@ -147,11 +156,13 @@ impl FaultFs {
         (FaultFs(f.clone()), f)
     }
     fn wrap(&self, path: &Path, inner: Arc<dyn WalFile>) -> Arc<dyn WalFile> {
-        Arc::new(FaultFile {
+        let f = Arc::new(FaultFile {
             inner,
-            name: path.file_name().unwrap().to_string_lossy().into_owned(),
+            name: Mutex::new(name_of(path)),
             faults: self.0.clone(),
-        })
+        });
+        self.0.files.lock().push(Arc::downgrade(&f));
+        f
     }
 }
 
@@ -168,7 +179,15 @@ impl FileSystem for FaultFs {
         Ok(self.wrap(path, f))
     }
     fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
-        RealFs.rename(from, to)
+        RealFs.rename(from, to)?;
+        let (old, new) = (name_of(from), name_of(to));
+        for f in self.0.files.lock().iter().filter_map(Weak::upgrade) {
+            let mut n = f.name.lock();
+            if *n == old {
+                *n = new.clone();
+            }
+        }
+        Ok(())
     }
     fn remove(&self, path: &Path) -> io::Result<()> {
         RealFs.remove(path)

@@ -1,0 +1,448 @@
+//! keel-wal against the raw disk and against raft-engine, each in the same run.
+//!
+//! - `append`: 1 KiB entries, batches of 1, 16 and 256 per durable append, against a raw
+//!   `pwrite` + `fdatasync` loop writing the same bytes in the same batches to a
+//!   preallocated (zero-written) file. Goal: >= 0.9x the raw loop.
+//! - `group_commit`: 8 threads appending single entries durably against one thread doing
+//!   the same. Goal: >= 4x.
+//! - `peer` (feature `peers`): batches of 16 1 KiB entries with sync on raft-engine.
+//!   Goal: >= 1.0x.
+//! - `replay`: opening (reading and checking every record of) a log of
+//!   `KEEL_WAL_REPLAY_MIB` MiB (default 1024) against a raw sequential read + crc32 of the
+//!   same bytes. Goal: >= 0.8x. Also prints the peak heap growth of streaming the log from
+//!   its middle.
+//!
+//! Run: `cargo bench -p keel-benches --bench wal` (add `--features peers` for raft-engine).
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::fs::File;
+use std::ops::ControlFlow;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use criterion::{BenchmarkId, Criterion, SamplingMode, Throughput};
+use keel_benches::{Better, Recorder};
+use keel_wal::{Entry, Wal, WalOptions};
+use parking_lot::Mutex;
+
+/// Counts live heap bytes and their peak, to report replay memory.
+struct Counting;
+
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+fn grew(n: usize) {
+    let now = LIVE.fetch_add(n, Ordering::Relaxed) + n;
+    PEAK.fetch_max(now, Ordering::Relaxed);
+}
+
+// SAFETY: every method forwards to `System` with the caller's arguments unchanged, so the
+// `GlobalAlloc` contract holds exactly as it does for `System`; the counters are only
+// bookkeeping.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: the caller upholds `alloc`'s contract (non-zero size layout).
+        let p = unsafe { System.alloc(layout) };
+        if !p.is_null() {
+            grew(layout.size());
+        }
+        p
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` was allocated by this allocator (hence `System`) with `layout`.
+        unsafe { System.dealloc(ptr, layout) };
+        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: as for `alloc`.
+        let p = unsafe { System.alloc_zeroed(layout) };
+        if !p.is_null() {
+            grew(layout.size());
+        }
+        p
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: `ptr` came from this allocator with `layout`; the caller upholds the rest.
+        let p = unsafe { System.realloc(ptr, layout, new_size) };
+        if !p.is_null() {
+            LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+            grew(new_size);
+        }
+        p
+    }
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
+
+const ENTRY: usize = 1024;
+const RAW_FILE: u64 = 64 << 20;
+
+fn quick<'a>(
+    c: &'a mut Criterion,
+    name: &str,
+) -> criterion::BenchmarkGroup<'a, criterion::measurement::WallTime> {
+    let mut g = c.benchmark_group(name);
+    g.sample_size(20)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(3));
+    g
+}
+
+fn template(n: usize) -> Vec<Entry> {
+    (0..n)
+        .map(|k| Entry {
+            index: 0,
+            term: 1,
+            data: (0..ENTRY).map(|b| (b * 31 + k * 7) as u8).collect(),
+        })
+        .collect()
+}
+
+/// A file of `RAW_FILE` bytes written with zeros and synced: the raw disk at its best.
+fn raw_file(dir: &Path) -> File {
+    let path = dir.join("raw");
+    let f = File::options()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(path)
+        .unwrap();
+    let zeros = vec![0u8; 1 << 20];
+    for i in 0..RAW_FILE / (1 << 20) {
+        f.write_all_at(&zeros, i << 20).unwrap();
+    }
+    f.sync_all().unwrap();
+    f
+}
+
+/// A durable append of `es` (indices from `next`), `next` moved past them.
+fn keel_append(wal: &Wal, es: &mut [Entry], next: &mut u64) {
+    for (k, e) in es.iter_mut().enumerate() {
+        e.index = *next + k as u64;
+    }
+    wal.append(es, None, true).unwrap();
+    *next += es.len() as u64;
+}
+
+fn append(c: &mut Criterion, rec: &Recorder) {
+    let mut g = quick(c, "wal_append");
+    for batch in [1usize, 16, 256] {
+        g.throughput(Throughput::Bytes((batch * ENTRY) as u64));
+        let dir = tempfile::tempdir().unwrap();
+        let wal = Wal::open(&dir.path().join("wal"), WalOptions::default()).unwrap();
+        let mut es = template(batch);
+        let mut next = 1u64;
+        let keel = format!("keel append x{batch}");
+        g.bench_function(BenchmarkId::new("keel", batch), |b| {
+            rec.iter(b, &keel, |_| keel_append(&wal, &mut es, &mut next))
+        });
+        drop(wal);
+
+        let f = raw_file(dir.path());
+        let buf: Vec<u8> = template(batch).into_iter().flat_map(|e| e.data).collect();
+        let mut off = 0u64;
+        let raw = format!("raw write+fdatasync x{batch}");
+        g.bench_function(BenchmarkId::new("raw", batch), |b| {
+            rec.iter(b, &raw, |_| {
+                if off + buf.len() as u64 > RAW_FILE {
+                    off = 0;
+                }
+                f.write_all_at(&buf, off).unwrap();
+                f.sync_data().unwrap();
+                off += buf.len() as u64;
+            })
+        });
+        rec.ratio(
+            &format!("wal append, 1 KiB entries, batch {batch}, vs raw write+fdatasync"),
+            &keel,
+            &raw,
+            Better::Faster,
+            Some(0.9),
+        );
+    }
+    g.finish();
+}
+
+fn group_commit(c: &mut Criterion, rec: &Recorder) {
+    let mut g = quick(c, "wal_group_commit");
+    g.throughput(Throughput::Elements(1));
+    let dir = tempfile::tempdir().unwrap();
+    let wal = Arc::new(Wal::open(dir.path(), WalOptions::default()).unwrap());
+    let next = Arc::new(Mutex::new(1u64));
+    let data: Vec<u8> = (0..ENTRY).map(|b| b as u8).collect();
+
+    let one = "keel 1 thread, durable single-entry appends";
+    g.bench_function("1 thread", |b| {
+        rec.iter(b, one, |_| {
+            let mut n = next.lock();
+            let e = Entry {
+                index: *n,
+                term: 1,
+                data: data.clone(),
+            };
+            wal.append(&[e], None, true).unwrap();
+            *n += 1;
+        })
+    });
+    let eight = "keel 8 threads, durable single-entry appends";
+    g.bench_function("8 threads", |b| {
+        b.iter_custom(|iters| {
+            let per = iters.div_ceil(8).max(1);
+            let start = Instant::now();
+            std::thread::scope(|s| {
+                for _ in 0..8 {
+                    s.spawn(|| {
+                        for _ in 0..per {
+                            {
+                                // Raft indices are consecutive: the index is taken and the
+                                // entry buffered under one lock; the durable wait is shared.
+                                let mut n = next.lock();
+                                let e = Entry {
+                                    index: *n,
+                                    term: 1,
+                                    data: data.clone(),
+                                };
+                                wal.append(&[e], None, false).unwrap();
+                                *n += 1;
+                            }
+                            wal.sync().unwrap();
+                        }
+                    });
+                }
+            });
+            let elapsed = start.elapsed();
+            rec.record(eight, elapsed, per * 8);
+            elapsed.mul_f64(iters as f64 / (per * 8) as f64)
+        })
+    });
+    rec.ratio(
+        "wal group commit, 8 threads vs 1 thread, durable 1 KiB appends",
+        eight,
+        one,
+        Better::Faster,
+        Some(4.0),
+    );
+    g.finish();
+}
+
+#[cfg(feature = "peers")]
+fn peer(c: &mut Criterion, rec: &Recorder) {
+    use raft_engine::{Config, Engine, LogBatch};
+    let mut g = quick(c, "wal_peer_raft_engine");
+    g.throughput(Throughput::Bytes((16 * ENTRY) as u64));
+    let dir = tempfile::tempdir().unwrap();
+
+    let wal = Wal::open(&dir.path().join("keel"), WalOptions::default()).unwrap();
+    let mut es = template(16);
+    let mut next = 1u64;
+    let keel = "keel append x16 (beside raft-engine)";
+    g.bench_function("keel", |b| {
+        rec.iter(b, keel, |_| keel_append(&wal, &mut es, &mut next))
+    });
+    drop(wal);
+
+    let engine = Engine::open(Config {
+        dir: dir
+            .path()
+            .join("raft-engine")
+            .to_string_lossy()
+            .into_owned(),
+        ..Config::default()
+    })
+    .unwrap();
+    let values = template(16);
+    let mut batch = LogBatch::with_capacity(16);
+    let mut next = 1u64;
+    let re = "raft-engine write x16 sync";
+    g.bench_function("raft-engine", |b| {
+        rec.iter(b, re, |_| {
+            // raft-engine's entry path needs protobuf message types; its key-value path goes
+            // through the same batch encoding, write and sync pipeline.
+            for e in &values {
+                batch
+                    .put(1, next.to_be_bytes().to_vec(), e.data.clone())
+                    .unwrap();
+                next += 1;
+            }
+            engine.write(&mut batch, true).unwrap();
+        })
+    });
+    rec.ratio(
+        "wal append x16 1 KiB sync vs raft-engine",
+        keel,
+        re,
+        Better::Faster,
+        Some(1.0),
+    );
+    g.finish();
+}
+
+/// Where each segment's records end (the written part), found once, untimed.
+fn written_parts(dir: &Path) -> Vec<(PathBuf, u64)> {
+    let mut segs: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "wal"))
+        .collect();
+    segs.sort();
+    segs.into_iter()
+        .map(|p| {
+            let bytes = std::fs::read(&p).unwrap();
+            let end = bytes
+                .iter()
+                .rposition(|&b| b != 0)
+                .map_or(0, |i| (i as u64 + 8) & !7);
+            (p, end)
+        })
+        .collect()
+}
+
+fn raw_read_crc(parts: &[(PathBuf, u64)], buf: &mut [u8]) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    for (p, len) in parts {
+        let f = File::open(p).unwrap();
+        let mut off = 0u64;
+        while off < *len {
+            let n = ((*len - off) as usize).min(buf.len());
+            f.read_exact_at(&mut buf[..n], off).unwrap();
+            h.update(&buf[..n]);
+            off += n as u64;
+        }
+    }
+    h.finalize()
+}
+
+fn replay(c: &mut Criterion, rec: &Recorder) {
+    // The smoke run (`-- --test`) only checks that everything works: a small log will do.
+    let smoke = std::env::args().any(|a| a == "--test");
+    let mib: u64 = std::env::var("KEEL_WAL_REPLAY_MIB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(if smoke { 16 } else { 1024 });
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("wal");
+    let entries = mib * (1 << 20) / (ENTRY as u64 + 24);
+    {
+        let wal = Wal::open(&path, WalOptions::default()).unwrap();
+        let mut es = template(256);
+        let mut next = 1u64;
+        while next <= entries {
+            for (k, e) in es.iter_mut().enumerate() {
+                e.index = next + k as u64;
+            }
+            wal.append(&es, None, false).unwrap();
+            next += es.len() as u64;
+        }
+        wal.sync().unwrap();
+    }
+    let parts = written_parts(&path);
+    let bytes: u64 = parts.iter().map(|p| p.1).sum();
+    let read_opts = || WalOptions {
+        preallocate: false,
+        ..WalOptions::default()
+    };
+
+    let mut g = c.benchmark_group("wal_replay");
+    g.sample_size(10)
+        .sampling_mode(SamplingMode::Flat)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(5))
+        .throughput(Throughput::Bytes(bytes));
+    let keel = format!("keel open (read + check every record) {mib} MiB");
+    g.bench_function("keel open", |b| {
+        rec.iter(b, &keel, |_| {
+            let wal = Wal::open(&path, read_opts()).unwrap();
+            assert!(wal.last_index() >= entries);
+        })
+    });
+    let full = format!("keel open + stream every entry {mib} MiB");
+    g.bench_function("keel open+stream", |b| {
+        rec.iter(b, &full, |_| {
+            let wal = Wal::open(&path, read_opts()).unwrap();
+            let mut n = 0u64;
+            wal.replay(wal.first_index(), |e| {
+                n += e.data.len() as u64;
+                ControlFlow::Continue(())
+            })
+            .unwrap();
+            assert!(n >= entries * ENTRY as u64);
+        })
+    });
+    let raw = format!("raw sequential read + crc32 {mib} MiB");
+    let mut buf = vec![0u8; 4 << 20];
+    g.bench_function("raw read+crc32", |b| {
+        rec.iter(b, &raw, |_| {
+            std::hint::black_box(raw_read_crc(&parts, &mut buf));
+        })
+    });
+    g.finish();
+    rec.ratio(
+        &format!("wal replay (open) of {mib} MiB vs raw read + crc32"),
+        &keel,
+        &raw,
+        Better::Faster,
+        Some(0.8),
+    );
+    rec.ratio(
+        &format!("wal open + streaming every entry of {mib} MiB vs raw read + crc32"),
+        &full,
+        &raw,
+        Better::Faster,
+        None,
+    );
+
+    // Peak heap of streaming from the middle, beyond what the open log already holds.
+    let wal = Wal::open(&path, read_opts()).unwrap();
+    let mid = (wal.first_index() + wal.last_index()) / 2;
+    let base = LIVE.load(Ordering::Relaxed);
+    PEAK.store(base, Ordering::Relaxed);
+    let mut n = 0u64;
+    wal.replay(mid, |e| {
+        n += 1;
+        std::hint::black_box(e.data);
+        ControlFlow::Continue(())
+    })
+    .unwrap();
+    let peak = PEAK.load(Ordering::Relaxed) - base;
+    let seg = WalOptions::default().segment_size as usize;
+    println!(
+        "MEMORY wal replay from index {mid} ({n} entries streamed, none kept): peak heap +{:.1} MiB; \
+         bound: one segment ({} MiB) + entries returned (0) -> {}",
+        peak as f64 / (1 << 20) as f64,
+        seg >> 20,
+        if peak <= seg { "within" } else { "EXCEEDED" }
+    );
+    let base = LIVE.load(Ordering::Relaxed);
+    PEAK.store(base, Ordering::Relaxed);
+    let got = wal.entries(mid, mid + 10_000, None).unwrap();
+    let returned: usize = got.iter().map(|e| e.data.len() + size_of::<Entry>()).sum();
+    let peak = PEAK.load(Ordering::Relaxed) - base;
+    println!(
+        "MEMORY wal entries(mid, mid + 10000): peak heap +{:.1} MiB; bound: one segment ({} MiB) + \
+         entries returned ({:.1} MiB) -> {}",
+        peak as f64 / (1 << 20) as f64,
+        seg >> 20,
+        returned as f64 / (1 << 20) as f64,
+        if peak <= seg + returned {
+            "within"
+        } else {
+            "EXCEEDED"
+        }
+    );
+}
+
+fn main() {
+    let rec = Recorder::new();
+    let mut c = Criterion::default().configure_from_args();
+    append(&mut c, &rec);
+    group_commit(&mut c, &rec);
+    #[cfg(feature = "peers")]
+    peer(&mut c, &rec);
+    replay(&mut c, &rec);
+    c.final_summary();
+}

@@ -1,0 +1,189 @@
+//! Pins down torn-tail repair: a write cut at every byte offset of the final record, or of
+//! the final segment's header, reopens to the last whole record (keeping a `.broken` copy),
+//! and strict mode refuses instead.
+
+use std::path::Path;
+
+use keel_wal::{Wal, WalError, WalOptions};
+
+use crate::util::{entries, entry, files, segments};
+
+fn opts() -> WalOptions {
+    WalOptions {
+        segment_size: 64 << 10,
+        preallocate: false,
+        ..WalOptions::default()
+    }
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}
+
+#[test]
+fn torn_final_record_at_every_offset() {
+    let base = tempfile::tempdir().unwrap();
+    let before_dir = base.path().join("before");
+    let want = entries(1, 21, 1);
+    {
+        let wal = Wal::open(&before_dir, opts()).unwrap();
+        wal.append(&want, None, true).unwrap();
+    }
+    let seg = segments(&before_dir)[0].clone();
+    let before = std::fs::read(&seg).unwrap();
+    let after_dir = base.path().join("after");
+    copy_dir(&before_dir, &after_dir);
+    let last = entry(21, 1);
+    {
+        let wal = Wal::open(&after_dir, opts()).unwrap();
+        wal.append(std::slice::from_ref(&last), None, true).unwrap();
+    }
+    let after = std::fs::read(after_dir.join(seg.file_name().unwrap())).unwrap();
+    let first_diff = before.iter().zip(&after).position(|(a, b)| a != b).unwrap();
+    let start = first_diff & !7;
+    let rec_len = 8 + (16 + last.data.len()).div_ceil(8) * 8;
+    // From here on only zero padding is missing, and the padding is zeros already.
+    let whole = 8 + 16 + last.data.len();
+    assert!(
+        after[start + rec_len..start + rec_len + 64]
+            .iter()
+            .all(|&b| b == 0)
+    );
+
+    for cut in 0..=rec_len {
+        let dir = base.path().join(format!("cut{cut}"));
+        copy_dir(&before_dir, &dir);
+        let mut bytes = before.clone();
+        bytes[start..start + cut].copy_from_slice(&after[start..start + cut]);
+        let path = dir.join(seg.file_name().unwrap());
+        std::fs::write(&path, &bytes).unwrap();
+
+        if cut > 0 && cut < whole {
+            let err = Wal::open(
+                &dir,
+                WalOptions {
+                    strict: true,
+                    ..opts()
+                },
+            )
+            .unwrap_err();
+            assert!(matches!(err, WalError::Corrupt { .. }), "cut {cut}: {err}");
+            assert!(
+                err.to_string()
+                    .contains(&seg.file_name().unwrap().to_string_lossy().to_string())
+            );
+        }
+        let wal = Wal::open(&dir, opts()).unwrap();
+        let expect_last = if cut >= whole { 21 } else { 20 };
+        assert_eq!(wal.last_index(), expect_last, "cut {cut}");
+        let mut expect = want.clone();
+        if cut >= whole {
+            expect.push(last.clone());
+        }
+        assert_eq!(
+            wal.entries(1, expect_last + 1, None).unwrap(),
+            expect,
+            "cut {cut}"
+        );
+        let broken = files(&dir).iter().any(|n| n.contains(".broken"));
+        assert_eq!(
+            broken,
+            cut > 0 && cut < whole,
+            "cut {cut}: {:?}",
+            files(&dir)
+        );
+        // The repaired log takes new appends and keeps them.
+        wal.append(&[entry(expect_last + 1, 2)], None, true)
+            .unwrap();
+        drop(wal);
+        let wal = Wal::open(&dir, opts()).unwrap();
+        assert_eq!(wal.last_index(), expect_last + 1, "cut {cut}");
+        assert_eq!(
+            wal.entries(expect_last + 1, expect_last + 2, None).unwrap(),
+            vec![entry(expect_last + 1, 2)]
+        );
+        drop(wal);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+fn header(seq: u64) -> [u8; 32] {
+    let mut h = [0u8; 32];
+    h[0..8].copy_from_slice(b"KEELWAL\0");
+    h[8..12].copy_from_slice(&keel_wal::FORMAT_VERSION.to_le_bytes());
+    h[16..24].copy_from_slice(&seq.to_le_bytes());
+    let crc = crc32fast::hash(&h[0..28]);
+    h[28..32].copy_from_slice(&crc.to_le_bytes());
+    h
+}
+
+#[test]
+fn torn_final_segment_header_at_every_offset() {
+    let base = tempfile::tempdir().unwrap();
+    let good = base.path().join("good");
+    let want = entries(1, 101, 1);
+    {
+        let wal = Wal::open(&good, opts()).unwrap();
+        wal.append(&want, None, true).unwrap();
+    }
+    assert_eq!(segments(&good).len(), 1);
+    let h = header(1);
+    for cut in 0..=32usize {
+        let dir = base.path().join(format!("hcut{cut}"));
+        copy_dir(&good, &dir);
+        let mut bytes = vec![0u8; 64 << 10];
+        bytes[..cut].copy_from_slice(&h[..cut]);
+        let name = format!("{:016x}-{:016x}.wal", 1, 101);
+        std::fs::write(dir.join(&name), &bytes).unwrap();
+        if cut < 32 {
+            let err = Wal::open(
+                &dir,
+                WalOptions {
+                    strict: true,
+                    ..opts()
+                },
+            )
+            .unwrap_err();
+            assert!(
+                matches!(err, WalError::Corrupt { offset: 0, .. }),
+                "cut {cut}: {err}"
+            );
+        }
+        let wal = Wal::open(&dir, opts()).unwrap();
+        assert_eq!(wal.last_index(), 100, "cut {cut}");
+        assert_eq!(wal.entries(1, 101, None).unwrap(), want, "cut {cut}");
+        let broken = files(&dir).iter().any(|n| n.contains(".broken"));
+        assert_eq!(broken, cut < 32, "cut {cut}");
+        wal.append(&entries(101, 111, 2), None, true).unwrap();
+        drop(wal);
+        let wal = Wal::open(&dir, opts()).unwrap();
+        assert_eq!(wal.last_index(), 110, "cut {cut}");
+        assert_eq!(wal.entries(95, 111, None).unwrap().len(), 16);
+        drop(wal);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+#[test]
+fn unknown_version_is_a_typed_error() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let wal = Wal::open(dir.path(), opts()).unwrap();
+        wal.append(&entries(1, 5, 1), None, true).unwrap();
+    }
+    let seg = segments(dir.path())[0].clone();
+    let mut bytes = std::fs::read(&seg).unwrap();
+    bytes[8..12].copy_from_slice(&7u32.to_le_bytes());
+    let crc = crc32fast::hash(&bytes[0..28]);
+    bytes[28..32].copy_from_slice(&crc.to_le_bytes());
+    std::fs::write(&seg, &bytes).unwrap();
+    let err = Wal::open(dir.path(), opts()).unwrap_err();
+    assert!(
+        matches!(err, WalError::UnknownVersion { found: 7, .. }),
+        "{err}"
+    );
+}
