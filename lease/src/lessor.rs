@@ -8,8 +8,9 @@
 //! crash can never apply it twice (the store refuses an index it already holds).
 //!
 //! Attachments are not stored separately: each key carries its lease id in the store.
-//! Writes of keys with a lease go through [`Lessor::put`] and [`Lessor::delete_range`] (or
-//! the caller reports them with [`Lessor::attach`] / [`Lessor::detach`]); on open, the
+//! Writes of keys with a lease go through [`Lessor::put`], [`Lessor::delete_range`] and
+//! [`Lessor::txn`] (or the caller reports them with [`Lessor::attach`] /
+//! [`Lessor::detach`]); on open, the
 //! attachments are rebuilt from the keys. A revoke only deletes attached keys whose current
 //! lease is still the revoked one, so a stale attachment can never delete a key that was
 //! re-written without the lease.
@@ -21,7 +22,7 @@ use std::sync::Arc;
 
 use keel_mvcc::{
     Backend, DeleteRangeRequest, DeleteResponse, PutRequest, PutResponse, RangeRequest, Store,
-    WriteTxn,
+    TxnOp, TxnOpResponse, TxnRequest, TxnResponse, WriteTxn,
 };
 use parking_lot::Mutex;
 
@@ -286,6 +287,25 @@ impl<B: Backend> Lessor<B> {
         Ok(response)
     }
 
+    /// Runs an etcd transaction through the store and updates the attachments of every key
+    /// the branch that ran put or deleted. Refused, changing nothing, when a put in either
+    /// branch (nested transactions included) names a lease that does not exist, as etcd
+    /// does. Previous pairs appear in the response only where the request asked for them.
+    pub fn txn(&self, req: &TxnRequest, index: Option<u64>) -> Result<TxnResponse, LeaseError> {
+        let mut table = self.table.lock();
+        check_txn_leases(&table, req)?;
+        let mut txn = self.begin(index)?;
+        let mut response = txn.txn(&with_prev_kv(req))?;
+        txn.commit()?;
+        let ops = if response.succeeded {
+            &req.success
+        } else {
+            &req.failure
+        };
+        track_txn(&mut table, ops, &mut response.responses);
+        Ok(response)
+    }
+
     /// Becomes primary: every lease expires at now + its remaining TTL (checkpointed, or
     /// granted when none) + the promotion extension.
     pub fn promote(&self) {
@@ -346,5 +366,86 @@ impl<B: Backend> Lessor<B> {
             table.apply_checkpoint(record.id, record.remaining);
         }
         Ok(applied.len())
+    }
+}
+
+/// Refuses a transaction whose puts (in either branch, at any depth) name a missing lease.
+fn check_txn_leases(table: &LeaseTable, req: &TxnRequest) -> Result<(), LeaseError> {
+    for op in req.success.iter().chain(&req.failure) {
+        match op {
+            TxnOp::Put(put) if put.lease != 0 && !table.contains(put.lease) => {
+                return Err(LeaseError::NotFound { id: put.lease });
+            }
+            TxnOp::Txn(nested) => check_txn_leases(table, nested)?,
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// The same request asking for every previous pair, which the attachments need.
+fn with_prev_kv(req: &TxnRequest) -> TxnRequest {
+    let branch = |ops: &[TxnOp]| -> Vec<TxnOp> {
+        ops.iter()
+            .map(|op| match op {
+                TxnOp::Put(put) => TxnOp::Put(PutRequest {
+                    prev_kv: true,
+                    ..put.clone()
+                }),
+                TxnOp::DeleteRange(del) => TxnOp::DeleteRange(DeleteRangeRequest {
+                    prev_kv: true,
+                    ..del.clone()
+                }),
+                TxnOp::Txn(nested) => TxnOp::Txn(with_prev_kv(nested)),
+                TxnOp::Range(range) => TxnOp::Range(range.clone()),
+            })
+            .collect()
+    };
+    TxnRequest {
+        compare: req.compare.clone(),
+        success: branch(&req.success),
+        failure: branch(&req.failure),
+    }
+}
+
+/// Moves attachments after the branch `ops` ran with `responses`, and drops the previous
+/// pairs the caller did not ask for.
+fn track_txn(table: &mut LeaseTable, ops: &[TxnOp], responses: &mut [TxnOpResponse]) {
+    for (op, response) in ops.iter().zip(responses.iter_mut()) {
+        match (op, response) {
+            (TxnOp::Put(put), TxnOpResponse::Put(r)) => {
+                if let Some(prev) = &r.prev_kv
+                    && prev.lease != 0
+                    && prev.lease != put.lease
+                {
+                    let _ = table.detach(prev.lease, &put.key);
+                }
+                if put.lease != 0 {
+                    let _ = table.attach(put.lease, &put.key);
+                }
+                if !put.prev_kv {
+                    r.prev_kv = None;
+                }
+            }
+            (TxnOp::DeleteRange(del), TxnOpResponse::DeleteRange(r)) => {
+                for kv in &r.prev_kvs {
+                    if kv.lease != 0 {
+                        let _ = table.detach(kv.lease, &kv.key);
+                    }
+                }
+                if !del.prev_kv {
+                    r.prev_kvs.clear();
+                }
+            }
+            (TxnOp::Txn(nested), TxnOpResponse::Txn(r)) => {
+                let branch = if r.succeeded {
+                    &nested.success
+                } else {
+                    &nested.failure
+                };
+                track_txn(table, branch, &mut r.responses);
+            }
+            _ => {}
+        }
     }
 }

@@ -317,3 +317,67 @@ fn a_demoted_lessor_expires_nothing_and_refuses_renewals() {
     clock.advance(secs(1));
     assert_eq!(lessor.expired_leases(), vec![1]);
 }
+
+#[test]
+fn transactions_move_attachments_and_refuse_unknown_leases() {
+    use keel_mvcc::{
+        Compare, CompareResult, CompareTarget, DeleteRangeRequest, PutRequest, TxnOp,
+        TxnOpResponse, TxnRequest,
+    };
+    let store = open_store(&mem_path("txn"));
+    let clock = Arc::new(ManualClock::new());
+    let lessor = open_lessor(&store, &clock);
+    lessor.grant(1, 60, None).unwrap();
+    lessor.grant(2, 60, None).unwrap();
+    lessor.put(b"a", b"v", 1, None).unwrap();
+    lessor.put(b"b", b"v", 1, None).unwrap();
+    let put = |key: &[u8], lease| {
+        TxnOp::Put(PutRequest {
+            lease,
+            ..PutRequest::new(key.to_vec(), b"w".to_vec())
+        })
+    };
+    // An unknown lease in the branch that would not even run is refused, nothing changes.
+    let bad = TxnRequest {
+        compare: vec![],
+        success: vec![put(b"c", 2)],
+        failure: vec![put(b"c", 9)],
+    };
+    let rev = store.current_revision();
+    let err = lessor.txn(&bad, None).unwrap_err();
+    assert!(matches!(err, LeaseError::NotFound { id: 9 }), "{err}");
+    assert_eq!(store.current_revision(), rev);
+
+    // The failure branch runs: "a" moves to lease 2, "b" is deleted, "c" gets lease 2.
+    let req = TxnRequest {
+        compare: vec![Compare::new(
+            b"a".to_vec(),
+            CompareResult::Equal,
+            CompareTarget::Value(b"nope".to_vec()),
+        )],
+        success: vec![put(b"z", 1)],
+        failure: vec![
+            put(b"a", 2),
+            TxnOp::DeleteRange(DeleteRangeRequest::key(b"b".to_vec())),
+            TxnOp::Txn(TxnRequest {
+                compare: vec![],
+                success: vec![put(b"c", 2)],
+                failure: vec![],
+            }),
+        ],
+    };
+    let response = lessor.txn(&req, Some(3)).unwrap();
+    assert!(!response.succeeded);
+    match &response.responses[0] {
+        TxnOpResponse::Put(r) => assert_eq!(r.prev_kv, None, "not asked for"),
+        other => panic!("unexpected response {other:?}"),
+    }
+    assert!(lessor.time_to_live(1, true).unwrap().keys.is_empty());
+    assert_eq!(
+        lessor.time_to_live(2, true).unwrap().keys,
+        vec![b"a".to_vec(), b"c".to_vec()]
+    );
+    assert_eq!(store.consistent_index(), 3);
+    assert_eq!(lessor.revoke(2, None).unwrap().deleted, 2);
+    assert!(keys_with_leases(&store).is_empty());
+}

@@ -1,5 +1,6 @@
-//! Model-based test: random grant / put / delete / renew / revoke / advance-clock / expire /
-//! checkpoint / promote / demote / reopen sequences against a trivially correct model.
+//! Model-based test: random grant / put / delete / txn / renew / revoke / advance-clock /
+//! expire / checkpoint / promote / demote / reopen sequences against a trivially correct
+//! model.
 //!
 //! `KEEL_LEASE_MODEL_CASES=500 cargo test -p keel-lease --test it model` runs more cases;
 //! `KEEL_LEASE_MODEL_SEED=<seed>` replays the one a failure printed.
@@ -10,6 +11,9 @@ use std::time::Duration;
 
 use keel_lease::{Checkpoint, LeaseError, Lessor, ManualClock};
 use keel_mvcc::testing::MemBackend;
+use keel_mvcc::{
+    Compare, CompareResult, CompareTarget, DeleteRangeRequest, PutRequest, TxnOp, TxnRequest,
+};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
 use crate::common::{keys_with_leases, mem_path, open_lessor, open_store};
@@ -20,12 +24,32 @@ const EXTENSION: u64 = NANOS;
 
 #[derive(Debug, Clone, Copy)]
 enum Op {
-    Grant { id: i64, ttl: i64 },
-    Put { key: u8, lease: i64 },
-    Delete { key: u8 },
-    Renew { id: i64 },
-    Revoke { id: i64 },
-    Advance { millis: u64 },
+    Grant {
+        id: i64,
+        ttl: i64,
+    },
+    Put {
+        key: u8,
+        lease: i64,
+    },
+    Delete {
+        key: u8,
+    },
+    /// If `key` is missing, put it with `lease`; otherwise delete `other`.
+    Txn {
+        key: u8,
+        lease: i64,
+        other: u8,
+    },
+    Renew {
+        id: i64,
+    },
+    Revoke {
+        id: i64,
+    },
+    Advance {
+        millis: u64,
+    },
     Expire,
     Checkpoint,
     Promote,
@@ -44,8 +68,13 @@ fn random_op(rng: &mut StdRng) -> Op {
             key: rng.random_range(0..16),
             lease: if rng.random_bool(0.2) { 0 } else { id },
         },
-        35..40 => Op::Delete {
+        35..38 => Op::Delete {
             key: rng.random_range(0..16),
+        },
+        38..40 => Op::Txn {
+            key: rng.random_range(0..16),
+            lease: id,
+            other: rng.random_range(0..16),
         },
         40..50 => Op::Renew { id },
         50..56 => Op::Revoke { id },
@@ -196,6 +225,32 @@ fn run(seed: u64, steps: usize, cov: &mut Coverage) {
                 let got = lessor.delete_range(&key_of(key), None, None).unwrap();
                 let existed = model.keys.remove(&key_of(key)).is_some();
                 assert_eq!(got.deleted, usize::from(existed));
+            }
+            Op::Txn { key, lease, other } => {
+                let req = TxnRequest {
+                    compare: vec![Compare::new(
+                        key_of(key),
+                        CompareResult::Equal,
+                        CompareTarget::Version(0),
+                    )],
+                    success: vec![TxnOp::Put(PutRequest {
+                        lease,
+                        ..PutRequest::new(key_of(key), b"t".to_vec())
+                    })],
+                    failure: vec![TxnOp::DeleteRange(DeleteRangeRequest::key(key_of(other)))],
+                };
+                let got = lessor.txn(&req, None);
+                if lease != 0 && !model.leases.contains_key(&lease) {
+                    assert!(matches!(got, Err(LeaseError::NotFound { .. })), "{got:?}");
+                } else {
+                    let missing = !model.keys.contains_key(&key_of(key));
+                    assert_eq!(got.unwrap().succeeded, missing);
+                    if missing {
+                        model.keys.insert(key_of(key), lease);
+                    } else {
+                        model.keys.remove(&key_of(other));
+                    }
+                }
             }
             Op::Renew { id } => {
                 let got = lessor.renew(id);
