@@ -13,7 +13,8 @@ const SMALL_LIMIT: usize = 16;
 #[derive(Debug, Clone)]
 pub(crate) enum KeySet {
     Small(Vec<Box<[u8]>>),
-    Large(HashSet<Box<[u8]>>),
+    /// Boxed so that the set costs a lease no more than an empty vector (24 bytes).
+    Large(Box<HashSet<Box<[u8]>>>),
 }
 
 impl KeySet {
@@ -33,7 +34,7 @@ impl KeySet {
                 } else {
                     let mut set: HashSet<Box<[u8]>> = v.drain(..).collect();
                     set.insert(key.into());
-                    *self = KeySet::Large(set);
+                    *self = KeySet::Large(Box::new(set));
                 }
                 true
             }
@@ -90,6 +91,11 @@ impl KeySet {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_empty_key_set_is_as_small_as_a_vector() {
+        assert_eq!(std::mem::size_of::<KeySet>(), 24);
+    }
 
     #[test]
     fn grows_into_a_hash_set_and_keeps_every_key() {

@@ -596,6 +596,14 @@ impl LeaseTable {
     }
 }
 
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_slot_is_one_cache_line() {
+        assert_eq!(std::mem::size_of::<super::Slot>(), 64);
+    }
+}
+
 /// Bytes held by a [`LeaseTable`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MemoryUsage {
