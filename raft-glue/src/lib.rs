@@ -18,15 +18,21 @@
 
 #![forbid(unsafe_code)]
 
+pub mod apply;
 pub mod error;
 pub mod logger;
+pub mod node;
 pub mod options;
 pub mod request;
 pub mod snapshot;
 pub mod storage;
 pub mod transport;
 
+#[cfg(feature = "testing")]
+pub mod testing;
+
 pub use error::NodeError;
+pub use node::{Node, NodeConfig, NodeStatus, ReadConsistency, Role};
 pub use options::NodeOptions;
 pub use request::{Envelope, LeaseCheckpoint, MemberChange, Request, Response};
 pub use storage::RaftStorage;

@@ -399,12 +399,13 @@ mod tests {
     use keel_wal::WalOptions;
 
     fn entry(index: u64, term: u64, data: &[u8]) -> Entry {
-        let mut e = Entry::default();
-        e.index = index;
-        e.term = term;
-        e.data = data.to_vec().into();
-        e.context = vec![index as u8].into();
-        e
+        Entry {
+            index,
+            term,
+            data: data.to_vec().into(),
+            context: vec![index as u8].into(),
+            ..Entry::default()
+        }
     }
 
     fn open(dir: &std::path::Path, applied: u64) -> RaftStorage {
@@ -430,10 +431,12 @@ mod tests {
     fn restart_recovers_entries_hard_state_and_compaction_exactly() {
         let dir = tempfile::tempdir().expect("tempdir");
         let s = open(dir.path(), 0);
-        let mut hs = HardState::default();
-        hs.term = 2;
-        hs.vote = 1;
-        hs.commit = 3;
+        let hs = HardState {
+            term: 2,
+            vote: 1,
+            commit: 3,
+            ..HardState::default()
+        };
         let ents: Vec<Entry> = (1..=5).map(|i| entry(i, 1 + i / 3, b"x")).collect();
         s.persist(&ents, Some(&hs), true).expect("persist");
         // Conflict: the suffix from 4 is replaced.
@@ -448,7 +451,10 @@ mod tests {
         assert_eq!(all(&s), before, "reopened log is identical");
         assert_eq!(s.hard_state(), hs);
         assert_eq!(s.term(4).expect("term"), 3);
-        assert_eq!(s.initial_state().expect("state").conf_state.voters, vec![1, 2, 3]);
+        assert_eq!(
+            s.initial_state().expect("state").conf_state.voters,
+            vec![1, 2, 3]
+        );
 
         // Compaction moves the first index and survives a restart.
         s.set_applied(5, None);
@@ -459,7 +465,10 @@ mod tests {
             s.term(2),
             Err(raft::Error::Store(StorageError::Compacted))
         ));
-        assert!(s.compact(6).is_err(), "cannot compact beyond the applied index");
+        assert!(
+            s.compact(6).is_err(),
+            "cannot compact beyond the applied index"
+        );
         drop(s);
         let s = open(dir.path(), 5);
         assert_eq!(s.first_index().expect("first"), 4);

@@ -1,0 +1,611 @@
+//! The replicated state machine: committed entries applied to the MVCC store (and the lessor)
+//! exactly once.
+//!
+//! Every entry is applied in one [`WriteTxn`](keel_mvcc::WriteTxn) that also records the
+//! entry's index as the store's consistent index, so the effects and the index reach the
+//! backend in the same atomic batch. An entry at or below the consistent index is skipped:
+//! after a restart the node re-applies only what the backend lacks, and an entry can never be
+//! applied twice. A request the store refuses (empty key, compacted revision, ...) still
+//! advances the consistent index in a transaction of its own, and its error goes to the
+//! proposer.
+//!
+//! The conf state is stored beside the data in the `raft` bucket (key `conf_state`), written
+//! with the consistent index of the conf-change entry that produced it, so it always matches
+//! the applied index. The `snapshot` key records the `(index, term)` of the last installed
+//! snapshot. Formats, little-endian:
+//!
+//! ```text
+//! conf_state = version:u8 (=1) | auto_leave:u8 | 4 × (count:u32 | count × id:u64)
+//!              (voters, learners, voters_outgoing, learners_next) | crc32:u32 of all before
+//! snapshot   = index:u64 | term:u64
+//! ```
+//!
+//! # Backend directories
+//!
+//! The backend lives in `<dir>/backend`. A snapshot is restored into `<dir>/backend.tmp`,
+//! renamed to `<dir>/backend.new` once complete and synced, then swapped in by renaming
+//! `backend` to `backend.old` and `backend.new` to `backend`. Opening repairs an interrupted
+//! swap: a lone `backend.new` becomes `backend`; a `backend.new` beside a `backend` is an
+//! unfinished install and is removed (the leader sends the snapshot again), as are
+//! `backend.tmp` and `backend.old`.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use keel_lease::{Checkpoint, Clock, LeaseError, Lessor, LessorOptions};
+use keel_mvcc::{
+    Backend, Bucket, MvccError, Store, StoreOptions, TxnOp, TxnOpResponse, TxnRequest,
+};
+use parking_lot::RwLock;
+use raft::eraftpb::{ConfState, Entry};
+
+use crate::error::NodeError;
+use crate::request::{Envelope, Request, Response};
+
+/// The bucket holding the Raft state kept with the data.
+pub const RAFT_BUCKET: Bucket = Bucket::new("raft");
+const CONF_KEY: &[u8] = b"conf_state";
+const SNAP_KEY: &[u8] = b"snapshot";
+const CONF_VERSION: u8 = 1;
+
+pub(crate) const BACKEND: &str = "backend";
+pub(crate) const BACKEND_NEW: &str = "backend.new";
+pub(crate) const BACKEND_OLD: &str = "backend.old";
+pub(crate) const BACKEND_TMP: &str = "backend.tmp";
+
+/// Encodes a conf state for the `raft` bucket.
+pub fn encode_conf_state(cs: &ConfState) -> Vec<u8> {
+    let mut w = vec![CONF_VERSION, u8::from(cs.auto_leave)];
+    for list in [
+        &cs.voters,
+        &cs.learners,
+        &cs.voters_outgoing,
+        &cs.learners_next,
+    ] {
+        w.extend_from_slice(&(list.len() as u32).to_le_bytes());
+        for id in list.iter() {
+            w.extend_from_slice(&id.to_le_bytes());
+        }
+    }
+    let crc = crc32fast::hash(&w);
+    w.extend_from_slice(&crc.to_le_bytes());
+    w
+}
+
+/// Decodes [`encode_conf_state`]'s output.
+pub fn decode_conf_state(b: &[u8]) -> Result<ConfState, NodeError> {
+    let err = |off: usize, r: &str| NodeError::decode("conf state", off, r.to_owned());
+    if b.len() < 2 + 16 + 4 {
+        return Err(err(0, "too short"));
+    }
+    let (body, crc) = b.split_at(b.len() - 4);
+    let want = u32::from_le_bytes([crc[0], crc[1], crc[2], crc[3]]);
+    if crc32fast::hash(body) != want {
+        return Err(err(body.len(), "checksum mismatch"));
+    }
+    if body[0] != CONF_VERSION {
+        return Err(err(0, "unknown version"));
+    }
+    let mut cs = ConfState {
+        auto_leave: body[1] == 1,
+        ..ConfState::default()
+    };
+    let mut pos = 2;
+    let mut lists: [Vec<u64>; 4] = Default::default();
+    for list in lists.iter_mut() {
+        let n = body
+            .get(pos..pos + 4)
+            .map(|s| u32::from_le_bytes([s[0], s[1], s[2], s[3]]) as usize)
+            .ok_or_else(|| err(pos, "truncated count"))?;
+        pos += 4;
+        if n.saturating_mul(8) > body.len() - pos {
+            return Err(err(pos, "count exceeds the record"));
+        }
+        for _ in 0..n {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(&body[pos..pos + 8]);
+            list.push(u64::from_le_bytes(a));
+            pos += 8;
+        }
+    }
+    if pos != body.len() {
+        return Err(err(pos, "trailing bytes"));
+    }
+    let [voters, learners, voters_outgoing, learners_next] = lists;
+    cs.voters = voters;
+    cs.learners = learners;
+    cs.voters_outgoing = voters_outgoing;
+    cs.learners_next = learners_next;
+    Ok(cs)
+}
+
+/// True for store errors caused by the request itself (the proposer gets them); any other
+/// store error is a failure of the member.
+fn is_request_error(e: &MvccError) -> bool {
+    matches!(
+        e,
+        MvccError::Compacted { .. }
+            | MvccError::FutureRevision { .. }
+            | MvccError::EmptyKey
+            | MvccError::RangeEndBelowKey { .. }
+            | MvccError::RequestTooLarge { .. }
+            | MvccError::TooManyOps { .. }
+            | MvccError::DuplicateKey { .. }
+    )
+}
+
+/// Maps a lessor error: refusals go to the proposer, storage failures stop the member.
+pub(crate) fn lease_err(e: LeaseError) -> NodeError {
+    match e {
+        LeaseError::Store(m) => store_err(m),
+        LeaseError::CorruptRecord { .. } => NodeError::Lease(e.to_string()),
+        refusal => NodeError::InvalidRequest(refusal.to_string()),
+    }
+}
+
+pub(crate) fn store_err(e: MvccError) -> NodeError {
+    if is_request_error(&e) {
+        NodeError::InvalidRequest(e.to_string())
+    } else {
+        NodeError::Store(e.to_string())
+    }
+}
+
+fn fsync_dir(dir: &Path) -> Result<(), NodeError> {
+    fs::File::open(dir)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| NodeError::io(dir, "fsync directory", e))
+}
+
+/// Opens a store over the backend at `path`.
+pub(crate) fn open_store<B: Backend>(
+    path: &Path,
+    backend_options: &B::Options,
+    store_options: &StoreOptions,
+) -> Result<Store<B>, NodeError> {
+    let backend = B::open(path, backend_options)
+        .map_err(|e| NodeError::Store(format!("opening backend {}: {e}", path.display())))?;
+    Store::open(backend, store_options.clone()).map_err(|e| NodeError::Store(e.to_string()))
+}
+
+/// Restores the snapshot stream in `file` into a fresh backend at `<dir>/backend.tmp`,
+/// checks that it holds exactly `index`, records `(index, term)` and `conf_state` in it, and
+/// renames it to `<dir>/backend.new`. The current backend is untouched.
+pub(crate) fn prepare_snapshot<B: Backend>(
+    dir: &Path,
+    backend_options: &B::Options,
+    store_options: &StoreOptions,
+    file: &Path,
+    index: u64,
+    term: u64,
+    conf_state: &ConfState,
+) -> Result<(), NodeError> {
+    let tmp = dir.join(BACKEND_TMP);
+    let new = dir.join(BACKEND_NEW);
+    for p in [&tmp, &new] {
+        if p.exists() {
+            fs::remove_dir_all(p).map_err(|e| NodeError::io(p, "remove", e))?;
+        }
+    }
+    {
+        let backend = B::open(&tmp, backend_options)
+            .map_err(|e| NodeError::Store(format!("opening {}: {e}", tmp.display())))?;
+        let mut input = std::io::BufReader::new(
+            fs::File::open(file).map_err(|e| NodeError::io(file, "open", e))?,
+        );
+        keel_mvcc::backend::snapshot::restore(&backend, &mut input)
+            .map_err(|e| NodeError::Store(format!("restoring snapshot: {e}")))?;
+        let store = Store::open(backend, store_options.clone())
+            .map_err(|e| NodeError::Store(e.to_string()))?;
+        let held = store.consistent_index();
+        if held != index {
+            return Err(NodeError::Store(format!(
+                "snapshot stream holds index {held}, its metadata says {index}"
+            )));
+        }
+        let mut txn = store.write();
+        let mut point = index.to_le_bytes().to_vec();
+        point.extend_from_slice(&term.to_le_bytes());
+        txn.put_aux(&RAFT_BUCKET, SNAP_KEY, &point)
+            .map_err(store_err)?;
+        txn.put_aux(&RAFT_BUCKET, CONF_KEY, &encode_conf_state(conf_state))
+            .map_err(store_err)?;
+        txn.commit().map_err(store_err)?;
+        store.force_commit().map_err(store_err)?;
+    }
+    fs::rename(&tmp, &new).map_err(|e| NodeError::io(&tmp, "rename", e))?;
+    fsync_dir(dir)
+}
+
+/// Removes a prepared snapshot that raft-rs did not take.
+pub(crate) fn discard_prepared(dir: &Path) {
+    let new = dir.join(BACKEND_NEW);
+    if new.exists()
+        && let Err(e) = fs::remove_dir_all(&new)
+    {
+        tracing::warn!(path = %new.display(), error = %e, "cannot remove a prepared snapshot");
+    }
+}
+
+/// The store and the lessor over it; both are replaced together when a snapshot is
+/// installed.
+pub struct Current<B: Backend> {
+    /// The MVCC store.
+    pub store: Arc<Store<B>>,
+    /// The lessor over it.
+    pub lessor: Arc<Lessor<B>>,
+}
+
+/// Handle shared between the Raft thread and readers.
+pub(crate) type SharedCurrent<B> = Arc<RwLock<Arc<Current<B>>>>;
+
+/// Lessor construction parameters.
+#[derive(Clone)]
+pub(crate) struct LeaseSetup {
+    pub clock: Arc<dyn Clock>,
+    pub options: LessorOptions,
+}
+
+fn open_current<B: Backend>(
+    path: &Path,
+    backend_options: &B::Options,
+    store_options: &StoreOptions,
+    lease: &LeaseSetup,
+) -> Result<Current<B>, NodeError> {
+    let store = Arc::new(open_store::<B>(path, backend_options, store_options)?);
+    let lessor = Lessor::open(store.clone(), lease.clock.clone(), lease.options.clone())
+        .map_err(|e| NodeError::Lease(format!("opening the lessor: {e}")))?;
+    Ok(Current {
+        store,
+        lessor: Arc::new(lessor),
+    })
+}
+
+/// An applied request's proposer `(origin, seq)` and its result.
+pub(crate) type Applied = (u64, u64, Result<Response, NodeError>);
+
+/// The MVCC store and lessor of one member and how entries reach them.
+pub(crate) struct StateMachine<B: Backend> {
+    dir: PathBuf,
+    backend_options: B::Options,
+    store_options: StoreOptions,
+    lease: LeaseSetup,
+    /// The current store and lessor, shared with readers.
+    current: SharedCurrent<B>,
+}
+
+impl<B: Backend> StateMachine<B> {
+    /// Opens the backend in `dir`, repairing an interrupted snapshot install first.
+    pub fn open(
+        dir: &Path,
+        backend_options: B::Options,
+        store_options: StoreOptions,
+        lease: LeaseSetup,
+    ) -> Result<StateMachine<B>, NodeError> {
+        let cur = dir.join(BACKEND);
+        let new = dir.join(BACKEND_NEW);
+        if new.exists() {
+            if cur.exists() {
+                fs::remove_dir_all(&new).map_err(|e| NodeError::io(&new, "remove", e))?;
+            } else {
+                fs::rename(&new, &cur).map_err(|e| NodeError::io(&new, "rename", e))?;
+                fsync_dir(dir)?;
+            }
+        }
+        for stale in [BACKEND_OLD, BACKEND_TMP] {
+            let p = dir.join(stale);
+            if p.exists() {
+                fs::remove_dir_all(&p).map_err(|e| NodeError::io(&p, "remove", e))?;
+            }
+        }
+        let current = open_current::<B>(&cur, &backend_options, &store_options, &lease)?;
+        Ok(StateMachine {
+            dir: dir.to_path_buf(),
+            backend_options,
+            store_options,
+            lease,
+            current: Arc::new(RwLock::new(Arc::new(current))),
+        })
+    }
+
+    /// The shared handle readers use.
+    pub fn shared(&self) -> SharedCurrent<B> {
+        self.current.clone()
+    }
+
+    /// The current store.
+    pub fn store(&self) -> Arc<Store<B>> {
+        self.current.read().store.clone()
+    }
+
+    /// The current lessor.
+    pub fn lessor(&self) -> Arc<Lessor<B>> {
+        self.current.read().lessor.clone()
+    }
+
+    /// The last applied index.
+    pub fn applied(&self) -> u64 {
+        self.current.read().store.consistent_index()
+    }
+
+    /// The stored conf state, if any conf change or snapshot was applied.
+    pub fn conf_state(&self) -> Result<Option<ConfState>, NodeError> {
+        let store = self.store();
+        match store.aux_get(&RAFT_BUCKET, CONF_KEY).map_err(store_err)? {
+            None => Ok(None),
+            Some(v) => decode_conf_state(&v).map(Some),
+        }
+    }
+
+    /// `(index, term)` of the last installed snapshot, if any.
+    pub fn snapshot_point(&self) -> Result<Option<(u64, u64)>, NodeError> {
+        let store = self.store();
+        match store.aux_get(&RAFT_BUCKET, SNAP_KEY).map_err(store_err)? {
+            Some(v) if v.len() == 16 => {
+                let mut a = [0u8; 8];
+                let mut b = [0u8; 8];
+                a.copy_from_slice(&v[..8]);
+                b.copy_from_slice(&v[8..]);
+                Ok(Some((u64::from_le_bytes(a), u64::from_le_bytes(b))))
+            }
+            Some(_) => Err(NodeError::decode("snapshot point", 0, "expected 16 bytes")),
+            None => Ok(None),
+        }
+    }
+
+    /// Records the bootstrap conf state of a new cluster (index 0: no entry applied).
+    pub fn bootstrap(&self, cs: &ConfState) -> Result<(), NodeError> {
+        let store = self.store();
+        let mut txn = store.write();
+        txn.put_aux(&RAFT_BUCKET, CONF_KEY, &encode_conf_state(cs))
+            .map_err(store_err)?;
+        txn.commit().map_err(store_err)?;
+        store.force_commit().map_err(store_err)
+    }
+
+    /// Applies one committed normal entry. Returns the proposer's envelope and result, or
+    /// `None` when the entry was already applied or is an empty leader entry. An `Err` is a
+    /// failure of the member: it must stop.
+    pub fn apply_normal(&self, e: &Entry) -> Result<Option<Applied>, NodeError> {
+        let store = self.store();
+        if e.index <= store.consistent_index() {
+            return Ok(None);
+        }
+        if e.data.is_empty() {
+            self.advance_index(&store, e.index)?;
+            return Ok(None);
+        }
+        let env = match Envelope::decode(&e.data) {
+            Ok(env) => env,
+            Err(err) => {
+                tracing::warn!(index = e.index, error = %err, "undecodable entry skipped");
+                self.advance_index(&store, e.index)?;
+                return Ok(None);
+            }
+        };
+        let lessor = self.lessor();
+        let result = self.apply_request(&store, &lessor, e.index, &env.request);
+        let result = match result {
+            Ok(r) => Ok(r),
+            Err(NodeError::InvalidRequest(msg)) => {
+                self.advance_index(&store, e.index)?;
+                Err(NodeError::InvalidRequest(msg))
+            }
+            Err(fatal) => return Err(fatal),
+        };
+        Ok(Some((env.origin, env.seq, result)))
+    }
+
+    /// Applies a conf-change entry: stores the new conf state with the entry's index.
+    pub fn apply_conf_state(&self, index: u64, cs: &ConfState) -> Result<bool, NodeError> {
+        let store = self.store();
+        if index <= store.consistent_index() {
+            return Ok(false);
+        }
+        let mut txn = store.write();
+        txn.set_consistent_index(index).map_err(store_err)?;
+        txn.put_aux(&RAFT_BUCKET, CONF_KEY, &encode_conf_state(cs))
+            .map_err(store_err)?;
+        txn.commit().map_err(store_err)?;
+        Ok(true)
+    }
+
+    fn advance_index(&self, store: &Store<B>, index: u64) -> Result<(), NodeError> {
+        let mut txn = store.write();
+        txn.set_consistent_index(index).map_err(store_err)?;
+        txn.commit().map_err(store_err)?;
+        Ok(())
+    }
+
+    fn apply_request(
+        &self,
+        store: &Store<B>,
+        lessor: &Lessor<B>,
+        index: u64,
+        request: &Request,
+    ) -> Result<Response, NodeError> {
+        let idx = Some(index);
+        match request {
+            // Every put and delete goes through the lessor, which keeps key attachments.
+            Request::Put(p) => {
+                let mut r = lessor
+                    .put(&p.key, &p.value, p.lease, idx)
+                    .map_err(lease_err)?;
+                if !p.prev_kv {
+                    r.prev_kv = None;
+                }
+                Ok(Response::Put(r))
+            }
+            Request::DeleteRange(d) => {
+                let mut r = lessor
+                    .delete_range(&d.key, d.range_end.as_deref(), idx)
+                    .map_err(lease_err)?;
+                if !d.prev_kv {
+                    r.prev_kvs.clear();
+                }
+                Ok(Response::DeleteRange(r))
+            }
+            Request::Txn(t) => self.apply_txn(store, lessor, index, t),
+            Request::Compact { revision } => {
+                // The store records the compaction point durably on its own; re-applying it
+                // after a crash is refused as already compacted, which is harmless.
+                match store.compact(*revision) {
+                    Ok(()) => {}
+                    Err(e) if is_request_error(&e) => {
+                        return Err(NodeError::InvalidRequest(e.to_string()));
+                    }
+                    Err(e) => return Err(NodeError::Store(e.to_string())),
+                }
+                self.advance_index(store, index)?;
+                Ok(Response::Compact {
+                    revision: store.current_revision(),
+                })
+            }
+            Request::LeaseGrant { id, ttl } => {
+                let ttl = lessor.grant(*id, *ttl, idx).map_err(lease_err)?;
+                Ok(Response::LeaseGrant { id: *id, ttl })
+            }
+            Request::LeaseRevoke { id } => {
+                let r = lessor.revoke(*id, idx).map_err(lease_err)?;
+                Ok(Response::LeaseRevoke {
+                    revision: r.revision,
+                })
+            }
+            Request::LeaseCheckpoint(cps) => {
+                let cps: Vec<Checkpoint> = cps
+                    .iter()
+                    .map(|c| Checkpoint {
+                        id: c.id,
+                        remaining_ttl: c.remaining_ttl,
+                    })
+                    .collect();
+                lessor.apply_checkpoints(&cps, idx).map_err(lease_err)?;
+                Ok(Response::LeaseCheckpoint)
+            }
+            Request::ConfChange(_) => Err(NodeError::InvalidRequest(
+                "a membership change must travel in a conf-change entry".into(),
+            )),
+        }
+    }
+
+    fn apply_txn(
+        &self,
+        store: &Store<B>,
+        lessor: &Lessor<B>,
+        index: u64,
+        t: &TxnRequest,
+    ) -> Result<Response, NodeError> {
+        let mut leased = Vec::new();
+        collect_leased_puts(&t.success, &mut leased);
+        collect_leased_puts(&t.failure, &mut leased);
+        for (lease, _) in &leased {
+            if !lessor.with_table(|table| table.contains(*lease)) {
+                return Err(lease_err(LeaseError::NotFound { id: *lease }));
+            }
+        }
+        let mut txn = store.write();
+        txn.set_consistent_index(index).map_err(store_err)?;
+        let r = txn.txn(t).map_err(store_err)?;
+        txn.commit().map_err(store_err)?;
+        // Attach the keys the branch that ran put with a lease. Stale attachments left by
+        // keys the transaction overwrote or deleted are harmless: a revoke only deletes keys
+        // whose current lease is the revoked one.
+        let ran = if r.succeeded { &t.success } else { &t.failure };
+        let mut attach = Vec::new();
+        collect_ran_leased_puts(ran, &r.responses, &mut attach);
+        for (lease, key) in attach {
+            if let Err(e) = lessor.attach(lease, &[key.as_slice()]) {
+                tracing::warn!(lease, error = %e, "attaching a transaction's key failed");
+            }
+        }
+        Ok(Response::Txn(r))
+    }
+
+    /// Swaps in the backend prepared by [`prepare_snapshot`](Self::prepare_snapshot) for
+    /// `index`. Fails (and changes nothing) when none is prepared for that index.
+    pub fn install_prepared(&self, index: u64) -> Result<(), NodeError> {
+        let cur = self.dir.join(BACKEND);
+        let new = self.dir.join(BACKEND_NEW);
+        let old = self.dir.join(BACKEND_OLD);
+        if !new.exists() {
+            return Err(NodeError::Store(format!(
+                "no verified snapshot is prepared for index {index}"
+            )));
+        }
+        fs::rename(&cur, &old).map_err(|e| NodeError::io(&cur, "rename", e))?;
+        fs::rename(&new, &cur).map_err(|e| NodeError::io(&new, "rename", e))?;
+        fsync_dir(&self.dir)?;
+        let current = open_current::<B>(
+            &cur,
+            &self.backend_options,
+            &self.store_options,
+            &self.lease,
+        )?;
+        if current.store.consistent_index() != index {
+            return Err(NodeError::Store(format!(
+                "installed snapshot holds index {}, expected {index}",
+                current.store.consistent_index()
+            )));
+        }
+        let previous = std::mem::replace(&mut *self.current.write(), Arc::new(current));
+        drop(previous);
+        if let Err(e) = fs::remove_dir_all(&old) {
+            tracing::warn!(path = %old.display(), error = %e, "cannot remove the replaced backend");
+        }
+        Ok(())
+    }
+}
+
+fn collect_leased_puts(ops: &[TxnOp], out: &mut Vec<(i64, Vec<u8>)>) {
+    for op in ops {
+        match op {
+            TxnOp::Put(p) if p.lease != 0 => out.push((p.lease, p.key.clone())),
+            TxnOp::Txn(t) => {
+                collect_leased_puts(&t.success, out);
+                collect_leased_puts(&t.failure, out);
+            }
+            _ => {}
+        }
+    }
+}
+
+fn collect_ran_leased_puts(
+    ops: &[TxnOp],
+    responses: &[TxnOpResponse],
+    out: &mut Vec<(i64, Vec<u8>)>,
+) {
+    for (op, resp) in ops.iter().zip(responses) {
+        match (op, resp) {
+            (TxnOp::Put(p), _) if p.lease != 0 => out.push((p.lease, p.key.clone())),
+            (TxnOp::Txn(t), TxnOpResponse::Txn(r)) => {
+                let ran = if r.succeeded { &t.success } else { &t.failure };
+                collect_ran_leased_puts(ran, &r.responses, out);
+            }
+            _ => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn conf_state_round_trips_and_damage_is_detected() {
+        let cs = ConfState {
+            voters: vec![1, 2, 3],
+            learners: vec![4],
+            auto_leave: true,
+            ..ConfState::default()
+        };
+        let b = encode_conf_state(&cs);
+        assert_eq!(decode_conf_state(&b).ok(), Some(cs));
+        for i in 0..b.len() {
+            let mut d = b.clone();
+            d[i] ^= 0x10;
+            assert!(decode_conf_state(&d).is_err(), "flip at {i}");
+        }
+        assert!(decode_conf_state(&b[..b.len() - 1]).is_err());
+    }
+}

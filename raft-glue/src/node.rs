@@ -1,0 +1,1333 @@
+//! [`Node`]: one replicated keel member.
+//!
+//! # Threads
+//!
+//! - The **Raft thread** owns the `RawNode`, the Raft log storage and the state machine. It
+//!   waits on four sources — client commands, Raft messages, ticks and snapshot events — and
+//!   after each one handles the `Ready` in raft-rs's documented order: send messages (the
+//!   leader before persisting, so replication overlaps its own fsync), install a snapshot,
+//!   persist entries and hard state (synced when `must_sync`), send the messages that had to
+//!   wait for persistence (followers' and candidates'), apply committed entries, answer
+//!   read-index requests, `advance`, and handle the light ready the same way.
+//! - The **snapshot receiver thread** reassembles incoming snapshot streams, prepares the
+//!   backend, and hands the `MsgSnapshot` to the Raft thread (see [`crate::snapshot`]).
+//! - A **snapshot sender thread** per outgoing transfer.
+//!
+//! # Requests
+//!
+//! A write is encoded as an [`Envelope`] with this member's id and a fresh sequence number,
+//! proposed, and answered when its entry is applied on this member; a proposal made on a
+//! follower is forwarded to the leader by raft-rs. Linearizable reads go through ReadIndex
+//! (batched: one read-index round serves every read queued in one loop turn) and wait until
+//! the member has applied the read index; serializable reads read the local store.
+
+use std::collections::HashMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender, bounded, select, unbounded};
+use keel_lease::{Clock, Lessor, LessorOptions, SystemClock, TimeToLive};
+use keel_mvcc::{
+    Backend, DeleteRangeRequest, DeleteResponse, HashKv, PutRequest, PutResponse, RangeRequest,
+    RangeResponse, Store, StoreOptions, TxnRequest, TxnResponse, WatchRequest, Watcher,
+};
+use keel_wal::{Wal, WalOptions};
+use parking_lot::{Mutex, RwLock};
+use protobuf::Message as _;
+use raft::eraftpb::{
+    ConfChangeSingle, ConfChangeTransition, ConfChangeType, ConfChangeV2, ConfState, Entry,
+    EntryType, Message, MessageType, Snapshot,
+};
+use raft::{RawNode, SnapshotStatus, StateRole};
+use raft_proto::ConfChangeI;
+
+use crate::apply::{self, LeaseSetup, SharedCurrent, StateMachine, lease_err, store_err};
+use crate::error::NodeError;
+use crate::logger::raft_logger;
+use crate::options::NodeOptions;
+use crate::request::{Envelope, MemberChange, Request, Response};
+use crate::snapshot::{self, AckWaiters, Assembler, Received};
+use crate::storage::RaftStorage;
+use crate::transport::{Mailbox, SnapshotAck, SnapshotFrame, Transport};
+
+/// Everything a member needs to start.
+pub struct NodeConfig<B: Backend> {
+    /// This member's id (never 0).
+    pub id: u64,
+    /// The voters of a new cluster. Used only when the data directory holds no state yet;
+    /// empty for a member that joins an existing cluster (it waits for a snapshot).
+    pub peers: Vec<u64>,
+    /// Data directory: `wal/`, `backend/` and `snap/` live under it.
+    pub dir: PathBuf,
+    /// Node options.
+    pub options: NodeOptions,
+    /// WAL options.
+    pub wal_options: WalOptions,
+    /// Backend options.
+    pub backend_options: B::Options,
+    /// Store options.
+    pub store_options: StoreOptions,
+    /// Lessor options. `election_timeout` is overwritten with the node's election timeout
+    /// (`tick_interval × election_ticks`).
+    pub lessor_options: LessorOptions,
+    /// Where lease time comes from. Default: the system's monotonic clock.
+    pub clock: Arc<dyn Clock>,
+}
+
+impl<B: Backend> NodeConfig<B> {
+    /// A configuration with default options.
+    pub fn new(id: u64, peers: Vec<u64>, dir: impl Into<PathBuf>) -> NodeConfig<B> {
+        NodeConfig {
+            id,
+            peers,
+            dir: dir.into(),
+            options: NodeOptions::default(),
+            wal_options: WalOptions::default(),
+            backend_options: B::Options::default(),
+            store_options: StoreOptions::default(),
+            lessor_options: LessorOptions::default(),
+            clock: Arc::new(SystemClock::new()),
+        }
+    }
+}
+
+/// A member's role in Raft.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// Follows a leader (or waits for one).
+    Follower,
+    /// Asking for votes before a real election (pre-vote).
+    PreCandidate,
+    /// Asking for votes.
+    Candidate,
+    /// The leader.
+    Leader,
+}
+
+impl From<StateRole> for Role {
+    fn from(r: StateRole) -> Role {
+        match r {
+            StateRole::Follower => Role::Follower,
+            StateRole::PreCandidate => Role::PreCandidate,
+            StateRole::Candidate => Role::Candidate,
+            StateRole::Leader => Role::Leader,
+        }
+    }
+}
+
+/// A snapshot of a member's Raft state.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeStatus {
+    /// This member.
+    pub id: u64,
+    /// The leader this member knows of.
+    pub leader: Option<u64>,
+    /// This member's role.
+    pub role: Role,
+    /// Current term.
+    pub term: u64,
+    /// Highest index known committed.
+    pub commit: u64,
+    /// Highest index applied to the store.
+    pub applied: u64,
+    /// Voting members.
+    pub voters: Vec<u64>,
+    /// Learners.
+    pub learners: Vec<u64>,
+    /// First index still in the log.
+    pub first_index: u64,
+    /// Last index in the log.
+    pub last_index: u64,
+    /// Snapshots installed since start.
+    pub snapshots_installed: u64,
+    /// Snapshots sent successfully since start.
+    pub snapshots_sent: u64,
+    /// Incoming snapshot transfers refused (corrupt, incomplete, unusable) since start.
+    pub snapshots_refused: u64,
+}
+
+/// How a read is served.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReadConsistency {
+    /// Reflects every write acknowledged before the read started, cluster-wide (ReadIndex).
+    Linearizable,
+    /// The local store as it is; may be stale on a follower.
+    Serializable,
+}
+
+type Reply = Sender<Result<Response, NodeError>>;
+type ReadReply = Sender<Result<u64, NodeError>>;
+
+enum Cmd {
+    Propose {
+        seq: u64,
+        data: Vec<u8>,
+        reply: Reply,
+    },
+    ConfChange {
+        seq: u64,
+        cc: ConfChangeV2,
+        context: Vec<u8>,
+        reply: Reply,
+    },
+    Read {
+        reply: ReadReply,
+    },
+    Campaign,
+    Stop,
+}
+
+enum Event {
+    SnapshotSent {
+        to: u64,
+        ok: bool,
+    },
+    SnapshotReceived {
+        received: Box<Received>,
+        done: Sender<bool>,
+    },
+}
+
+struct Shared<B: Backend> {
+    id: u64,
+    options: NodeOptions,
+    cmds: Sender<Cmd>,
+    seq: AtomicU64,
+    status: RwLock<NodeStatus>,
+    current: SharedCurrent<B>,
+    snapshots_refused: AtomicU64,
+    stopped: AtomicBool,
+    stop_reason: Mutex<Option<String>>,
+}
+
+/// One replicated keel member. Share it between threads with `Arc`.
+pub struct Node<B: Backend> {
+    shared: Arc<Shared<B>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+fn bootstrap_conf_state(peers: &[u64]) -> ConfState {
+    ConfState {
+        voters: peers.to_vec(),
+        ..ConfState::default()
+    }
+}
+
+impl<B: Backend> Node<B> {
+    /// Opens (or creates) the member's data directory and starts its threads.
+    ///
+    /// On restart the member recovers its log from the WAL and its state from the backend,
+    /// and re-applies only the committed entries the backend lacks.
+    pub fn start(
+        config: NodeConfig<B>,
+        transport: Arc<dyn Transport>,
+        mailbox: Mailbox,
+    ) -> Result<Node<B>, NodeError> {
+        config.options.validate()?;
+        let id = config.id;
+        if id == 0 {
+            return Err(NodeError::InvalidOption("member id 0 is reserved".into()));
+        }
+        fs::create_dir_all(&config.dir)
+            .map_err(|e| NodeError::io(&config.dir, "create directory", e))?;
+        let mut lessor_options = config.lessor_options.clone();
+        lessor_options.election_timeout =
+            config.options.tick_interval * config.options.election_ticks as u32;
+        let sm = StateMachine::<B>::open(
+            &config.dir,
+            config.backend_options.clone(),
+            config.store_options.clone(),
+            LeaseSetup {
+                clock: config.clock.clone(),
+                options: lessor_options,
+            },
+        )?;
+        let wal = Arc::new(
+            Wal::open(&config.dir.join("wal"), config.wal_options.clone())
+                .map_err(|e| NodeError::Log(e.to_string()))?,
+        );
+        let conf_state = match sm.conf_state()? {
+            Some(cs) => cs,
+            None if !config.peers.is_empty() => {
+                let cs = bootstrap_conf_state(&config.peers);
+                sm.bootstrap(&cs)?;
+                cs
+            }
+            None => ConfState::default(),
+        };
+        let applied = sm.applied();
+        let snap_term = sm
+            .snapshot_point()?
+            .filter(|(i, _)| *i == applied)
+            .map(|(_, t)| t);
+        let storage = RaftStorage::open(wal, conf_state, applied, snap_term)?;
+        let (_, last, _) = storage.bounds();
+        let raft_applied = applied.min(last);
+        let cfg = config.options.raft_config(id, raft_applied);
+        cfg.validate()
+            .map_err(|e| NodeError::InvalidOption(e.to_string()))?;
+        let logger = raft_logger(id);
+        let raw = RawNode::new(&cfg, storage.clone(), &logger)
+            .map_err(|source| NodeError::Raft { id, source })?;
+
+        let (cmd_tx, cmd_rx) = unbounded();
+        let (ev_tx, ev_rx) = unbounded();
+        let shared = Arc::new(Shared {
+            id,
+            options: config.options.clone(),
+            cmds: cmd_tx,
+            // Sequence numbers and read contexts start at a random point in each incarnation,
+            // so a replayed entry or a late read-index answer addressed to a previous
+            // incarnation of this member cannot complete a new caller's request.
+            seq: AtomicU64::new(incarnation_base()),
+            status: RwLock::new(NodeStatus {
+                id,
+                leader: None,
+                role: Role::Follower,
+                term: 0,
+                commit: 0,
+                applied,
+                voters: Vec::new(),
+                learners: Vec::new(),
+                first_index: 0,
+                last_index: 0,
+                snapshots_installed: 0,
+                snapshots_sent: 0,
+                snapshots_refused: 0,
+            }),
+            current: sm.shared(),
+            snapshots_refused: AtomicU64::new(0),
+            stopped: AtomicBool::new(false),
+            stop_reason: Mutex::new(None),
+        });
+        let acks: AckWaiters = Arc::new(Mutex::new(HashMap::new()));
+        let assembler = Assembler::new(config.dir.join("snap"))?;
+        let Mailbox {
+            raft: raft_rx,
+            snapshots: snap_rx,
+        } = mailbox;
+
+        let mut threads = Vec::new();
+        {
+            let transport = transport.clone();
+            let acks = acks.clone();
+            let shared2 = shared.clone();
+            let ev_tx = ev_tx.clone();
+            let dir = config.dir.clone();
+            let bopts = config.backend_options.clone();
+            let sopts = config.store_options.clone();
+            threads.push(spawn(&format!("keel-snap-recv-{id}"), move || {
+                receive_loop::<B>(
+                    shared2, snap_rx, transport, acks, assembler, ev_tx, dir, bopts, sopts,
+                )
+            })?);
+        }
+        let mut driver = Driver {
+            id,
+            shared: shared.clone(),
+            raw,
+            storage,
+            sm,
+            transport,
+            acks,
+            events: ev_tx,
+            waiters: HashMap::new(),
+            reads: HashMap::new(),
+            read_batch: Vec::new(),
+            read_ctx: incarnation_base(),
+            applied_waits: Vec::new(),
+            last_snapshot_point: applied,
+            transfer: 0,
+            snapshots_installed: 0,
+            snapshots_sent: 0,
+            dir: config.dir.clone(),
+            was_leader: false,
+            last_lease_check: Instant::now(),
+        };
+        driver.update_status();
+        threads.push(spawn(&format!("keel-raft-{id}"), move || {
+            driver.run(cmd_rx, raft_rx, ev_rx)
+        })?);
+        Ok(Node {
+            shared,
+            threads: Mutex::new(threads),
+        })
+    }
+
+    /// This member's id.
+    pub fn id(&self) -> u64 {
+        self.shared.id
+    }
+
+    /// Raft status: leader, term, commit and applied index, members.
+    pub fn status(&self) -> NodeStatus {
+        let mut s = self.shared.status.read().clone();
+        s.snapshots_refused = self.shared.snapshots_refused.load(Ordering::Relaxed);
+        s
+    }
+
+    /// The options the node runs with.
+    pub fn options(&self) -> &NodeOptions {
+        &self.shared.options
+    }
+
+    /// The current store (replaced when a snapshot is installed): serializable reads, hashes,
+    /// watches.
+    pub fn store(&self) -> Arc<Store<B>> {
+        self.shared.current.read().store.clone()
+    }
+
+    /// The current lessor (replaced with the store when a snapshot is installed).
+    pub fn lessor(&self) -> Arc<Lessor<B>> {
+        self.shared.current.read().lessor.clone()
+    }
+
+    fn check_running(&self) -> Result<(), NodeError> {
+        if self.shared.stopped.load(Ordering::Acquire) {
+            return Err(self.stopped_error());
+        }
+        Ok(())
+    }
+
+    fn stopped_error(&self) -> NodeError {
+        NodeError::Stopped {
+            id: self.shared.id,
+            reason: self.shared.stop_reason.lock().clone(),
+        }
+    }
+
+    fn wait<T>(
+        &self,
+        rx: Receiver<Result<T, NodeError>>,
+        what: &'static str,
+    ) -> Result<T, NodeError> {
+        let timeout = self.shared.options.request_timeout;
+        match rx.recv_timeout(timeout) {
+            Ok(r) => r,
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => Err(NodeError::Timeout {
+                what,
+                millis: timeout.as_millis() as u64,
+            }),
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => Err(self.stopped_error()),
+        }
+    }
+
+    /// Replicates `request` and returns its result once applied on this member.
+    pub fn propose(&self, request: Request) -> Result<Response, NodeError> {
+        self.check_running()?;
+        let seq = self.shared.seq.fetch_add(1, Ordering::Relaxed);
+        let env = Envelope {
+            origin: self.shared.id,
+            seq,
+            request,
+        };
+        let data = env.encode();
+        let limit = self.shared.options.max_request_bytes;
+        if data.len() > limit {
+            return Err(NodeError::RequestTooLarge {
+                size: data.len(),
+                limit,
+            });
+        }
+        let (tx, rx) = bounded(1);
+        let cmd = match env.request {
+            Request::ConfChange(changes) => Cmd::ConfChange {
+                seq,
+                cc: conf_change(&changes),
+                context: data,
+                reply: tx,
+            },
+            _ => Cmd::Propose {
+                seq,
+                data,
+                reply: tx,
+            },
+        };
+        self.shared
+            .cmds
+            .send(cmd)
+            .map_err(|_| self.stopped_error())?;
+        self.wait(rx, "proposal")
+    }
+
+    /// Puts `key` = `value`.
+    pub fn put(&self, key: &[u8], value: &[u8]) -> Result<PutResponse, NodeError> {
+        self.put_with(PutRequest::new(key.to_vec(), value.to_vec()))
+    }
+
+    /// A put with all its options.
+    pub fn put_with(&self, req: PutRequest) -> Result<PutResponse, NodeError> {
+        match self.propose(Request::Put(req))? {
+            Response::Put(r) => Ok(r),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Deletes a key or range.
+    pub fn delete_range(&self, req: DeleteRangeRequest) -> Result<DeleteResponse, NodeError> {
+        match self.propose(Request::DeleteRange(req))? {
+            Response::DeleteRange(r) => Ok(r),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Runs a transaction.
+    pub fn txn(&self, req: TxnRequest) -> Result<TxnResponse, NodeError> {
+        match self.propose(Request::Txn(req))? {
+            Response::Txn(r) => Ok(r),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Compacts the history below `revision` on every member.
+    pub fn compact(&self, revision: u64) -> Result<(), NodeError> {
+        match self.propose(Request::Compact { revision })? {
+            Response::Compact { .. } => Ok(()),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Grants a lease of `ttl` seconds with a fresh id; returns `(id, granted TTL)`.
+    pub fn lease_grant(&self, ttl: i64) -> Result<(i64, i64), NodeError> {
+        let id = loop {
+            let id = rand::random::<i64>() & i64::MAX;
+            if id != 0 {
+                break id;
+            }
+        };
+        self.lease_grant_id(id, ttl)
+    }
+
+    /// Grants lease `id` (never 0) of `ttl` seconds; returns `(id, granted TTL)`.
+    pub fn lease_grant_id(&self, id: i64, ttl: i64) -> Result<(i64, i64), NodeError> {
+        match self.propose(Request::LeaseGrant { id, ttl })? {
+            Response::LeaseGrant { id, ttl } => Ok((id, ttl)),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Revokes lease `id`, deleting its keys; returns the store revision after it.
+    pub fn lease_revoke(&self, id: i64) -> Result<u64, NodeError> {
+        match self.propose(Request::LeaseRevoke { id })? {
+            Response::LeaseRevoke { revision } => Ok(revision),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Renews lease `id` on the leader; returns its TTL. On a follower: [`NodeError::NotLeader`]
+    /// with the leader's id. When the lease carried a checkpointed remaining TTL, the
+    /// cleared checkpoint is replicated before returning, so a new leader restores the full
+    /// TTL.
+    pub fn lease_renew(&self, id: i64) -> Result<i64, NodeError> {
+        self.check_running()?;
+        let status = self.status();
+        if status.role != Role::Leader {
+            return Err(NodeError::NotLeader {
+                id: self.shared.id,
+                leader: status.leader,
+            });
+        }
+        let renewal = self.lessor().renew(id).map_err(lease_err)?;
+        if let Some(cp) = renewal.checkpoint {
+            self.propose(Request::LeaseCheckpoint(vec![
+                crate::request::LeaseCheckpoint {
+                    id: cp.id,
+                    remaining_ttl: cp.remaining_ttl,
+                },
+            ]))?;
+        }
+        Ok(renewal.ttl)
+    }
+
+    /// Remaining TTL of lease `id` (and its keys when `with_keys`), after a linearizable
+    /// barrier so a lease granted or revoked before the call is seen.
+    pub fn lease_time_to_live(&self, id: i64, with_keys: bool) -> Result<TimeToLive, NodeError> {
+        self.read_index()?;
+        self.lessor().time_to_live(id, with_keys).map_err(lease_err)
+    }
+
+    /// Ids of every lease this member knows.
+    pub fn lease_list(&self) -> Vec<i64> {
+        self.lessor().leases()
+    }
+
+    /// Adds a voting member; returns `(voters, learners)` after the change.
+    pub fn add_voter(&self, id: u64) -> Result<(Vec<u64>, Vec<u64>), NodeError> {
+        self.change_members(vec![MemberChange::AddVoter(id)])
+    }
+
+    /// Adds a learner; returns `(voters, learners)` after the change.
+    pub fn add_learner(&self, id: u64) -> Result<(Vec<u64>, Vec<u64>), NodeError> {
+        self.change_members(vec![MemberChange::AddLearner(id)])
+    }
+
+    /// Removes a member; returns `(voters, learners)` after the change.
+    pub fn remove_member(&self, id: u64) -> Result<(Vec<u64>, Vec<u64>), NodeError> {
+        self.change_members(vec![MemberChange::Remove(id)])
+    }
+
+    fn change_members(
+        &self,
+        changes: Vec<MemberChange>,
+    ) -> Result<(Vec<u64>, Vec<u64>), NodeError> {
+        for c in &changes {
+            let (MemberChange::AddVoter(m) | MemberChange::Remove(m) | MemberChange::AddLearner(m)) =
+                c;
+            if *m == 0 {
+                return Err(NodeError::Membership("member id 0 is reserved".into()));
+            }
+        }
+        match self.propose(Request::ConfChange(changes))? {
+            Response::ConfChange { voters, learners } => Ok((voters, learners)),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Waits until this member has applied everything committed before the call (ReadIndex)
+    /// and returns that index.
+    pub fn read_index(&self) -> Result<u64, NodeError> {
+        self.check_running()?;
+        let (tx, rx) = bounded(1);
+        self.shared
+            .cmds
+            .send(Cmd::Read { reply: tx })
+            .map_err(|_| self.stopped_error())?;
+        self.wait(rx, "linearizable read")
+    }
+
+    /// Reads a key or range.
+    pub fn range(
+        &self,
+        req: &RangeRequest,
+        consistency: ReadConsistency,
+    ) -> Result<RangeResponse, NodeError> {
+        if consistency == ReadConsistency::Linearizable {
+            self.read_index()?;
+        } else {
+            self.check_running()?;
+        }
+        self.store().range(req).map_err(store_err)
+    }
+
+    /// The history hash at `revision` (0: current), for cross-member comparison.
+    pub fn hash_kv(&self, revision: u64) -> Result<HashKv, NodeError> {
+        self.store().hash_kv(revision).map_err(store_err)
+    }
+
+    /// Watches a key or range on this member's store.
+    pub fn watch(&self, req: WatchRequest) -> Result<Watcher, NodeError> {
+        self.store().watch(req).map_err(store_err)
+    }
+
+    /// Asks this member to start an election now.
+    pub fn campaign(&self) -> Result<(), NodeError> {
+        self.check_running()?;
+        self.shared
+            .cmds
+            .send(Cmd::Campaign)
+            .map_err(|_| self.stopped_error())
+    }
+
+    /// Stops the member's threads and waits for them. Idempotent.
+    pub fn stop(&self) {
+        let _ = self.shared.cmds.send(Cmd::Stop);
+        self.shared.stopped.store(true, Ordering::Release);
+        let threads: Vec<_> = self.threads.lock().drain(..).collect();
+        for t in threads {
+            let _ = t.join();
+        }
+    }
+
+    /// The data directory layout root of a member (for tools and tests).
+    pub fn wal_dir(dir: &Path) -> PathBuf {
+        dir.join("wal")
+    }
+}
+
+impl<B: Backend> Drop for Node<B> {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// A random starting point for per-incarnation counters, leaving room for 2^32 increments.
+fn incarnation_base() -> u64 {
+    (rand::random::<u64>() >> 1) & !0xffff_ffff | 1
+}
+
+fn unexpected(r: Response) -> NodeError {
+    NodeError::Store(format!("unexpected response {r:?}"))
+}
+
+fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>, NodeError> {
+    thread::Builder::new()
+        .name(name.to_owned())
+        .spawn(f)
+        .map_err(|e| NodeError::io(name, "spawn thread", e))
+}
+
+fn conf_change(changes: &[MemberChange]) -> ConfChangeV2 {
+    let mut cc = ConfChangeV2::default();
+    cc.set_transition(ConfChangeTransition::Auto);
+    let singles: Vec<ConfChangeSingle> = changes
+        .iter()
+        .map(|c| {
+            let (ty, id) = match *c {
+                MemberChange::AddVoter(id) => (ConfChangeType::AddNode, id),
+                MemberChange::Remove(id) => (ConfChangeType::RemoveNode, id),
+                MemberChange::AddLearner(id) => (ConfChangeType::AddLearnerNode, id),
+            };
+            let mut s = ConfChangeSingle::default();
+            s.set_change_type(ty);
+            s.node_id = id;
+            s
+        })
+        .collect();
+    cc.set_changes(singles.into());
+    cc
+}
+
+#[allow(clippy::too_many_arguments)]
+fn receive_loop<B: Backend>(
+    shared: Arc<Shared<B>>,
+    rx: Receiver<SnapshotFrame>,
+    transport: Arc<dyn Transport>,
+    acks: AckWaiters,
+    mut assembler: Assembler,
+    events: Sender<Event>,
+    dir: PathBuf,
+    backend_options: B::Options,
+    store_options: StoreOptions,
+) {
+    let id = shared.id;
+    loop {
+        let frame = match rx.recv_timeout(Duration::from_millis(100)) {
+            Ok(f) => f,
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                if shared.stopped.load(Ordering::Acquire) {
+                    return;
+                }
+                continue;
+            }
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return,
+        };
+        let chunk = match frame {
+            SnapshotFrame::Ack(a) => {
+                snapshot::route_ack(&acks, a);
+                continue;
+            }
+            SnapshotFrame::Chunk(c) => c,
+        };
+        let (from, transfer) = (chunk.from, chunk.transfer);
+        let outcome = assembler.chunk(chunk).and_then(|done| {
+            let Some(received) = done else {
+                return Ok(false);
+            };
+            let meta = received.message.get_snapshot().get_metadata().clone();
+            let prepared = apply::prepare_snapshot::<B>(
+                &dir,
+                &backend_options,
+                &store_options,
+                &received.path,
+                meta.index,
+                meta.term,
+                meta.get_conf_state(),
+            );
+            let _ = fs::remove_file(&received.path);
+            prepared?;
+            let (done_tx, done_rx) = bounded(1);
+            events
+                .send(Event::SnapshotReceived {
+                    received: Box::new(received),
+                    done: done_tx,
+                })
+                .map_err(|_| NodeError::Stopped { id, reason: None })?;
+            let installed = done_rx.recv().unwrap_or(false);
+            tracing::info!(
+                member = id,
+                from,
+                index = meta.index,
+                installed,
+                "snapshot received"
+            );
+            Ok(true)
+        });
+        let error = match outcome {
+            Ok(false) => continue,
+            Ok(true) => None,
+            Err(e) => {
+                tracing::warn!(member = id, from, error = %e, "snapshot transfer refused");
+                shared.snapshots_refused.fetch_add(1, Ordering::Relaxed);
+                Some(e.to_string())
+            }
+        };
+        let _ = transport.send_snapshot(SnapshotFrame::Ack(SnapshotAck {
+            from: id,
+            to: from,
+            transfer,
+            error,
+        }));
+    }
+}
+
+struct Driver<B: Backend> {
+    id: u64,
+    shared: Arc<Shared<B>>,
+    raw: RawNode<RaftStorage>,
+    storage: RaftStorage,
+    sm: StateMachine<B>,
+    transport: Arc<dyn Transport>,
+    acks: AckWaiters,
+    events: Sender<Event>,
+    /// Proposals made on this member, by sequence number.
+    waiters: HashMap<u64, (Instant, Reply)>,
+    /// Read-index rounds in flight, by context.
+    reads: HashMap<u64, (Instant, Vec<ReadReply>)>,
+    /// Reads queued in this loop turn.
+    read_batch: Vec<ReadReply>,
+    read_ctx: u64,
+    /// Reads whose index is known, waiting for the apply to reach it.
+    applied_waits: Vec<(u64, ReadReply)>,
+    last_snapshot_point: u64,
+    transfer: u64,
+    snapshots_installed: u64,
+    snapshots_sent: u64,
+    dir: PathBuf,
+    was_leader: bool,
+    last_lease_check: Instant,
+}
+
+impl<B: Backend> Driver<B> {
+    fn run(mut self, cmds: Receiver<Cmd>, msgs: Receiver<Message>, events: Receiver<Event>) {
+        let ticker = crossbeam_channel::tick(self.shared.options.tick_interval);
+        let mut last_sweep = Instant::now();
+        let result: Result<(), NodeError> = (|| {
+            loop {
+                let mut pending_snapshot_done = None;
+                select! {
+                    recv(cmds) -> c => match c {
+                        Ok(Cmd::Stop) | Err(_) => return Ok(()),
+                        Ok(c) => self.command(c),
+                    },
+                    recv(msgs) -> m => if let Ok(m) = m { self.step(m) },
+                    recv(ticker) -> _ => { self.raw.tick(); },
+                    recv(events) -> e => if let Ok(e) = e {
+                        pending_snapshot_done = self.event(e);
+                    },
+                }
+                // Take what else is queued, bounded, so one turn persists a batch.
+                let max = self.shared.options.max_proposals_per_turn;
+                for _ in 0..max {
+                    match cmds.try_recv() {
+                        Ok(Cmd::Stop) => return Ok(()),
+                        Ok(c) => self.command(c),
+                        Err(_) => break,
+                    }
+                }
+                for _ in 0..max {
+                    match msgs.try_recv() {
+                        Ok(m) => self.step(m),
+                        Err(_) => break,
+                    }
+                }
+                self.flush_reads();
+                let installed_before = self.snapshots_installed;
+                self.on_ready()?;
+                if let Some(done) = pending_snapshot_done {
+                    let installed = self.snapshots_installed > installed_before;
+                    if !installed {
+                        apply::discard_prepared(&self.dir);
+                    }
+                    let _ = done.send(installed);
+                }
+                if last_sweep.elapsed() >= Duration::from_secs(1) {
+                    self.sweep();
+                    last_sweep = Instant::now();
+                }
+            }
+        })();
+        let reason = match &result {
+            Ok(()) => None,
+            Err(e) => {
+                tracing::error!(member = self.id, error = %e, "member stopped on a failure");
+                Some(e.to_string())
+            }
+        };
+        self.stop(reason);
+    }
+
+    fn stop(&mut self, reason: Option<String>) {
+        if reason.is_some() {
+            *self.shared.stop_reason.lock() = reason.clone();
+        }
+        self.shared.stopped.store(true, Ordering::Release);
+        let err = || NodeError::Stopped {
+            id: self.id,
+            reason: reason.clone(),
+        };
+        for (_, (_, r)) in self.waiters.drain() {
+            let _ = r.send(Err(err()));
+        }
+        for (_, (_, rs)) in self.reads.drain() {
+            for r in rs {
+                let _ = r.send(Err(err()));
+            }
+        }
+        for (_, r) in self.applied_waits.drain(..) {
+            let _ = r.send(Err(err()));
+        }
+        for r in self.read_batch.drain(..) {
+            let _ = r.send(Err(err()));
+        }
+        if let Err(e) = self.sm.store().force_commit() {
+            tracing::warn!(member = self.id, error = %e, "final backend commit failed");
+        }
+    }
+
+    /// Drops waiters whose callers have given up.
+    fn sweep(&mut self) {
+        let limit = self.shared.options.request_timeout * 2;
+        self.waiters.retain(|_, (t, _)| t.elapsed() < limit);
+        self.reads.retain(|_, (t, _)| t.elapsed() < limit);
+    }
+
+    fn leader(&self) -> Option<u64> {
+        let l = self.raw.raft.leader_id;
+        (l != raft::INVALID_ID).then_some(l)
+    }
+
+    fn command(&mut self, c: Cmd) {
+        match c {
+            Cmd::Propose { seq, data, reply } => match self.raw.propose(Vec::new(), data) {
+                Ok(()) => {
+                    self.waiters.insert(seq, (Instant::now(), reply));
+                }
+                Err(e) => {
+                    let _ = reply.send(Err(self.propose_error(e)));
+                }
+            },
+            Cmd::ConfChange {
+                seq,
+                cc,
+                context,
+                reply,
+            } => {
+                if self.raw.raft.state != StateRole::Leader {
+                    let _ = reply.send(Err(NodeError::NotLeader {
+                        id: self.id,
+                        leader: self.leader(),
+                    }));
+                    return;
+                }
+                match self.raw.propose_conf_change(context, cc) {
+                    Ok(()) => {
+                        self.waiters.insert(seq, (Instant::now(), reply));
+                    }
+                    Err(e) => {
+                        let _ = reply.send(Err(self.propose_error(e)));
+                    }
+                }
+            }
+            Cmd::Read { reply } => self.read_batch.push(reply),
+            Cmd::Campaign => {
+                if let Err(e) = self.raw.campaign() {
+                    tracing::warn!(member = self.id, error = %e, "campaign refused");
+                }
+            }
+            Cmd::Stop => {}
+        }
+    }
+
+    fn propose_error(&self, e: raft::Error) -> NodeError {
+        match e {
+            raft::Error::ProposalDropped => match self.leader() {
+                None => NotLeaderNone(self.id).into(),
+                Some(_) => NodeError::ProposalDropped { id: self.id },
+            },
+            source => NodeError::Raft {
+                id: self.id,
+                source,
+            },
+        }
+    }
+
+    fn step(&mut self, m: Message) {
+        if let Err(e) = self.raw.step(m) {
+            tracing::debug!(member = self.id, error = %e, "message refused by raft");
+        }
+    }
+
+    fn flush_reads(&mut self) {
+        if self.read_batch.is_empty() {
+            return;
+        }
+        let batch = std::mem::take(&mut self.read_batch);
+        if self.leader().is_none() {
+            for r in batch {
+                let _ = r.send(Err(NodeError::NotLeader {
+                    id: self.id,
+                    leader: None,
+                }));
+            }
+            return;
+        }
+        self.read_ctx += 1;
+        let ctx = self.read_ctx;
+        self.raw.read_index(ctx.to_le_bytes().to_vec());
+        self.reads.insert(ctx, (Instant::now(), batch));
+    }
+
+    fn event(&mut self, e: Event) -> Option<Sender<bool>> {
+        match e {
+            Event::SnapshotSent { to, ok } => {
+                if ok {
+                    self.snapshots_sent += 1;
+                }
+                let status = if ok {
+                    SnapshotStatus::Finish
+                } else {
+                    SnapshotStatus::Failure
+                };
+                self.raw.report_snapshot(to, status);
+                None
+            }
+            Event::SnapshotReceived { received, done } => {
+                self.step(received.message);
+                Some(done)
+            }
+        }
+    }
+
+    fn send_messages(&mut self, msgs: Vec<Message>) {
+        for m in msgs {
+            if m.get_msg_type() == MessageType::MsgSnapshot {
+                self.send_snapshot(m);
+            } else {
+                self.transport.send(m);
+            }
+        }
+    }
+
+    /// Starts streaming the backend as of the applied index to `m.to`.
+    fn send_snapshot(&mut self, m: Message) {
+        let to = m.to;
+        let index = m.get_snapshot().get_metadata().index;
+        let store = self.sm.store();
+        let txn = (|| {
+            if store.consistent_index() != index {
+                return Err(NodeError::Snapshot {
+                    from: self.id,
+                    to,
+                    reason: format!(
+                        "the store holds index {}, the snapshot message says {index}",
+                        store.consistent_index()
+                    ),
+                });
+            }
+            store.force_commit().map_err(store_err)?;
+            store
+                .backend()
+                .read_txn()
+                .map_err(|e| NodeError::Store(e.to_string()))
+        })();
+        let txn = match txn {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::warn!(member = self.id, to, error = %e, "cannot start a snapshot");
+                self.raw.report_snapshot(to, SnapshotStatus::Failure);
+                return;
+            }
+        };
+        self.transfer += 1;
+        let transfer = self.transfer;
+        let transport = self.transport.clone();
+        let acks = self.acks.clone();
+        let events = self.events.clone();
+        let chunk = self.shared.options.snapshot_chunk_bytes;
+        let timeout = self.shared.options.snapshot_timeout;
+        let id = self.id;
+        let spawned = spawn(&format!("keel-snap-send-{id}-{to}"), move || {
+            let r = snapshot::send(&*transport, &acks, transfer, m, txn, chunk, timeout);
+            if let Err(e) = &r {
+                tracing::warn!(member = id, to, error = %e, "snapshot transfer failed");
+            }
+            let _ = events.send(Event::SnapshotSent { to, ok: r.is_ok() });
+        });
+        if spawned.is_err() {
+            self.raw.report_snapshot(to, SnapshotStatus::Failure);
+        }
+    }
+
+    fn on_ready(&mut self) -> Result<(), NodeError> {
+        if !self.raw.has_ready() {
+            self.update_status();
+            self.lease_duties();
+            return Ok(());
+        }
+        let mut rd = self.raw.ready();
+        if let Some(ss) = rd.ss() {
+            tracing::debug!(member = self.id, leader = ss.leader_id, role = ?ss.raft_state, "soft state changed");
+        }
+        // The leader sends before persisting (Raft thesis 10.2.1).
+        let msgs = rd.take_messages();
+        self.send_messages(msgs);
+        if !rd.snapshot().is_empty() {
+            self.install_snapshot(rd.snapshot().clone())?;
+        }
+        self.storage
+            .persist(rd.entries(), rd.hs(), rd.must_sync())?;
+        let msgs = rd.take_persisted_messages();
+        self.send_messages(msgs);
+        let committed = rd.take_committed_entries();
+        self.apply(committed)?;
+        let reads = rd.take_read_states();
+        self.read_states(reads);
+        let mut light = self.raw.advance(rd);
+        let msgs = light.take_messages();
+        self.send_messages(msgs);
+        let committed = light.take_committed_entries();
+        self.apply(committed)?;
+        self.raw.advance_apply();
+        self.maybe_snapshot_point()?;
+        self.complete_reads();
+        self.update_status();
+        self.lease_duties();
+        Ok(())
+    }
+
+    /// Keeps the lessor's role in step with leadership, and on the leader proposes the
+    /// revocation of expired leases and the replication of due checkpoints.
+    fn lease_duties(&mut self) {
+        let leader = self.raw.raft.state == StateRole::Leader;
+        if leader != self.was_leader {
+            self.was_leader = leader;
+            let lessor = self.sm.lessor();
+            if leader {
+                lessor.promote();
+            } else {
+                lessor.demote();
+            }
+        }
+        if !leader || self.last_lease_check.elapsed() < self.shared.options.tick_interval {
+            return;
+        }
+        self.last_lease_check = Instant::now();
+        let lessor = self.sm.lessor();
+        for id in lessor.expired_leases() {
+            self.propose_internal(Request::LeaseRevoke { id });
+        }
+        let cps = lessor.checkpoint_batch();
+        if !cps.is_empty() {
+            let cps = cps
+                .into_iter()
+                .map(|c| crate::request::LeaseCheckpoint {
+                    id: c.id,
+                    remaining_ttl: c.remaining_ttl,
+                })
+                .collect();
+            self.propose_internal(Request::LeaseCheckpoint(cps));
+        }
+    }
+
+    /// Proposes a request nobody waits for (origin 0).
+    fn propose_internal(&mut self, request: Request) {
+        let data = Envelope {
+            origin: 0,
+            seq: 0,
+            request,
+        }
+        .encode();
+        if let Err(e) = self.raw.propose(Vec::new(), data) {
+            tracing::debug!(member = self.id, error = %e, "internal proposal dropped");
+        }
+    }
+
+    fn install_snapshot(&mut self, snap: Snapshot) -> Result<(), NodeError> {
+        let meta = snap.get_metadata();
+        self.sm.install_prepared(meta.index)?;
+        self.storage.apply_snapshot(&snap)?;
+        self.last_snapshot_point = meta.index;
+        self.snapshots_installed += 1;
+        tracing::info!(
+            member = self.id,
+            index = meta.index,
+            term = meta.term,
+            "snapshot installed"
+        );
+        Ok(())
+    }
+
+    fn apply(&mut self, entries: Vec<Entry>) -> Result<(), NodeError> {
+        for e in entries {
+            match e.get_entry_type() {
+                EntryType::EntryNormal => {
+                    if let Some((origin, seq, result)) = self.sm.apply_normal(&e)? {
+                        self.answer(origin, seq, result);
+                    }
+                    self.storage.set_applied(e.index, None);
+                }
+                EntryType::EntryConfChangeV2 | EntryType::EntryConfChange => {
+                    self.apply_conf_change(&e)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn answer(&mut self, origin: u64, seq: u64, result: Result<Response, NodeError>) {
+        if origin != self.id {
+            return;
+        }
+        if let Some((_, reply)) = self.waiters.remove(&seq) {
+            let _ = reply.send(result);
+        }
+    }
+
+    fn apply_conf_change(&mut self, e: &Entry) -> Result<(), NodeError> {
+        let env = Envelope::decode(&e.context).ok();
+        if e.index <= self.sm.applied() {
+            // Already in the stored conf state that raft-rs was started with.
+            return Ok(());
+        }
+        let cc = if e.get_entry_type() == EntryType::EntryConfChangeV2 {
+            ConfChangeV2::parse_from_bytes(&e.data)
+        } else {
+            raft::eraftpb::ConfChange::parse_from_bytes(&e.data).map(ConfChangeI::into_v2)
+        };
+        let cc = match cc {
+            Ok(cc) => cc,
+            Err(err) => {
+                tracing::warn!(member = self.id, index = e.index, error = %err, "undecodable conf change skipped");
+                let cs = self.storage.conf_state();
+                self.sm.apply_conf_state(e.index, &cs)?;
+                self.storage.set_applied(e.index, None);
+                return Ok(());
+            }
+        };
+        let result = self.raw.apply_conf_change(&cc);
+        let (cs, answer) = match result {
+            Ok(cs) => {
+                let answer = Ok(Response::ConfChange {
+                    voters: cs.voters.clone(),
+                    learners: cs.learners.clone(),
+                });
+                (cs, answer)
+            }
+            Err(err) => (
+                self.storage.conf_state(),
+                Err(NodeError::Membership(err.to_string())),
+            ),
+        };
+        self.sm.apply_conf_state(e.index, &cs)?;
+        self.storage.set_applied(e.index, Some(&cs));
+        if let Some(env) = env {
+            self.answer(env.origin, env.seq, answer);
+        }
+        let member = cs.voters.contains(&self.id) || cs.learners.contains(&self.id);
+        if !member && !cs.voters.is_empty() {
+            return Err(NodeError::Stopped {
+                id: self.id,
+                reason: Some("this member was removed from the cluster".into()),
+            });
+        }
+        Ok(())
+    }
+
+    fn read_states(&mut self, states: Vec<raft::ReadState>) {
+        for rs in states {
+            if rs.request_ctx.len() != 8 {
+                continue;
+            }
+            let mut a = [0u8; 8];
+            a.copy_from_slice(&rs.request_ctx);
+            let ctx = u64::from_le_bytes(a);
+            if let Some((_, replies)) = self.reads.remove(&ctx) {
+                for r in replies {
+                    self.applied_waits.push((rs.index, r));
+                }
+            }
+        }
+    }
+
+    fn complete_reads(&mut self) {
+        if self.applied_waits.is_empty() {
+            return;
+        }
+        let applied = self.sm.applied();
+        let mut i = 0;
+        while i < self.applied_waits.len() {
+            if self.applied_waits[i].0 <= applied {
+                let (idx, r) = self.applied_waits.swap_remove(i);
+                let _ = r.send(Ok(idx));
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// Every `snapshot_count` applied entries: make the backend durable and compact the log,
+    /// keeping `snapshot_catch_up_entries` behind.
+    fn maybe_snapshot_point(&mut self) -> Result<(), NodeError> {
+        let applied = self.sm.applied();
+        let o = &self.shared.options;
+        if applied < self.last_snapshot_point + o.snapshot_count {
+            return Ok(());
+        }
+        let store = self.sm.store();
+        store.force_commit().map_err(store_err)?;
+        self.last_snapshot_point = applied;
+        let compact_to = applied.saturating_sub(o.snapshot_catch_up_entries);
+        let (first, _, _) = self.storage.bounds();
+        if compact_to >= first {
+            self.storage.compact(compact_to)?;
+            tracing::info!(
+                member = self.id,
+                applied,
+                compact_to,
+                "log compacted at a snapshot point"
+            );
+        }
+        Ok(())
+    }
+
+    fn update_status(&mut self) {
+        let raft = &self.raw.raft;
+        let (first, last, _) = self.storage.bounds();
+        let cs = raft.prs().conf().to_conf_state();
+        let mut voters = cs.voters;
+        voters.sort_unstable();
+        let mut learners = cs.learners;
+        learners.sort_unstable();
+        let status = NodeStatus {
+            id: self.id,
+            leader: self.leader(),
+            role: raft.state.into(),
+            term: raft.term,
+            commit: raft.raft_log.committed,
+            applied: self.sm.applied(),
+            voters,
+            learners,
+            first_index: first,
+            last_index: last,
+            snapshots_installed: self.snapshots_installed,
+            snapshots_sent: self.snapshots_sent,
+            snapshots_refused: 0,
+        };
+        *self.shared.status.write() = status;
+    }
+}
+
+struct NotLeaderNone(u64);
+
+impl From<NotLeaderNone> for NodeError {
+    fn from(n: NotLeaderNone) -> NodeError {
+        NodeError::NotLeader {
+            id: n.0,
+            leader: None,
+        }
+    }
+}
