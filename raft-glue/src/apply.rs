@@ -34,9 +34,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use keel_lease::{Checkpoint, Clock, LeaseError, Lessor, LessorOptions};
-use keel_mvcc::{
-    Backend, Bucket, MvccError, Store, StoreOptions, TxnOp, TxnOpResponse, TxnRequest,
-};
+use keel_mvcc::{Backend, Bucket, MvccError, Store, StoreOptions};
 use parking_lot::RwLock;
 use raft::eraftpb::{ConfState, Entry};
 
@@ -446,7 +444,10 @@ impl<B: Backend> StateMachine<B> {
                 }
                 Ok(Response::DeleteRange(r))
             }
-            Request::Txn(t) => self.apply_txn(store, lessor, index, t),
+            Request::Txn(t) => {
+                let r = lessor.txn(t, idx).map_err(lease_err)?;
+                Ok(Response::Txn(r))
+            }
             Request::Compact { revision } => {
                 // The store records the compaction point durably on its own; re-applying it
                 // after a crash is refused as already compacted, which is harmless.
@@ -489,39 +490,6 @@ impl<B: Backend> StateMachine<B> {
         }
     }
 
-    fn apply_txn(
-        &self,
-        store: &Store<B>,
-        lessor: &Lessor<B>,
-        index: u64,
-        t: &TxnRequest,
-    ) -> Result<Response, NodeError> {
-        let mut leased = Vec::new();
-        collect_leased_puts(&t.success, &mut leased);
-        collect_leased_puts(&t.failure, &mut leased);
-        for (lease, _) in &leased {
-            if !lessor.with_table(|table| table.contains(*lease)) {
-                return Err(lease_err(LeaseError::NotFound { id: *lease }));
-            }
-        }
-        let mut txn = store.write();
-        txn.set_consistent_index(index).map_err(store_err)?;
-        let r = txn.txn(t).map_err(store_err)?;
-        txn.commit().map_err(store_err)?;
-        // Attach the keys the branch that ran put with a lease. Stale attachments left by
-        // keys the transaction overwrote or deleted are harmless: a revoke only deletes keys
-        // whose current lease is the revoked one.
-        let ran = if r.succeeded { &t.success } else { &t.failure };
-        let mut attach = Vec::new();
-        collect_ran_leased_puts(ran, &r.responses, &mut attach);
-        for (lease, key) in attach {
-            if let Err(e) = lessor.attach(lease, &[key.as_slice()]) {
-                tracing::warn!(lease, error = %e, "attaching a transaction's key failed");
-            }
-        }
-        Ok(Response::Txn(r))
-    }
-
     /// Swaps in the backend prepared by [`prepare_snapshot`](Self::prepare_snapshot) for
     /// `index`. Fails (and changes nothing) when none is prepared for that index.
     pub fn install_prepared(&self, index: u64) -> Result<(), NodeError> {
@@ -554,36 +522,6 @@ impl<B: Backend> StateMachine<B> {
             tracing::warn!(path = %old.display(), error = %e, "cannot remove the replaced backend");
         }
         Ok(())
-    }
-}
-
-fn collect_leased_puts(ops: &[TxnOp], out: &mut Vec<(i64, Vec<u8>)>) {
-    for op in ops {
-        match op {
-            TxnOp::Put(p) if p.lease != 0 => out.push((p.lease, p.key.clone())),
-            TxnOp::Txn(t) => {
-                collect_leased_puts(&t.success, out);
-                collect_leased_puts(&t.failure, out);
-            }
-            _ => {}
-        }
-    }
-}
-
-fn collect_ran_leased_puts(
-    ops: &[TxnOp],
-    responses: &[TxnOpResponse],
-    out: &mut Vec<(i64, Vec<u8>)>,
-) {
-    for (op, resp) in ops.iter().zip(responses) {
-        match (op, resp) {
-            (TxnOp::Put(p), _) if p.lease != 0 => out.push((p.lease, p.key.clone())),
-            (TxnOp::Txn(t), TxnOpResponse::Txn(r)) => {
-                let ran = if r.succeeded { &t.success } else { &t.failure };
-                collect_ran_leased_puts(ran, &r.responses, out);
-            }
-            _ => {}
-        }
     }
 }
 

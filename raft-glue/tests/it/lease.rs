@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use keel_mvcc::{PutRequest, RangeRequest};
+use keel_mvcc::{PutRequest, RangeRequest, TxnOp, TxnRequest};
 use keel_raft_glue::testing::{Cluster, TestBackend, fast_options};
 use keel_raft_glue::{NodeError, ReadConsistency};
 
@@ -42,8 +42,18 @@ fn grant_attach_revoke_and_renew() {
         ..PutRequest::new(b"leased".to_vec(), b"v".to_vec())
     })
     .expect("put with the lease");
+    let r = f
+        .txn(TxnRequest {
+            success: vec![TxnOp::Put(PutRequest {
+                lease: id,
+                ..PutRequest::new(b"txn-leased".to_vec(), b"v".to_vec())
+            })],
+            ..TxnRequest::default()
+        })
+        .expect("txn with a leased put");
+    assert!(r.succeeded);
     let ttl = f.lease_time_to_live(id, true).expect("ttl");
-    assert_eq!(ttl.keys, vec![b"leased".to_vec()]);
+    assert_eq!(ttl.keys, vec![b"leased".to_vec(), b"txn-leased".to_vec()]);
     let err = f.lease_renew(id).expect_err("renew on a follower");
     assert!(
         matches!(err, NodeError::NotLeader { leader: Some(l), .. } if l == leader),
