@@ -164,6 +164,8 @@ impl WatcherState {
 #[derive(Default)]
 struct WatchEnd {
     error: Mutex<Option<MvccError>>,
+    /// Set while the watcher is unsynced: receiving then wakes the syncer.
+    lagging: AtomicBool,
 }
 
 #[derive(Default)]
@@ -182,6 +184,7 @@ impl HubState {
             return;
         };
         w.synced = true;
+        w.end.lagging.store(false, Ordering::Release);
         match w.bound {
             KeyBound::Single => self.synced_keys.entry(w.key.clone()).or_default().push(id),
             _ => {
@@ -199,6 +202,7 @@ impl HubState {
             return;
         }
         w.synced = false;
+        w.end.lagging.store(true, Ordering::Release);
         match w.bound {
             KeyBound::Single => {
                 if let Some(ids) = self.synced_keys.get_mut(&w.key) {
@@ -225,6 +229,7 @@ struct HubShared {
     state: Mutex<HubState>,
     count: AtomicUsize,
     closed: AtomicBool,
+    wake: (Sender<()>, Receiver<()>),
 }
 
 impl HubShared {
@@ -240,7 +245,6 @@ pub(crate) struct WatchHub {
     shared: Arc<HubShared>,
     next_id: AtomicU64,
     capacity: usize,
-    wake: (Sender<()>, Receiver<()>),
 }
 
 impl WatchHub {
@@ -250,10 +254,10 @@ impl WatchHub {
                 state: Mutex::new(HubState::default()),
                 count: AtomicUsize::new(0),
                 closed: AtomicBool::new(false),
+                wake: crossbeam_channel::bounded(1),
             }),
             next_id: AtomicU64::new(1),
             capacity: options.watch_channel_capacity,
-            wake: crossbeam_channel::bounded(1),
         }
     }
 
@@ -273,7 +277,7 @@ impl WatchHub {
         *st = HubState::default();
         self.shared.count.fetch_sub(n, Ordering::AcqRel);
         drop(st);
-        let _ = self.wake.0.try_send(());
+        let _ = self.shared.wake.0.try_send(());
     }
 
     /// Hands the events of `revision` to synced watchers; called by the committing writer,
@@ -388,17 +392,32 @@ impl Watcher {
             .unwrap_or(MvccError::WatchClosed { id: self.id })
     }
 
+    /// After a receive: a lagging watcher with room again asks the syncer to catch it up.
+    fn received(&self) {
+        if self.end.lagging.load(Ordering::Acquire)
+            && self.rx.len() * 2 <= self.rx.capacity().unwrap_or(0)
+            && let Some(hub) = self.hub.upgrade()
+        {
+            let _ = hub.wake.0.try_send(());
+        }
+    }
+
     /// Waits for the events of the next revision that touched the watched keys. Fails with
     /// [`MvccError::Compacted`] when the watcher fell below the compaction point, or
     /// [`MvccError::WatchClosed`] after the store was dropped.
     pub fn recv(&self) -> Result<Vec<Event>, MvccError> {
-        self.rx.recv().map_err(|_| self.ended())
+        let events = self.rx.recv().map_err(|_| self.ended())?;
+        self.received();
+        Ok(events)
     }
 
     /// Like [`recv`](Watcher::recv) but gives up after `timeout` with `Ok(None)`.
     pub fn recv_timeout(&self, timeout: Duration) -> Result<Option<Vec<Event>>, MvccError> {
         match self.rx.recv_timeout(timeout) {
-            Ok(events) => Ok(Some(events)),
+            Ok(events) => {
+                self.received();
+                Ok(Some(events))
+            }
             Err(RecvTimeoutError::Timeout) => Ok(None),
             Err(RecvTimeoutError::Disconnected) => Err(self.ended()),
         }
@@ -407,7 +426,10 @@ impl Watcher {
     /// The next revision's events if already delivered.
     pub fn try_recv(&self) -> Result<Option<Vec<Event>>, MvccError> {
         match self.rx.try_recv() {
-            Ok(events) => Ok(Some(events)),
+            Ok(events) => {
+                self.received();
+                Ok(Some(events))
+            }
             Err(TryRecvError::Empty) => Ok(None),
             Err(TryRecvError::Disconnected) => Err(self.ended()),
         }
@@ -480,8 +502,9 @@ pub(crate) fn watch<B: Backend>(
     if start > current {
         st.add_synced(id);
     } else {
+        end.lagging.store(true, Ordering::Release);
         st.unsynced.insert(id);
-        let _ = hub.wake.0.try_send(());
+        let _ = hub.shared.wake.0.try_send(());
     }
     Ok(Watcher {
         id,
@@ -502,7 +525,12 @@ struct SyncTarget {
 pub(crate) fn syncer_loop<B: Backend>(inner: &Arc<Inner<B>>) {
     let hub = &inner.watch;
     loop {
-        match hub.wake.1.recv_timeout(inner.options.watch_sync_interval) {
+        match hub
+            .shared
+            .wake
+            .1
+            .recv_timeout(inner.options.watch_sync_interval)
+        {
             Ok(()) | Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => return,
         }

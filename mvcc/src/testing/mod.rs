@@ -2,6 +2,7 @@
 //! backend and the model-based store test. Compiled with the `testing` feature.
 
 pub mod conformance;
+pub mod crash;
 pub mod mem;
 pub mod model;
 

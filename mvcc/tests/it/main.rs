@@ -2,7 +2,10 @@
 
 mod bad_input;
 mod common;
+mod compaction;
 mod concurrency;
 mod conformance;
+mod crash;
 mod model;
 mod ops;
+mod watch;

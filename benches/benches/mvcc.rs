@@ -1,0 +1,456 @@
+//! The MVCC store over the LMDB backend, each figure beside its reference in the same run.
+//!
+//! - put: 1 000 puts (24-byte keys, 150-byte values) then the backend commit that makes them
+//!   durable, against raw heed putting the same pairs in one write transaction; with and
+//!   without fsync; goal ≥ 0.7× raw heed's throughput.
+//! - etcd 3.4's headline: puts (1 KiB values over 100 000 keys, default batching, fsync)
+//!   while a reader scans the whole key space over and over, against the same puts without
+//!   it; goals: throughput ≥ 0.9×, p99 put latency ≤ 1.5×.
+//! - range of 10 000 keys (owned results) against a raw heed cursor copying the same pairs
+//!   out; goal ≤ 1.5× the time.
+//! - index memory: anonymous resident memory added by rebuilding the key index of 1 000 000
+//!   keys (measured in a child process), per key beyond the key bytes; aim ≤ 128 B.
+//! - watch fan-out: 10 000 watchers on distinct keys while 100 000 puts land; delivered
+//!   events per second reported; put throughput goal ≥ 0.5× the same puts without watchers.
+//!
+//! `cargo bench -p keel-benches --bench mvcc` (a few minutes); `-- --test` is the smoke run
+//! (small sizes).
+
+use std::hint::black_box;
+use std::ops::Bound;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock};
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, Throughput};
+use heed::types::Bytes;
+use heed::{Database, Env, EnvFlags, EnvOpenOptions, WithoutTls};
+use keel_backend_lmdb::{LmdbBackend, LmdbOptions};
+use keel_benches::{Better, Recorder};
+use keel_mvcc::{Backend, RangeRequest, Store, StoreOptions, WatchRequest};
+
+static RECORDER: LazyLock<Recorder> = LazyLock::new(Recorder::new);
+
+const MAP_SIZE: usize = 16 << 30;
+const INDEX_CHILD_ENV: &str = "KEEL_BENCH_INDEX_CHILD";
+
+fn smoke() -> bool {
+    std::env::args().any(|a| a == "--test")
+}
+
+fn key(i: u64) -> Vec<u8> {
+    format!("key-{i:020}").into_bytes()
+}
+
+fn raw_env(dir: &Path, sync: bool) -> (Env<WithoutTls>, Database<Bytes, Bytes>) {
+    let mut options = EnvOpenOptions::new().read_txn_without_tls();
+    options.map_size(MAP_SIZE).max_readers(1024);
+    // SAFETY: `dir` is a fresh temporary directory that only this benchmark opens, once, on a
+    // local file system, and nothing else writes its files; `NO_SYNC` only weakens
+    // durability, which a benchmark does not rely on.
+    let env = unsafe {
+        if !sync {
+            options.flags(EnvFlags::NO_SYNC);
+        }
+        options.open(dir).expect("open raw LMDB")
+    };
+    let mut wtxn = env.write_txn().expect("write txn");
+    let db = env.create_database(&mut wtxn, None).expect("main db");
+    wtxn.commit().expect("commit");
+    (env, db)
+}
+
+fn store(dir: &Path, sync: bool, options: StoreOptions) -> Store<LmdbBackend> {
+    let backend = LmdbBackend::open(
+        dir,
+        &LmdbOptions {
+            map_size: MAP_SIZE as u64,
+            sync_on_commit: sync,
+            ..LmdbOptions::default()
+        },
+    )
+    .expect("open backend");
+    Store::open(backend, options).expect("open store")
+}
+
+/// Options under which only `force_commit` commits: the benchmark decides the batches.
+fn manual_batches() -> StoreOptions {
+    StoreOptions {
+        batch_interval: Duration::from_secs(3600),
+        batch_limit: 1_000_000,
+        ..StoreOptions::default()
+    }
+}
+
+fn put_throughput(c: &mut Criterion) {
+    const BATCH: u64 = 1_000;
+    let value = [7u8; 150];
+    for sync in [true, false] {
+        let label = if sync { "fsync" } else { "no fsync" };
+        let mut group = c.benchmark_group(format!("mvcc/put 1000 + commit, {label}"));
+        group
+            .throughput(Throughput::Elements(BATCH))
+            .sample_size(20)
+            .measurement_time(Duration::from_secs(5));
+        let ours = format!("keel put, {label}");
+        let raw = format!("raw heed put, {label}");
+
+        let dir = tempfile::tempdir().unwrap();
+        let s = store(dir.path(), sync, manual_batches());
+        let mut next = 0u64;
+        group.bench_function("keel", |b| {
+            RECORDER.iter(b, &ours, |_| {
+                for _ in 0..BATCH {
+                    s.put(&key(next), &value, 0).expect("put");
+                    next += 1;
+                }
+                s.force_commit().expect("commit");
+            })
+        });
+        drop(s);
+
+        let dir = tempfile::tempdir().unwrap();
+        let (env, db) = raw_env(dir.path(), sync);
+        let mut next = 0u64;
+        group.bench_function("raw heed", |b| {
+            RECORDER.iter(b, &raw, |_| {
+                let mut wtxn = env.write_txn().expect("write txn");
+                for _ in 0..BATCH {
+                    db.put(&mut wtxn, &key(next), &value).expect("put");
+                    next += 1;
+                }
+                wtxn.commit().expect("commit");
+            })
+        });
+        group.finish();
+        RECORDER.ratio(
+            &format!("mvcc put throughput vs raw heed, batches of 1000 ({label})"),
+            &ours,
+            &raw,
+            Better::Faster,
+            Some(0.7),
+        );
+    }
+}
+
+fn p99(lat: &mut [Duration]) -> Duration {
+    if lat.is_empty() {
+        return Duration::ZERO;
+    }
+    lat.sort_unstable();
+    lat[(lat.len() * 99 / 100).min(lat.len() - 1)]
+}
+
+fn headline(c: &mut Criterion) {
+    let keys: u64 = if smoke() { 2_000 } else { 100_000 };
+    let value = vec![3u8; 1024];
+    let dir = tempfile::tempdir().unwrap();
+    let s = Arc::new(store(dir.path(), true, StoreOptions::default()));
+    for chunk in (0..keys).collect::<Vec<_>>().chunks(5_000) {
+        let mut t = s.write();
+        for &i in chunk {
+            t.put(&key(i), &value, 0).expect("load");
+        }
+        t.commit().expect("commit");
+        s.force_commit().expect("commit");
+    }
+    let scans = Arc::new(AtomicU64::new(0));
+    let mut group = c.benchmark_group("mvcc/etcd 3.4 headline: puts, 100k keys of 1 KiB");
+    group
+        .throughput(Throughput::Elements(1))
+        .sample_size(20)
+        .measurement_time(Duration::from_secs(6));
+    let mut lat_alone = Vec::new();
+    let mut lat_reader = Vec::new();
+    let mut next = 0u64;
+    for with_reader in [false, true] {
+        let stop = Arc::new(AtomicBool::new(false));
+        let reader = with_reader.then(|| {
+            let (s, stop, scans) = (s.clone(), stop.clone(), scans.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Acquire) {
+                    let view = s.read().expect("view");
+                    let r = view
+                        .range(&RangeRequest::range(b"key-".to_vec(), vec![0]))
+                        .expect("scan");
+                    assert_eq!(r.count as u64, keys);
+                    black_box(r);
+                    scans.fetch_add(1, Ordering::Relaxed);
+                }
+            })
+        });
+        let (name, lat) = if with_reader {
+            ("puts with a long reader", &mut lat_reader)
+        } else {
+            ("puts alone", &mut lat_alone)
+        };
+        group.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                let start = Instant::now();
+                for _ in 0..iters {
+                    let t0 = Instant::now();
+                    s.put(&key(next.wrapping_mul(7919) % keys), &value, 0)
+                        .expect("put");
+                    lat.push(t0.elapsed());
+                    next += 1;
+                }
+                let e = start.elapsed();
+                RECORDER.record(name, e, iters);
+                e
+            })
+        });
+        stop.store(true, Ordering::Release);
+        if let Some(r) = reader {
+            r.join().expect("reader");
+        }
+    }
+    group.finish();
+    RECORDER.ratio(
+        "etcd 3.4 headline: put throughput with a concurrent full scan vs without",
+        "puts with a long reader",
+        "puts alone",
+        Better::Faster,
+        Some(0.9),
+    );
+    let (a, r) = (p99(&mut lat_alone), p99(&mut lat_reader));
+    let ratio = r.as_secs_f64() / a.as_secs_f64().max(1e-9);
+    println!(
+        "RATIO etcd 3.4 headline: p99 put latency with a concurrent full scan vs without: time ratio {ratio:.3}x  [with reader: p99 {:.3} us over {} puts, alone: p99 {:.3} us over {} puts; {} full scans ran] (goal <= 1.50x: {})",
+        r.as_secs_f64() * 1e6,
+        lat_reader.len(),
+        a.as_secs_f64() * 1e6,
+        lat_alone.len(),
+        scans.load(Ordering::Relaxed),
+        if ratio <= 1.5 { "met" } else { "NOT met" }
+    );
+}
+
+fn range_10k(c: &mut Criterion) {
+    const N: u64 = 10_000;
+    let value = [5u8; 150];
+    let dir = tempfile::tempdir().unwrap();
+    let s = store(dir.path(), false, manual_batches());
+    let mut t = s.write();
+    for i in 0..N {
+        t.put(&key(i), &value, 0).expect("put");
+    }
+    t.commit().expect("commit");
+    s.force_commit().expect("commit");
+    let raw_dir = tempfile::tempdir().unwrap();
+    let (env, db) = raw_env(raw_dir.path(), false);
+    let mut wtxn = env.write_txn().expect("write txn");
+    for i in 0..N {
+        db.put(&mut wtxn, &key(i), &value).expect("put");
+    }
+    wtxn.commit().expect("commit");
+
+    let mut group = c.benchmark_group("mvcc/range 10k keys");
+    group
+        .throughput(Throughput::Elements(N))
+        .sample_size(30)
+        .measurement_time(Duration::from_secs(4));
+    let req = RangeRequest::range(b"key-".to_vec(), vec![0]);
+    group.bench_function("keel", |b| {
+        RECORDER.iter(b, "keel range", |_| {
+            let r = s.range(&req).expect("range");
+            assert_eq!(r.kvs.len() as u64, N);
+            black_box(r);
+        })
+    });
+    group.bench_function("raw heed", |b| {
+        RECORDER.iter(b, "raw heed cursor", |_| {
+            let txn = env.clone().static_read_txn().expect("read txn");
+            let bounds: (Bound<&[u8]>, Bound<&[u8]>) = (Bound::Unbounded, Bound::Unbounded);
+            let mut out = Vec::new();
+            for item in db.range(&txn, &bounds).expect("range") {
+                let (k, v) = item.expect("item");
+                out.push((k.to_vec(), v.to_vec()));
+            }
+            assert_eq!(out.len() as u64, N);
+            black_box(out);
+        })
+    });
+    group.finish();
+    RECORDER.ratio(
+        "mvcc range of 10k keys vs raw heed cursor (both copy the pairs out)",
+        "keel range",
+        "raw heed cursor",
+        Better::LowerTime,
+        Some(1.5),
+    );
+}
+
+fn rss_anon() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("RssAnon:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// Child role: open the store at `path` (rebuilding its index) and print the memory it took.
+fn index_child(path: &str) {
+    let backend = LmdbBackend::open(
+        Path::new(path),
+        &LmdbOptions {
+            map_size: MAP_SIZE as u64,
+            ..LmdbOptions::default()
+        },
+    )
+    .expect("open backend");
+    let before = rss_anon();
+    let s = Store::open(backend, StoreOptions::default()).expect("open store");
+    let after = rss_anon();
+    println!("INDEX {} {}", s.key_count(), after.saturating_sub(before));
+}
+
+fn index_memory() {
+    let keys: u64 = if smoke() { 10_000 } else { 1_000_000 };
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let s = store(dir.path(), false, manual_batches());
+        for chunk in (0..keys).collect::<Vec<_>>().chunks(50_000) {
+            let mut t = s.write();
+            for &i in chunk {
+                t.put(&key(i), b"v", 0).expect("put");
+            }
+            t.commit().expect("commit");
+            s.force_commit().expect("commit");
+        }
+    }
+    let out = std::process::Command::new(std::env::current_exe().expect("exe"))
+        .env(INDEX_CHILD_ENV, dir.path())
+        .output()
+        .expect("run child");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let Some(line) = text.lines().find(|l| l.starts_with("INDEX ")) else {
+        println!(
+            "index memory: child failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        return;
+    };
+    let parts: Vec<u64> = line[6..]
+        .split(' ')
+        .filter_map(|p| p.parse().ok())
+        .collect();
+    let (n, bytes) = (parts[0], parts[1]);
+    let per_key = bytes as f64 / n as f64;
+    let key_len = key(0).len() as f64;
+    println!(
+        "REPORT index memory: {n} keys, {bytes} bytes of anonymous memory added by the rebuild = {per_key:.1} B per key, {:.1} B over the {key_len} key bytes (aim <= 128 B: {})",
+        per_key - key_len,
+        if per_key - key_len <= 128.0 {
+            "met"
+        } else {
+            "NOT met"
+        }
+    );
+}
+
+fn fan_out() {
+    let (watchers, puts): (u64, u64) = if smoke() {
+        (200, 2_000)
+    } else {
+        (10_000, 100_000)
+    };
+    let value = [1u8; 150];
+    let rounds = if smoke() { 1 } else { 3 };
+    let mut delivered_rates = Vec::new();
+    for round in 0..rounds {
+        for with_watchers in [false, true] {
+            let dir = tempfile::tempdir().unwrap();
+            let s = Arc::new(store(dir.path(), false, StoreOptions::default()));
+            let delivered = Arc::new(AtomicU64::new(0));
+            let stop = Arc::new(AtomicBool::new(false));
+            let mut consumers = Vec::new();
+            if with_watchers {
+                let all: Vec<_> = (0..watchers)
+                    .map(|i| s.watch(WatchRequest::key(key(i))).expect("watch"))
+                    .collect();
+                let per = all.len().div_ceil(2);
+                let mut all = all.into_iter();
+                for _ in 0..2 {
+                    let mine: Vec<_> = all.by_ref().take(per).collect();
+                    let (delivered, stop) = (delivered.clone(), stop.clone());
+                    consumers.push(std::thread::spawn(move || {
+                        loop {
+                            let mut got = 0;
+                            for w in &mine {
+                                while let Ok(Some(events)) = w.try_recv() {
+                                    got += events.len() as u64;
+                                }
+                            }
+                            delivered.fetch_add(got, Ordering::Relaxed);
+                            if got == 0 {
+                                if stop.load(Ordering::Acquire) {
+                                    return;
+                                }
+                                std::thread::sleep(Duration::from_micros(200));
+                            }
+                        }
+                    }));
+                }
+            }
+            let start = Instant::now();
+            for i in 0..puts {
+                s.put(&key(i % watchers), &value, 0).expect("put");
+            }
+            let put_time = start.elapsed();
+            let name = if with_watchers {
+                "puts with 10k watchers"
+            } else {
+                "puts without watchers"
+            };
+            RECORDER.record(name, put_time, puts);
+            if with_watchers {
+                let deadline = Instant::now() + Duration::from_secs(60);
+                while delivered.load(Ordering::Relaxed) < puts && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                let all_time = start.elapsed();
+                let got = delivered.load(Ordering::Relaxed);
+                let rate = got as f64 / all_time.as_secs_f64();
+                delivered_rates.push(rate);
+                println!(
+                    "fan-out round {round}: {got} of {puts} events delivered to {watchers} watchers in {:.3} s ({rate:.0} events/s); puts took {:.3} s",
+                    all_time.as_secs_f64(),
+                    put_time.as_secs_f64()
+                );
+                assert_eq!(got, puts, "every event is delivered");
+            }
+            stop.store(true, Ordering::Release);
+            for c in consumers {
+                c.join().expect("consumer");
+            }
+        }
+    }
+    delivered_rates.sort_by(f64::total_cmp);
+    println!(
+        "REPORT watch fan-out: median {:.0} delivered events/s ({watchers} watchers, {puts} puts)",
+        delivered_rates[delivered_rates.len() / 2]
+    );
+    RECORDER.ratio(
+        "watch fan-out: put throughput with 10k watchers vs without",
+        "puts with 10k watchers",
+        "puts without watchers",
+        Better::Faster,
+        Some(0.5),
+    );
+}
+
+fn main() {
+    if let Ok(path) = std::env::var(INDEX_CHILD_ENV) {
+        index_child(&path);
+        return;
+    }
+    let mut c = Criterion::default().configure_from_args();
+    put_throughput(&mut c);
+    range_10k(&mut c);
+    headline(&mut c);
+    c.final_summary();
+    index_memory();
+    fan_out();
+}

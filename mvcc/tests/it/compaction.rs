@@ -1,0 +1,131 @@
+//! Compaction deletes superseded revisions in the background, keeps what reads above the
+//! compaction point need, resumes after a restart, and the history hash ignores its progress.
+
+use std::time::{Duration, Instant};
+
+use keel_mvcc::testing::MemBackend;
+use keel_mvcc::{Backend, KEY_BUCKET, RangeRequest, ReadTxn, Store, StoreOptions};
+
+use crate::common::{fresh_path, open_at};
+
+fn key_bucket_len(s: &Store<MemBackend>) -> usize {
+    s.backend().len(&KEY_BUCKET)
+}
+
+fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn fill(s: &Store<MemBackend>) {
+    // 10 keys x 10 versions, then 3 keys deleted: revisions 1..=103.
+    for v in 0..10u32 {
+        for k in 0..10u32 {
+            s.put(format!("k{k}").as_bytes(), format!("{v}").as_bytes(), 0)
+                .unwrap();
+        }
+    }
+    for k in 0..3u32 {
+        s.delete_range(format!("k{k}").as_bytes(), None).unwrap();
+    }
+}
+
+#[test]
+fn compaction_deletes_in_bounded_batches_and_keeps_what_reads_need() {
+    let (_d, path) = fresh_path();
+    let s = open_at(
+        &path,
+        StoreOptions {
+            compaction_batch_limit: 7,
+            compaction_sleep_interval: Duration::from_millis(1),
+            ..StoreOptions::default()
+        },
+    );
+    fill(&s);
+    let hash_before = s.hash_kv(0).unwrap();
+    let at_95 = s
+        .range(&RangeRequest::range(vec![0], vec![0]).at(95))
+        .unwrap();
+    s.compact(95).unwrap();
+    assert_eq!(s.compacted_revision(), 95);
+    // Kept: per key its last put <= 95 (10), the puts 96..=100 and tombstones 101..=103.
+    wait_for("physical compaction", || key_bucket_len(&s) == 18);
+    let again = s
+        .range(&RangeRequest::range(vec![0], vec![0]).at(95))
+        .unwrap();
+    assert_eq!(again.kvs, at_95.kvs);
+    let h = s.hash_kv(0).unwrap();
+    assert_eq!(h.compact_revision, 95);
+    assert_ne!(h.hash, hash_before.hash, "the hash covers the compaction");
+    s.compact(103).unwrap();
+    wait_for("second compaction", || key_bucket_len(&s) == 7);
+    assert_eq!(
+        s.range(&RangeRequest::range(vec![0], vec![0]))
+            .unwrap()
+            .count,
+        7
+    );
+}
+
+#[test]
+fn an_interrupted_compaction_resumes_on_open_and_hashes_agree() {
+    let (_d, path) = fresh_path();
+    let slow = StoreOptions {
+        compaction_batch_limit: 1,
+        compaction_sleep_interval: Duration::from_secs(3600),
+        ..StoreOptions::default()
+    };
+    let s = open_at(&path, slow.clone());
+    fill(&s);
+    s.compact(100).unwrap();
+    let hash = s.hash_kv(0).unwrap();
+    wait_for("first batch", || key_bucket_len(&s) == 102);
+    // Stopped after one batch of one deletion.
+    let start = Instant::now();
+    drop(s);
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "shutdown waited for the compactor pause"
+    );
+    let txn = MemBackend::open(&path, &Default::default()).unwrap();
+    let scheduled = txn
+        .read_txn()
+        .unwrap()
+        .get(&keel_mvcc::META_BUCKET, b"scheduled_compact_rev")
+        .unwrap()
+        .map(<[u8]>::to_vec);
+    assert_eq!(scheduled, Some(100u64.to_be_bytes().to_vec()));
+    assert!(
+        txn.read_txn()
+            .unwrap()
+            .get(&keel_mvcc::META_BUCKET, b"finished_compact_rev")
+            .unwrap()
+            .is_none()
+    );
+    drop(txn);
+    let s = open_at(&path, StoreOptions::default());
+    assert_eq!(s.compacted_revision(), 100);
+    assert_eq!(
+        s.hash_kv(0).unwrap(),
+        hash,
+        "hash differs while compaction is unfinished"
+    );
+    // Kept: the last put of each key (91..=100) and the tombstones 101..=103.
+    wait_for("resumed compaction", || key_bucket_len(&s) == 13);
+    assert_eq!(
+        s.hash_kv(0).unwrap(),
+        hash,
+        "hash changed by physical compaction"
+    );
+    assert!(s.range(&RangeRequest::key(b"k5".to_vec()).at(99)).is_err());
+    assert_eq!(
+        s.range(&RangeRequest::key(b"k5".to_vec()).at(100))
+            .unwrap()
+            .kvs[0]
+            .value,
+        b"9"
+    );
+}

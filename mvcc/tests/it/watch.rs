@@ -1,0 +1,215 @@
+//! Watch: revision order, catch-up from the past, prev values, the compacted error,
+//! cancellation, and slow watchers that neither block writers nor lose events.
+
+use std::time::{Duration, Instant};
+
+use keel_mvcc::{
+    DeleteRangeRequest, Event, EventKind, MvccError, PutRequest, StoreOptions, TxnOp, TxnRequest,
+    WatchRequest, Watcher,
+};
+
+use crate::common::{fresh_path, open_at, store};
+
+fn collect(w: &Watcher, n: usize) -> Vec<Event> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut out = Vec::new();
+    while out.len() < n {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match w.recv_timeout(left).expect("watch ended") {
+            Some(events) => {
+                let rev = events[0].kv.mod_revision;
+                assert!(
+                    events.iter().all(|e| e.kv.mod_revision == rev),
+                    "one response mixes revisions"
+                );
+                out.extend(events);
+            }
+            None => panic!("only {} of {n} events arrived", out.len()),
+        }
+    }
+    out
+}
+
+#[test]
+fn events_arrive_in_revision_order_with_prev_values() {
+    let (_d, _p, s) = store();
+    let w = s
+        .watch(WatchRequest {
+            prev_kv: true,
+            ..WatchRequest::prefix(b"a".to_vec())
+        })
+        .unwrap();
+    s.put(b"a1", b"x", 0).unwrap();
+    s.put(b"b1", b"ignored", 0).unwrap();
+    s.put(b"a1", b"y", 0).unwrap();
+    s.txn(&TxnRequest {
+        success: vec![
+            TxnOp::Put(PutRequest::new(b"a2".to_vec(), b"z".to_vec())),
+            TxnOp::DeleteRange(DeleteRangeRequest::key(b"a1".to_vec())),
+        ],
+        ..TxnRequest::default()
+    })
+    .unwrap();
+    let ev = collect(&w, 4);
+    let summary: Vec<(EventKind, &[u8], u64)> = ev
+        .iter()
+        .map(|e| (e.kind, e.kv.key.as_slice(), e.kv.mod_revision))
+        .collect();
+    assert_eq!(
+        summary,
+        vec![
+            (EventKind::Put, &b"a1"[..], 1),
+            (EventKind::Put, &b"a1"[..], 3),
+            (EventKind::Put, &b"a2"[..], 4),
+            (EventKind::Delete, &b"a1"[..], 4),
+        ]
+    );
+    assert_eq!(ev[0].prev_kv, None);
+    assert_eq!(ev[1].prev_kv.as_ref().unwrap().value, b"x");
+    assert_eq!(ev[3].prev_kv.as_ref().unwrap().value, b"y");
+    assert_eq!(w.try_recv().unwrap(), None, "no event for other keys");
+}
+
+#[test]
+fn past_revisions_are_caught_up_from_the_store() {
+    let (_d, _p, s) = store();
+    for i in 0..60u32 {
+        s.put(
+            format!("k{}", i % 5).as_bytes(),
+            format!("{i}").as_bytes(),
+            0,
+        )
+        .unwrap();
+        if i == 30 {
+            s.force_commit().unwrap();
+        }
+    }
+    let w = s
+        .watch(WatchRequest {
+            prev_kv: true,
+            ..WatchRequest::key(b"k2".to_vec()).from(5)
+        })
+        .unwrap();
+    // Revisions 8, 13, ..., 58 touch k2 (put number i at revision i + 1).
+    let past = collect(&w, 11);
+    let revs: Vec<u64> = past.iter().map(|e| e.kv.mod_revision).collect();
+    assert_eq!(revs, (8..=58).step_by(5).collect::<Vec<u64>>());
+    assert_eq!(past[1].prev_kv.as_ref().unwrap().value, b"7");
+    s.put(b"k2", b"live", 0).unwrap();
+    let live = collect(&w, 1);
+    assert_eq!(
+        (live[0].kv.mod_revision, live[0].kv.value.as_slice()),
+        (61, &b"live"[..])
+    );
+}
+
+#[test]
+fn compaction_ends_watches_below_it() {
+    let (_d, _p, s) = store();
+    for i in 0..10u32 {
+        s.put(b"k", format!("{i}").as_bytes(), 0).unwrap();
+    }
+    s.compact(6).unwrap();
+    let e = s
+        .watch(WatchRequest::key(b"k".to_vec()).from(6))
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            MvccError::Compacted {
+                requested: 6,
+                compacted: 6
+            }
+        ),
+        "{e:?}"
+    );
+    assert!(
+        e.to_string()
+            .starts_with("required revision has been compacted")
+    );
+    let w = s.watch(WatchRequest::key(b"k".to_vec()).from(7)).unwrap();
+    assert_eq!(collect(&w, 4).len(), 4);
+}
+
+#[test]
+fn a_slow_watcher_falls_behind_then_catches_up_without_blocking_writers() {
+    let (_d, path) = fresh_path();
+    let options = StoreOptions {
+        watch_channel_capacity: 4,
+        watch_sync_interval: Duration::from_millis(5),
+        batch_interval: Duration::from_millis(5),
+        batch_limit: 100,
+        ..StoreOptions::default()
+    };
+    let s = open_at(&path, options);
+    let w = s.watch(WatchRequest::prefix(b"k".to_vec())).unwrap();
+    let fast = s.watch(WatchRequest::key(b"other".to_vec())).unwrap();
+    let start = Instant::now();
+    for i in 0..2_000u32 {
+        s.put(
+            format!("k{:04}", i % 50).as_bytes(),
+            format!("{i}").as_bytes(),
+            0,
+        )
+        .unwrap();
+    }
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "writers were held up by an unread watcher"
+    );
+    s.put(b"other", b"o", 0).unwrap();
+    assert_eq!(collect(&fast, 1)[0].kv.mod_revision, 2_001);
+    // Everything arrives, in order, with no gap and no repeat.
+    let got = collect(&w, 2_000);
+    let revs: Vec<u64> = got.iter().map(|e| e.kv.mod_revision).collect();
+    assert_eq!(revs, (1..=2_000).collect::<Vec<u64>>());
+    for (i, e) in got.iter().enumerate() {
+        assert_eq!(e.kv.value, format!("{i}").into_bytes());
+    }
+    assert_eq!(w.recv_timeout(Duration::from_millis(50)).unwrap(), None);
+}
+
+#[test]
+fn a_slow_watcher_overtaken_by_compaction_gets_the_compacted_error() {
+    let (_d, path) = fresh_path();
+    let options = StoreOptions {
+        watch_channel_capacity: 1,
+        watch_sync_interval: Duration::from_millis(5),
+        ..StoreOptions::default()
+    };
+    let s = open_at(&path, options);
+    let w = s.watch(WatchRequest::key(b"k".to_vec())).unwrap();
+    for i in 0..20u32 {
+        s.put(b"k", format!("{i}").as_bytes(), 0).unwrap();
+    }
+    s.compact(15).unwrap();
+    let mut seen = Vec::new();
+    let err = loop {
+        match w.recv_timeout(Duration::from_secs(10)) {
+            Ok(Some(events)) => seen.extend(events.into_iter().map(|e| e.kv.mod_revision)),
+            Ok(None) => panic!("watcher neither caught up nor failed"),
+            Err(e) => break e,
+        }
+    };
+    assert!(
+        matches!(err, MvccError::Compacted { compacted: 15, .. }),
+        "{err:?}"
+    );
+    assert!(seen.len() < 20 && seen.iter().all(|&r| r <= 15));
+}
+
+#[test]
+fn cancel_and_drop_unregister() {
+    let (_d, path) = fresh_path();
+    let s = open_at(&path, StoreOptions::default());
+    let a = s.watch(WatchRequest::key(b"a".to_vec())).unwrap();
+    let b = s.watch(WatchRequest::key(b"a".to_vec())).unwrap();
+    assert_ne!(a.id(), b.id());
+    assert_eq!(s.watcher_count(), 2);
+    a.cancel();
+    assert_eq!(s.watcher_count(), 1);
+    s.put(b"a", b"1", 0).unwrap();
+    assert_eq!(collect(&b, 1)[0].kv.value, b"1");
+    drop(s);
+    assert!(matches!(b.recv(), Err(MvccError::WatchClosed { .. })));
+}
