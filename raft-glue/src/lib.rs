@@ -21,11 +21,13 @@
 pub mod apply;
 pub mod error;
 pub mod logger;
+pub mod membership;
 pub mod node;
 pub mod options;
 pub mod request;
 pub mod snapshot;
 pub mod storage;
+pub mod tcp;
 pub mod transport;
 
 #[cfg(feature = "testing")]

@@ -1,0 +1,628 @@
+//! [`MemberSet`]: the cluster's members, validated and persisted with etcd's rules.
+//!
+//! Storage, in the MVCC store's aux buckets, written in the same [`WriteTxn`] as the
+//! consistent index of the entry that changed them:
+//!
+//! ```text
+//! members          key = id:u64 big-endian (sorted by id)   value = encoded Member
+//! members_removed  key = id:u64 big-endian                  value = version:u8 (=1) | removed_at:u64 LE
+//! ```
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use keel_mvcc::{Backend, Bucket, Store, WriteTxn};
+
+use super::member::{MEMBER_FORMAT, Member, MemberOp};
+use super::{MembershipError, MembershipOptions};
+
+/// The bucket holding the current members.
+pub const MEMBERS_BUCKET: Bucket = Bucket::new("members");
+/// The bucket holding the ids of removed members.
+pub const REMOVED_BUCKET: Bucket = Bucket::new("members_removed");
+
+/// The cluster's members and the ids of removed members.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MemberSet {
+    members: BTreeMap<u64, Member>,
+    removed: BTreeMap<u64, u64>,
+}
+
+/// What applying a [`MemberOp`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Applied {
+    /// The membership changed; the Raft conf change (if any) must be applied too.
+    Changed,
+    /// Nothing to do (an automatic promote of a member that is already a voter); the Raft
+    /// conf change must be skipped.
+    NoOp,
+}
+
+fn store_err(e: impl std::fmt::Display) -> MembershipError {
+    MembershipError::Store(e.to_string())
+}
+
+fn id_from_key(what: &'static str, key: &[u8]) -> Result<u64, MembershipError> {
+    let a: [u8; 8] = key.try_into().map_err(|_| MembershipError::Decode {
+        what,
+        reason: format!("key of {} bytes, expected 8", key.len()),
+    })?;
+    Ok(u64::from_be_bytes(a))
+}
+
+impl MemberSet {
+    /// An empty set.
+    pub fn new() -> MemberSet {
+        MemberSet::default()
+    }
+
+    /// The initial members of a new cluster (not persisted; call [`MemberSet::persist_all`]).
+    pub fn bootstrap(members: Vec<Member>) -> Result<MemberSet, MembershipError> {
+        let mut set = MemberSet::new();
+        for m in members {
+            m.validate()?;
+            set.validate_add(
+                &m,
+                &MembershipOptions {
+                    max_learners: usize::MAX,
+                    ..Default::default()
+                },
+            )?;
+            set.members.insert(m.id, m);
+        }
+        Ok(set)
+    }
+
+    /// Loads the members and removed ids from `store`.
+    pub fn load<B: Backend>(store: &Store<B>) -> Result<MemberSet, MembershipError> {
+        let mut set = MemberSet::new();
+        for (k, v) in store.aux_scan(&MEMBERS_BUCKET).map_err(store_err)? {
+            let id = id_from_key("member key", &k)?;
+            let m = Member::decode(&v)?;
+            if m.id != id {
+                return Err(MembershipError::Decode {
+                    what: "member",
+                    reason: format!("stored under id {id:016x} but names {:016x}", m.id),
+                });
+            }
+            set.members.insert(id, m);
+        }
+        for (k, v) in store.aux_scan(&REMOVED_BUCKET).map_err(store_err)? {
+            let id = id_from_key("removed member key", &k)?;
+            if v.len() != 9 || v[0] != MEMBER_FORMAT {
+                return Err(MembershipError::Decode {
+                    what: "removed member",
+                    reason: format!("value of {} bytes or unknown version", v.len()),
+                });
+            }
+            let mut a = [0u8; 8];
+            a.copy_from_slice(&v[1..9]);
+            set.removed.insert(id, u64::from_le_bytes(a));
+        }
+        Ok(set)
+    }
+
+    /// Writes every member and removed id into `txn` (bootstrap, force-new-cluster).
+    pub fn persist_all<B: Backend>(
+        &self,
+        txn: &mut WriteTxn<'_, B>,
+    ) -> Result<(), MembershipError> {
+        for m in self.members.values() {
+            txn.put_aux(&MEMBERS_BUCKET, &m.id.to_be_bytes(), &m.encode())
+                .map_err(store_err)?;
+        }
+        for (id, at) in &self.removed {
+            txn.put_aux(&REMOVED_BUCKET, &id.to_be_bytes(), &removed_value(*at))
+                .map_err(store_err)?;
+        }
+        Ok(())
+    }
+
+    /// The member with `id`.
+    pub fn get(&self, id: u64) -> Option<&Member> {
+        self.members.get(&id)
+    }
+
+    /// Every member, by id.
+    pub fn members(&self) -> impl Iterator<Item = &Member> {
+        self.members.values()
+    }
+
+    /// Whether `id` belonged to a removed member.
+    pub fn is_removed(&self, id: u64) -> bool {
+        self.removed.contains_key(&id)
+    }
+
+    /// Ids of voting members.
+    pub fn voters(&self) -> BTreeSet<u64> {
+        self.members
+            .values()
+            .filter(|m| !m.is_learner)
+            .map(|m| m.id)
+            .collect()
+    }
+
+    /// Ids of learners.
+    pub fn learners(&self) -> BTreeSet<u64> {
+        self.members
+            .values()
+            .filter(|m| m.is_learner)
+            .map(|m| m.id)
+            .collect()
+    }
+
+    /// Whether `id` is taken (a member now or removed): random ids skip these.
+    pub fn is_taken(&self, id: u64) -> bool {
+        self.members.contains_key(&id) || self.removed.contains_key(&id)
+    }
+
+    /// A new member with a random unused id, joining as a learner when asked or when
+    /// [`MembershipOptions::learner_by_default`] is on.
+    pub fn new_member(
+        &self,
+        name: impl Into<String>,
+        peer_urls: Vec<String>,
+        client_urls: Vec<String>,
+        as_learner: bool,
+        options: &MembershipOptions,
+    ) -> Member {
+        Member::with_random_id(
+            name,
+            peer_urls,
+            client_urls,
+            as_learner || options.learner_by_default,
+            |id| self.is_taken(id),
+        )
+    }
+
+    /// Refuses to run as `self_id` when it was removed (on start, and whenever a message
+    /// from the cluster says so).
+    pub fn check_not_removed(&self, self_id: u64) -> Result<(), MembershipError> {
+        if self.is_removed(self_id) {
+            Err(MembershipError::PermanentlyRemoved { id: self_id })
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Checks that the configuration a member was started with (`local`: name and peer URLs
+    /// of every member) matches the cluster's, with etcd's errors.
+    pub fn check_start_config(
+        &self,
+        local: &[(String, Vec<String>)],
+    ) -> Result<(), MembershipError> {
+        if local.len() != self.members.len() {
+            return Err(MembershipError::MemberCountUnequal {
+                local: local.len(),
+                cluster: self.members.len(),
+            });
+        }
+        let mut cluster: Vec<Vec<String>> = self
+            .members
+            .values()
+            .map(|m| {
+                let mut u = m.peer_urls.clone();
+                u.sort();
+                u
+            })
+            .collect();
+        for (name, urls) in local {
+            let mut u = urls.clone();
+            u.sort();
+            match cluster.iter().position(|c| *c == u) {
+                Some(i) => {
+                    cluster.swap_remove(i);
+                }
+                None => {
+                    return Err(MembershipError::UnmatchedPeerUrls { name: name.clone() });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Validates adding `m` (etcd's order: removed id, existing id, peer URL in use, learner
+    /// limit).
+    pub fn validate_add(
+        &self,
+        m: &Member,
+        options: &MembershipOptions,
+    ) -> Result<(), MembershipError> {
+        m.validate()?;
+        if self.is_removed(m.id) {
+            return Err(MembershipError::IdRemoved { id: m.id });
+        }
+        if self.members.contains_key(&m.id) {
+            return Err(MembershipError::IdExists { id: m.id });
+        }
+        self.check_urls_free(m.id, &m.peer_urls)?;
+        if m.is_learner && self.learners().len() >= options.max_learners {
+            return Err(MembershipError::TooManyLearners {
+                limit: options.max_learners,
+            });
+        }
+        Ok(())
+    }
+
+    fn check_urls_free(&self, id: u64, urls: &[String]) -> Result<(), MembershipError> {
+        for other in self.members.values().filter(|o| o.id != id) {
+            if let Some(u) = urls.iter().find(|u| other.peer_urls.contains(u)) {
+                return Err(MembershipError::PeerUrlExists { url: u.clone() });
+            }
+        }
+        Ok(())
+    }
+
+    fn existing(&self, id: u64) -> Result<&Member, MembershipError> {
+        if self.is_removed(id) {
+            return Err(MembershipError::IdRemoved { id });
+        }
+        self.members
+            .get(&id)
+            .ok_or(MembershipError::MemberNotFound { id })
+    }
+
+    /// Validates `op` against the current members (not the strict check nor the promotion
+    /// gate, which need the leader's view: see [`strict_check`](super::strict_check) and
+    /// [`promotion_gate`](super::promotion_gate)).
+    pub fn validate(
+        &self,
+        op: &MemberOp,
+        options: &MembershipOptions,
+    ) -> Result<Applied, MembershipError> {
+        match op {
+            MemberOp::Add(m) => self.validate_add(m, options).map(|()| Applied::Changed),
+            MemberOp::Remove(id) => self.existing(*id).map(|_| Applied::Changed),
+            MemberOp::UpdatePeerUrls { id, peer_urls } => {
+                self.existing(*id)?;
+                if peer_urls.is_empty() {
+                    return Err(MembershipError::InvalidMember {
+                        id: *id,
+                        reason: "a member needs at least one peer URL".into(),
+                    });
+                }
+                self.check_urls_free(*id, peer_urls)?;
+                Ok(Applied::Changed)
+            }
+            MemberOp::Promote { id, automatic } => {
+                let m = self.existing(*id)?;
+                match (m.is_learner, automatic) {
+                    (true, _) => Ok(Applied::Changed),
+                    (false, true) => Ok(Applied::NoOp),
+                    (false, false) => Err(MembershipError::NotLearner { id: *id }),
+                }
+            }
+        }
+    }
+
+    /// Validates `op` again at apply time (a change committed on a stale view may have
+    /// become invalid, as in etcd) and, when valid, stages its writes into `txn`, the
+    /// transaction that also records the entry's consistent index. `index` is the entry's
+    /// Raft index (recorded for removed ids). On error nothing is staged and the caller must
+    /// skip the Raft conf change.
+    pub fn apply<B: Backend>(
+        &mut self,
+        op: &MemberOp,
+        index: u64,
+        options: &MembershipOptions,
+        txn: &mut WriteTxn<'_, B>,
+    ) -> Result<Applied, MembershipError> {
+        // Limits were enforced at proposal time; a committed add is never refused for them
+        // (every member must reach the same verdict, whatever its options).
+        let lenient = MembershipOptions {
+            max_learners: usize::MAX,
+            ..options.clone()
+        };
+        if self.validate(op, &lenient)? == Applied::NoOp {
+            return Ok(Applied::NoOp);
+        }
+        let mut next = self.clone();
+        match op {
+            MemberOp::Add(m) => {
+                next.members.insert(m.id, m.clone());
+            }
+            MemberOp::Remove(id) => {
+                next.members.remove(id);
+                next.removed.insert(*id, index);
+                txn.delete_aux(&MEMBERS_BUCKET, &id.to_be_bytes())
+                    .map_err(store_err)?;
+                txn.put_aux(&REMOVED_BUCKET, &id.to_be_bytes(), &removed_value(index))
+                    .map_err(store_err)?;
+            }
+            MemberOp::UpdatePeerUrls { id, peer_urls } => {
+                if let Some(m) = next.members.get_mut(id) {
+                    m.peer_urls = peer_urls.clone();
+                }
+            }
+            MemberOp::Promote { id, .. } => {
+                if let Some(m) = next.members.get_mut(id) {
+                    m.is_learner = false;
+                }
+            }
+        }
+        if let Some(m) = next.members.get(&op.id()) {
+            txn.put_aux(&MEMBERS_BUCKET, &m.id.to_be_bytes(), &m.encode())
+                .map_err(store_err)?;
+        }
+        *self = next;
+        Ok(Applied::Changed)
+    }
+
+    /// Records that member `self_id` published its name and client URLs on start (etcd's
+    /// publish), staged into `txn`.
+    pub fn publish<B: Backend>(
+        &mut self,
+        id: u64,
+        name: &str,
+        client_urls: Vec<String>,
+        txn: &mut WriteTxn<'_, B>,
+    ) -> Result<(), MembershipError> {
+        let mut m = self.existing(id)?.clone();
+        m.name = name.to_owned();
+        m.client_urls = client_urls;
+        m.validate()?;
+        txn.put_aux(&MEMBERS_BUCKET, &id.to_be_bytes(), &m.encode())
+            .map_err(store_err)?;
+        self.members.insert(id, m);
+        Ok(())
+    }
+}
+
+fn removed_value(index: u64) -> Vec<u8> {
+    let mut v = vec![MEMBER_FORMAT];
+    v.extend_from_slice(&index.to_le_bytes());
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use keel_mvcc::StoreOptions;
+    use keel_mvcc::testing::MemBackend;
+
+    fn member(id: u64, learner: bool) -> Member {
+        Member {
+            id,
+            name: format!("m{id}"),
+            peer_urls: vec![format!("http://10.0.1.{id}:2380")],
+            client_urls: vec![format!("http://10.0.1.{id}:2379")],
+            is_learner: learner,
+        }
+    }
+
+    fn three() -> MemberSet {
+        MemberSet::bootstrap(vec![member(1, false), member(2, false), member(3, false)])
+            .expect("bootstrap")
+    }
+
+    fn store(dir: &std::path::Path) -> Store<MemBackend> {
+        let b = <MemBackend as Backend>::open(&dir.join("b"), &Default::default()).expect("open");
+        Store::open(b, StoreOptions::default()).expect("store")
+    }
+
+    #[test]
+    fn add_errors_follow_etcd() {
+        let opts = MembershipOptions::default();
+        let mut set = three();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let st = store(dir.path());
+        let mut txn = st.write();
+        set.persist_all(&mut txn).expect("persist");
+        txn.commit().expect("commit");
+        // peerURL exists
+        let mut dup = member(9, false);
+        dup.peer_urls = vec!["http://10.0.1.2:2380".into()];
+        assert_eq!(
+            set.validate(&MemberOp::Add(dup), &opts),
+            Err(MembershipError::PeerUrlExists {
+                url: "http://10.0.1.2:2380".into()
+            })
+        );
+        // existing id
+        assert_eq!(
+            set.validate(&MemberOp::Add(member(2, false)), &opts),
+            Err(MembershipError::IdExists { id: 2 })
+        );
+        // one learner is fine, a second is too many (etcd v3.4)
+        let mut txn = st.write();
+        assert_eq!(
+            set.apply(&MemberOp::Add(member(4, true)), 10, &opts, &mut txn),
+            Ok(Applied::Changed)
+        );
+        txn.commit().expect("commit");
+        assert_eq!(
+            set.validate(&MemberOp::Add(member(5, true)), &opts),
+            Err(MembershipError::TooManyLearners { limit: 1 })
+        );
+        // removed ids are never reused
+        let mut txn = st.write();
+        set.apply(&MemberOp::Remove(4), 11, &opts, &mut txn)
+            .expect("remove");
+        txn.commit().expect("commit");
+        assert_eq!(
+            set.validate(&MemberOp::Add(member(4, false)), &opts),
+            Err(MembershipError::IdRemoved { id: 4 })
+        );
+        assert_eq!(
+            set.validate(&MemberOp::Remove(4), &opts),
+            Err(MembershipError::IdRemoved { id: 4 })
+        );
+        assert_eq!(
+            set.check_not_removed(4),
+            Err(MembershipError::PermanentlyRemoved { id: 4 })
+        );
+        assert_eq!(set.check_not_removed(1), Ok(()));
+        // and the removal survives a reload
+        let loaded = MemberSet::load(&st).expect("load");
+        assert_eq!(loaded, set);
+        assert!(loaded.is_removed(4));
+    }
+
+    #[test]
+    fn promote_errors_follow_etcd() {
+        let opts = MembershipOptions::default();
+        let mut set = three();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let st = store(dir.path());
+        let mut txn = st.write();
+        set.persist_all(&mut txn).expect("persist");
+        txn.commit().expect("commit");
+        assert_eq!(
+            set.validate(
+                &MemberOp::Promote {
+                    id: 0x12345abcde,
+                    automatic: false
+                },
+                &opts
+            ),
+            Err(MembershipError::MemberNotFound { id: 0x12345abcde })
+        );
+        assert_eq!(
+            set.validate(
+                &MemberOp::Promote {
+                    id: 1,
+                    automatic: false
+                },
+                &opts
+            ),
+            Err(MembershipError::NotLearner { id: 1 })
+        );
+        let mut txn = st.write();
+        set.apply(&MemberOp::Add(member(4, true)), 5, &opts, &mut txn)
+            .expect("add");
+        assert_eq!(
+            set.apply(
+                &MemberOp::Promote {
+                    id: 4,
+                    automatic: false
+                },
+                6,
+                &opts,
+                &mut txn
+            ),
+            Ok(Applied::Changed)
+        );
+        txn.commit().expect("commit");
+        assert!(set.voters().contains(&4));
+        // an automatic promote racing the manual one is a no-op; a manual one is an error
+        let mut txn = st.write();
+        assert_eq!(
+            set.apply(
+                &MemberOp::Promote {
+                    id: 4,
+                    automatic: true
+                },
+                7,
+                &opts,
+                &mut txn
+            ),
+            Ok(Applied::NoOp)
+        );
+        assert_eq!(
+            set.apply(
+                &MemberOp::Promote {
+                    id: 4,
+                    automatic: false
+                },
+                7,
+                &opts,
+                &mut txn
+            ),
+            Err(MembershipError::NotLearner { id: 4 })
+        );
+        drop(txn);
+        assert_eq!(MemberSet::load(&st).expect("load"), set);
+    }
+
+    #[test]
+    fn update_and_remove_validate_and_persist() {
+        let opts = MembershipOptions::default();
+        let mut set = three();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let st = store(dir.path());
+        let mut txn = st.write();
+        set.persist_all(&mut txn).expect("persist");
+        txn.commit().expect("commit");
+        assert_eq!(
+            set.validate(&MemberOp::Remove(77), &opts),
+            Err(MembershipError::MemberNotFound { id: 77 })
+        );
+        assert_eq!(
+            set.validate(
+                &MemberOp::UpdatePeerUrls {
+                    id: 1,
+                    peer_urls: vec!["http://10.0.1.3:2380".into()]
+                },
+                &opts
+            ),
+            Err(MembershipError::PeerUrlExists {
+                url: "http://10.0.1.3:2380".into()
+            })
+        );
+        let mut txn = st.write();
+        let up = MemberOp::UpdatePeerUrls {
+            id: 1,
+            peer_urls: vec!["http://10.0.1.10:2380".into()],
+        };
+        set.apply(&up, 3, &opts, &mut txn).expect("update");
+        txn.commit().expect("commit");
+        let loaded = MemberSet::load(&st).expect("load");
+        assert_eq!(
+            loaded.get(1).map(|m| m.peer_urls.clone()),
+            Some(vec!["http://10.0.1.10:2380".to_string()])
+        );
+        assert_eq!(loaded, set);
+    }
+
+    #[test]
+    fn start_configuration_must_match() {
+        let set = three();
+        let local = |ids: &[u64]| -> Vec<(String, Vec<String>)> {
+            ids.iter()
+                .map(|i| (format!("m{i}"), vec![format!("http://10.0.1.{i}:2380")]))
+                .collect()
+        };
+        assert_eq!(set.check_start_config(&local(&[1, 2, 3])), Ok(()));
+        assert_eq!(
+            set.check_start_config(&local(&[1, 2])),
+            Err(MembershipError::MemberCountUnequal {
+                local: 2,
+                cluster: 3
+            })
+        );
+        assert_eq!(
+            set.check_start_config(&local(&[1, 2, 4])),
+            Err(MembershipError::UnmatchedPeerUrls { name: "m4".into() })
+        );
+    }
+
+    #[test]
+    fn learner_by_default_makes_adds_learners() {
+        let set = three();
+        let opts = MembershipOptions::default();
+        let m = set.new_member("n", vec!["http://x:1".into()], vec![], false, &opts);
+        assert!(m.is_learner);
+        assert!(!set.is_taken(m.id));
+        let opts = MembershipOptions {
+            learner_by_default: false,
+            ..opts
+        };
+        let m = set.new_member("n", vec!["http://x:1".into()], vec![], false, &opts);
+        assert!(!m.is_learner);
+    }
+
+    #[test]
+    fn corrupt_stored_members_are_reported() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let st = store(dir.path());
+        let mut txn = st.write();
+        let mut bytes = member(1, false).encode();
+        bytes[5] ^= 1;
+        txn.put_aux(&MEMBERS_BUCKET, &1u64.to_be_bytes(), &bytes)
+            .expect("put");
+        txn.commit().expect("commit");
+        assert!(matches!(
+            MemberSet::load(&st),
+            Err(MembershipError::Decode { .. })
+        ));
+    }
+}

@@ -1,0 +1,436 @@
+//! The wire format of the TCP transport.
+//!
+//! Every connection carries a sequence of frames; the first is a hello. All integers are
+//! little-endian.
+//!
+//! ```text
+//! frame   = magic:4 ("KLTP") | version:u8 (=1) | kind:u8 | reserved:u16 (=0)
+//!           | len:u32 (payload bytes, ≤ max_frame_bytes, checked before allocating)
+//!           | crc32:u32 (IEEE, over the 12 header bytes before it, then the payload)
+//!           | payload:len
+//! kind 1  hello:    from:u64 | path:u8 (1 = Raft messages, 2 = snapshot frames)
+//! kind 2  raft:     a raft-rs `eraftpb::Message` in protobuf encoding
+//!                   (`protobuf::Message::write_to_bytes`)
+//! kind 3  chunk:    from:u64 | to:u64 | transfer:u64 | seq:u32
+//!                   | flags:u8 (bit 0: message present, bit 1: end present)
+//!                   | [msg_len:u32 | MsgSnapshot in protobuf encoding]
+//!                   | [stream_len:u64 | stream_crc32:u32]
+//!                   | data_crc32:u32 | data (the rest of the payload)
+//! kind 4  ack:      from:u64 | to:u64 | transfer:u64 | has_error:u8 | [len:u32 | UTF-8 reason]
+//! ```
+//!
+//! A frame whose magic, version, kind, length or CRC is wrong ends the connection: after a
+//! bad frame the stream cannot be resynchronised safely, and the sender reconnects.
+
+use protobuf::Message as _;
+use raft::eraftpb::Message;
+
+use crate::error::NodeError;
+use crate::transport::{SnapshotAck, SnapshotChunk};
+
+/// The first bytes of every frame.
+pub const MAGIC: [u8; 4] = *b"KLTP";
+/// The format version written and accepted.
+pub const VERSION: u8 = 1;
+/// Bytes of a frame header.
+pub const HEADER_BYTES: usize = 16;
+
+const KIND_HELLO: u8 = 1;
+const KIND_RAFT: u8 = 2;
+const KIND_CHUNK: u8 = 3;
+const KIND_ACK: u8 = 4;
+
+/// Which traffic a connection carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Path {
+    /// Raft messages.
+    Raft,
+    /// Snapshot chunks and acks.
+    Snapshot,
+}
+
+/// One decoded frame.
+#[derive(Clone, Debug)]
+pub enum Frame {
+    /// Opens a connection.
+    Hello {
+        /// The sending member.
+        from: u64,
+        /// What the connection carries.
+        path: Path,
+    },
+    /// A Raft message.
+    Raft(Message),
+    /// A snapshot chunk.
+    Chunk(SnapshotChunk),
+    /// A snapshot acknowledgement.
+    Ack(SnapshotAck),
+}
+
+fn bad(offset: usize, reason: impl Into<String>) -> NodeError {
+    NodeError::decode("transport frame", offset, reason)
+}
+
+/// Appends the encoding of `frame` to `out`.
+pub fn encode(frame: &Frame, out: &mut Vec<u8>) -> Result<(), NodeError> {
+    let start = out.len();
+    out.extend_from_slice(&MAGIC);
+    out.push(VERSION);
+    out.push(0);
+    out.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+    let kind = match frame {
+        Frame::Hello { from, path } => {
+            out.extend_from_slice(&from.to_le_bytes());
+            out.push(match path {
+                Path::Raft => 1,
+                Path::Snapshot => 2,
+            });
+            KIND_HELLO
+        }
+        Frame::Raft(m) => {
+            let bytes = m
+                .write_to_bytes()
+                .map_err(|e| bad(0, format!("cannot encode a raft message: {e}")))?;
+            out.extend_from_slice(&bytes);
+            KIND_RAFT
+        }
+        Frame::Chunk(c) => {
+            out.extend_from_slice(&c.from.to_le_bytes());
+            out.extend_from_slice(&c.to.to_le_bytes());
+            out.extend_from_slice(&c.transfer.to_le_bytes());
+            out.extend_from_slice(&c.seq.to_le_bytes());
+            let flags = u8::from(c.message.is_some()) | (u8::from(c.end.is_some()) << 1);
+            out.push(flags);
+            if let Some(m) = &c.message {
+                let bytes = m
+                    .write_to_bytes()
+                    .map_err(|e| bad(0, format!("cannot encode a snapshot message: {e}")))?;
+                out.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
+                out.extend_from_slice(&bytes);
+            }
+            if let Some((len, crc)) = c.end {
+                out.extend_from_slice(&len.to_le_bytes());
+                out.extend_from_slice(&crc.to_le_bytes());
+            }
+            out.extend_from_slice(&c.crc.to_le_bytes());
+            out.extend_from_slice(&c.data);
+            KIND_CHUNK
+        }
+        Frame::Ack(a) => {
+            out.extend_from_slice(&a.from.to_le_bytes());
+            out.extend_from_slice(&a.to.to_le_bytes());
+            out.extend_from_slice(&a.transfer.to_le_bytes());
+            match &a.error {
+                None => out.push(0),
+                Some(e) => {
+                    out.push(1);
+                    out.extend_from_slice(&(e.len() as u32).to_le_bytes());
+                    out.extend_from_slice(e.as_bytes());
+                }
+            }
+            KIND_ACK
+        }
+    };
+    let len = out.len() - start - HEADER_BYTES;
+    let len32 = u32::try_from(len).map_err(|_| bad(0, format!("payload of {len} bytes")))?;
+    out[start + 5] = kind;
+    out[start + 8..start + 12].copy_from_slice(&len32.to_le_bytes());
+    let mut h = crc32fast::Hasher::new();
+    h.update(&out[start..start + 12]);
+    h.update(&out[start + HEADER_BYTES..]);
+    let crc = h.finalize();
+    out[start + 12..start + 16].copy_from_slice(&crc.to_le_bytes());
+    Ok(())
+}
+
+/// A checked header: the frame's kind, payload length and CRC.
+#[derive(Clone, Copy, Debug)]
+pub struct Header {
+    bytes: [u8; HEADER_BYTES],
+    kind: u8,
+    /// Payload bytes that follow.
+    pub len: usize,
+    crc: u32,
+}
+
+/// Checks a header before its payload is read (and allocated).
+pub fn parse_header(bytes: [u8; HEADER_BYTES], max_payload: usize) -> Result<Header, NodeError> {
+    if bytes[0..4] != MAGIC {
+        return Err(bad(0, format!("bad magic {:02x?}", &bytes[0..4])));
+    }
+    if bytes[4] != VERSION {
+        return Err(bad(
+            4,
+            format!("unknown version {} (this build speaks {VERSION})", bytes[4]),
+        ));
+    }
+    let kind = bytes[5];
+    if !(KIND_HELLO..=KIND_ACK).contains(&kind) {
+        return Err(bad(5, format!("unknown frame kind {kind}")));
+    }
+    if bytes[6] != 0 || bytes[7] != 0 {
+        return Err(bad(6, "reserved bytes are not zero"));
+    }
+    let len = u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as usize;
+    if len > max_payload {
+        return Err(bad(
+            8,
+            format!("payload of {len} bytes exceeds the limit of {max_payload}"),
+        ));
+    }
+    let crc = u32::from_le_bytes([bytes[12], bytes[13], bytes[14], bytes[15]]);
+    Ok(Header {
+        bytes,
+        kind,
+        len,
+        crc,
+    })
+}
+
+struct Reader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], NodeError> {
+        if self.buf.len() - self.pos < n {
+            return Err(bad(
+                HEADER_BYTES + self.pos,
+                format!("needs {n} more bytes, {} left", self.buf.len() - self.pos),
+            ));
+        }
+        let s = &self.buf[self.pos..self.pos + n];
+        self.pos += n;
+        Ok(s)
+    }
+    fn u8(&mut self) -> Result<u8, NodeError> {
+        Ok(self.take(1)?[0])
+    }
+    fn u32(&mut self) -> Result<u32, NodeError> {
+        let b = self.take(4)?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+    fn u64(&mut self) -> Result<u64, NodeError> {
+        let mut a = [0u8; 8];
+        a.copy_from_slice(self.take(8)?);
+        Ok(u64::from_le_bytes(a))
+    }
+    fn rest(&mut self) -> &'a [u8] {
+        let s = &self.buf[self.pos..];
+        self.pos = self.buf.len();
+        s
+    }
+    fn done(&self) -> Result<(), NodeError> {
+        if self.pos == self.buf.len() {
+            Ok(())
+        } else {
+            Err(bad(HEADER_BYTES + self.pos, "trailing bytes"))
+        }
+    }
+}
+
+fn parse_message(bytes: &[u8], offset: usize) -> Result<Message, NodeError> {
+    Message::parse_from_bytes(bytes).map_err(|e| bad(offset, format!("bad raft message: {e}")))
+}
+
+/// Verifies the payload against the header's CRC and decodes the frame.
+pub fn decode(h: &Header, payload: &[u8]) -> Result<Frame, NodeError> {
+    let mut hasher = crc32fast::Hasher::new();
+    hasher.update(&h.bytes[0..12]);
+    hasher.update(payload);
+    let actual = hasher.finalize();
+    if actual != h.crc {
+        return Err(bad(
+            12,
+            format!(
+                "checksum mismatch: header says {:08x}, payload gives {actual:08x}",
+                h.crc
+            ),
+        ));
+    }
+    let mut r = Reader {
+        buf: payload,
+        pos: 0,
+    };
+    let frame = match h.kind {
+        KIND_HELLO => {
+            let from = r.u64()?;
+            let path = match r.u8()? {
+                1 => Path::Raft,
+                2 => Path::Snapshot,
+                p => return Err(bad(HEADER_BYTES + 8, format!("unknown path {p}"))),
+            };
+            Frame::Hello { from, path }
+        }
+        KIND_RAFT => Frame::Raft(parse_message(r.rest(), HEADER_BYTES)?),
+        KIND_CHUNK => {
+            let from = r.u64()?;
+            let to = r.u64()?;
+            let transfer = r.u64()?;
+            let seq = r.u32()?;
+            let flags = r.u8()?;
+            if flags > 3 {
+                return Err(bad(
+                    HEADER_BYTES + 28,
+                    format!("unknown chunk flags {flags:#x}"),
+                ));
+            }
+            let message = if flags & 1 != 0 {
+                let len = r.u32()? as usize;
+                let at = HEADER_BYTES + r.pos;
+                Some(Box::new(parse_message(r.take(len)?, at)?))
+            } else {
+                None
+            };
+            let end = if flags & 2 != 0 {
+                Some((r.u64()?, r.u32()?))
+            } else {
+                None
+            };
+            let crc = r.u32()?;
+            let data = r.rest().to_vec();
+            Frame::Chunk(SnapshotChunk {
+                from,
+                to,
+                transfer,
+                seq,
+                message,
+                data,
+                crc,
+                end,
+            })
+        }
+        _ => {
+            let from = r.u64()?;
+            let to = r.u64()?;
+            let transfer = r.u64()?;
+            let error = match r.u8()? {
+                0 => None,
+                1 => {
+                    let len = r.u32()? as usize;
+                    let b = r.take(len)?;
+                    Some(String::from_utf8_lossy(b).into_owned())
+                }
+                f => return Err(bad(HEADER_BYTES + 24, format!("bad error flag {f}"))),
+            };
+            Frame::Ack(SnapshotAck {
+                from,
+                to,
+                transfer,
+                error,
+            })
+        }
+    };
+    r.done()?;
+    Ok(frame)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use raft::eraftpb::{MessageType, Snapshot};
+
+    fn roundtrip(f: &Frame) -> Frame {
+        let mut out = Vec::new();
+        encode(f, &mut out).expect("encode");
+        let mut hb = [0u8; HEADER_BYTES];
+        hb.copy_from_slice(&out[..HEADER_BYTES]);
+        let h = parse_header(hb, 1 << 20).expect("header");
+        assert_eq!(h.len, out.len() - HEADER_BYTES);
+        decode(&h, &out[HEADER_BYTES..]).expect("decode")
+    }
+
+    #[test]
+    fn every_kind_round_trips() {
+        let mut m = Message::default();
+        m.set_msg_type(MessageType::MsgAppend);
+        m.from = 1;
+        m.to = 2;
+        m.term = 7;
+        m.commit = 99;
+        match roundtrip(&Frame::Raft(m.clone())) {
+            Frame::Raft(got) => assert_eq!(got, m),
+            other => panic!("{other:?}"),
+        }
+        let mut sm = Message::default();
+        sm.set_msg_type(MessageType::MsgSnapshot);
+        let mut snap = Snapshot::default();
+        snap.mut_metadata().index = 42;
+        sm.set_snapshot(snap);
+        let chunk = SnapshotChunk {
+            from: 1,
+            to: 2,
+            transfer: 3,
+            seq: 0,
+            message: Some(Box::new(sm.clone())),
+            data: vec![9; 1000],
+            crc: crc32fast::hash(&[9; 1000]),
+            end: Some((1000, 0xdead_beef)),
+        };
+        match roundtrip(&Frame::Chunk(chunk.clone())) {
+            Frame::Chunk(c) => {
+                assert_eq!(c.message.as_deref(), Some(&sm));
+                assert_eq!((c.from, c.to, c.transfer, c.seq), (1, 2, 3, 0));
+                assert_eq!(c.data, chunk.data);
+                assert_eq!((c.crc, c.end), (chunk.crc, chunk.end));
+            }
+            other => panic!("{other:?}"),
+        }
+        let ack = SnapshotAck {
+            from: 2,
+            to: 1,
+            transfer: 3,
+            error: Some("bad chunk".into()),
+        };
+        match roundtrip(&Frame::Ack(ack)) {
+            Frame::Ack(a) => assert_eq!((a.transfer, a.error.as_deref()), (3, Some("bad chunk"))),
+            other => panic!("{other:?}"),
+        }
+        match roundtrip(&Frame::Hello {
+            from: 5,
+            path: Path::Snapshot,
+        }) {
+            Frame::Hello { from, path } => assert_eq!((from, path), (5, Path::Snapshot)),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn every_flipped_byte_is_rejected() {
+        let mut out = Vec::new();
+        let ack = SnapshotAck {
+            from: 2,
+            to: 1,
+            transfer: 3,
+            error: None,
+        };
+        encode(&Frame::Ack(ack), &mut out).expect("encode");
+        for i in 0..out.len() {
+            let mut b = out.clone();
+            b[i] ^= 0x01;
+            let mut hb = [0u8; HEADER_BYTES];
+            hb.copy_from_slice(&b[..HEADER_BYTES]);
+            let ok = parse_header(hb, 1 << 20)
+                .and_then(|h| {
+                    if h.len != b.len() - HEADER_BYTES {
+                        return Err(bad(8, "length"));
+                    }
+                    decode(&h, &b[HEADER_BYTES..])
+                })
+                .is_ok();
+            assert!(!ok, "flip at byte {i} accepted");
+        }
+    }
+
+    #[test]
+    fn oversized_lengths_are_refused_from_the_header() {
+        let mut out = Vec::new();
+        encode(&Frame::Raft(Message::default()), &mut out).expect("encode");
+        out[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
+        let mut hb = [0u8; HEADER_BYTES];
+        hb.copy_from_slice(&out[..HEADER_BYTES]);
+        let e = parse_header(hb, 16 << 20).expect_err("refused");
+        assert!(e.to_string().contains("exceeds the limit"), "{e}");
+    }
+}
