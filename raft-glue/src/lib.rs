@@ -34,10 +34,12 @@ pub mod transport;
 pub mod testing;
 
 pub use error::NodeError;
+pub use membership::{Member, MemberOp, MemberSet, MembershipError, MembershipOptions};
 pub use node::{Node, NodeConfig, NodeStatus, ReadConsistency, Role};
 pub use options::NodeOptions;
 pub use request::{Envelope, LeaseCheckpoint, MemberChange, Request, Response};
 pub use storage::RaftStorage;
+pub use tcp::{RateLimiter, TcpOptions, TcpTransport};
 pub use transport::{
     Mailbox, MemNetwork, MemTransport, SnapshotAck, SnapshotChunk, SnapshotFrame, Transport,
 };

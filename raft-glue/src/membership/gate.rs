@@ -42,6 +42,32 @@ pub struct LearnerProgress {
     pub recently_active: bool,
 }
 
+impl LearnerProgress {
+    /// Reads the leader's view of `id` from raft-rs's tracker (`raw.raft.prs()`);
+    /// `snapshot_index`, `applied` and `recently_active` come from the node (the last
+    /// acknowledged snapshot sent to `id`, the applied index `id` reported, and the
+    /// [`ActivityTracker`](super::ActivityTracker)).
+    pub fn from_tracker(
+        id: u64,
+        prs: &raft::ProgressTracker,
+        snapshot_index: Option<u64>,
+        applied: Option<u64>,
+        recently_active: bool,
+    ) -> LearnerProgress {
+        let pr = prs.get(id);
+        LearnerProgress {
+            id,
+            exists: pr.is_some(),
+            is_learner: prs.conf().learners().contains(&id),
+            matched: pr.map_or(0, |p| p.matched),
+            snapshot_in_flight: pr.is_some_and(|p| p.state == raft::ProgressState::Snapshot),
+            snapshot_index,
+            applied,
+            recently_active,
+        }
+    }
+}
+
 /// Which rule of the gate failed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum NotReady {
@@ -235,6 +261,54 @@ mod tests {
                 lag: 50_000,
                 max: 10_000
             }
+        );
+    }
+
+    #[test]
+    fn reads_the_raft_rs_tracker() {
+        let mut prs = raft::ProgressTracker::new(256);
+        for (id, learner) in [(1, false), (2, false), (3, false), (4, true)] {
+            let mut c = raft::eraftpb::ConfChangeSingle {
+                node_id: id,
+                ..Default::default()
+            };
+            c.set_change_type(if learner {
+                raft::eraftpb::ConfChangeType::AddLearnerNode
+            } else {
+                raft::eraftpb::ConfChangeType::AddNode
+            });
+            let (conf, changes) = raft::Changer::new(&prs)
+                .simple(&[c])
+                .expect("config change");
+            prs.apply_conf(conf, changes, 10);
+        }
+        if let Some(p) = prs.get_mut(4) {
+            p.matched = 950;
+            p.become_snapshot(900);
+        }
+        let v = LearnerProgress::from_tracker(4, &prs, Some(900), Some(900), true);
+        assert!(v.exists && v.is_learner && v.snapshot_in_flight);
+        assert_eq!(v.matched, 950);
+        let o = MembershipOptions::default();
+        assert_eq!(
+            reason(promotion_gate(&v, 1000, &o)),
+            NotReady::SnapshotInFlight
+        );
+        if let Some(p) = prs.get_mut(4) {
+            p.become_probe();
+            p.matched = 950;
+        }
+        let v = LearnerProgress::from_tracker(4, &prs, Some(900), Some(900), true);
+        assert_eq!(promotion_gate(&v, 1000, &o), Ok(()));
+        let v = LearnerProgress::from_tracker(2, &prs, None, Some(0), true);
+        assert_eq!(
+            promotion_gate(&v, 1000, &o),
+            Err(MembershipError::NotLearner { id: 2 })
+        );
+        let v = LearnerProgress::from_tracker(9, &prs, None, None, false);
+        assert_eq!(
+            promotion_gate(&v, 1000, &o),
+            Err(MembershipError::MemberNotFound { id: 9 })
         );
     }
 
