@@ -955,6 +955,97 @@ mod tests {
         assert_eq!(ta.stats().snapshot_bytes, 4 << 20);
     }
 
+    /// Three nodes over TCP elect a leader and replicate; a learner added afterwards joins
+    /// through a snapshot streamed on the snapshot connection and converges.
+    #[test]
+    fn a_cluster_runs_over_tcp_and_a_learner_joins_through_a_snapshot() {
+        use crate::testing::{TestBackend, fast_options};
+        use crate::{Node, NodeConfig, NodeOptions, ReadConsistency};
+        use keel_mvcc::RangeRequest;
+
+        let dir = tempfile::tempdir().expect("tempdir");
+        let options = NodeOptions {
+            snapshot_count: 40,
+            snapshot_catch_up_entries: 10,
+            snapshot_chunk_bytes: 4096,
+            ..fast_options()
+        };
+        let ids = [1u64, 2, 3, 4];
+        let eps: Vec<(TcpTransport, Mailbox)> = ids
+            .iter()
+            .map(|&id| TcpTransport::bind(id, "127.0.0.1:0", opts()).expect("bind"))
+            .collect();
+        for (i, (t, _)) in eps.iter().enumerate() {
+            for (j, (u, _)) in eps.iter().enumerate() {
+                if i != j {
+                    t.add_peer(ids[j], u.local_addr()).expect("peer");
+                }
+            }
+        }
+        let mut nodes = Vec::new();
+        let mut joiner = None;
+        for (i, (t, m)) in eps.into_iter().enumerate() {
+            let id = ids[i];
+            let peers = if id == 4 { Vec::new() } else { vec![1, 2, 3] };
+            let mut config =
+                NodeConfig::<TestBackend>::new(id, peers, dir.path().join(format!("m{id}")));
+            config.options = options.clone();
+            if id == 4 {
+                joiner = Some((config, t, m));
+            } else {
+                nodes.push(Arc::new(
+                    Node::start(config, Arc::new(t), m).expect("start"),
+                ));
+            }
+        }
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let leader = loop {
+            if let Some(l) = nodes.iter().find(|n| n.status().leader == Some(n.id())) {
+                break l.clone();
+            }
+            assert!(Instant::now() < deadline, "no leader elected over TCP");
+            thread::sleep(Duration::from_millis(20));
+        };
+        for i in 0..200u32 {
+            leader
+                .put(format!("key-{i:04}").as_bytes(), &[7u8; 300])
+                .expect("put");
+        }
+        assert!(
+            leader.status().first_index > 20,
+            "the leader compacted its log"
+        );
+        leader.add_learner(4).expect("add learner");
+        let (config, t, m) = joiner.expect("joiner");
+        let learner = Node::start(config, Arc::new(t), m).expect("start learner");
+        let target = leader.status().applied;
+        while learner.status().applied < target {
+            assert!(
+                Instant::now() < deadline,
+                "learner stuck at {:?}",
+                learner.status()
+            );
+            thread::sleep(Duration::from_millis(20));
+        }
+        let st = learner.status();
+        assert!(
+            st.snapshots_installed >= 1,
+            "joined through a snapshot: {st:?}"
+        );
+        assert!(st.learners.contains(&4), "{st:?}");
+        let r = learner
+            .range(
+                &RangeRequest::prefix(b"key-".to_vec()),
+                ReadConsistency::Serializable,
+            )
+            .expect("range");
+        assert_eq!(r.count, 200);
+        learner.stop();
+        for n in &nodes {
+            n.stop();
+        }
+    }
+
     #[test]
     fn options_validate_and_urls_resolve() {
         assert!(TcpOptions::default().validate().is_ok());
