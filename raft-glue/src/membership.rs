@@ -17,6 +17,8 @@
 //!   leader's progress view of it ([`LearnerProgress`]).
 //! - [`AutoPromoter`] ([`auto`]): promotes a learner once the gate has held for
 //!   [`MembershipOptions::auto_promote_after`], one change at a time.
+//! - [`TransferProgress`] ([`progress`]): bytes sent, rate and estimated time left of a
+//!   snapshot transfer, for member status.
 //!
 //! Every refusal is a [`MembershipError`] whose text is etcd's, so operators recognise it.
 
@@ -24,6 +26,7 @@ pub mod auto;
 pub mod check;
 pub mod gate;
 pub mod member;
+pub mod progress;
 pub mod set;
 
 use std::time::Duration;
@@ -32,6 +35,7 @@ pub use auto::AutoPromoter;
 pub use check::{ActivityTracker, ProposedChange, quorum, strict_check};
 pub use gate::{LearnerProgress, NotReady, promotion_gate};
 pub use member::{Member, MemberOp};
+pub use progress::TransferProgress;
 pub use set::{MEMBERS_BUCKET, MemberSet, REMOVED_BUCKET};
 
 /// Why a membership operation was refused. The texts of the variants that etcd also reports
