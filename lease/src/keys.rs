@@ -34,6 +34,11 @@ impl KeySet {
                     return false;
                 }
                 if v.len() < SMALL_LIMIT {
+                    // Grow 1, 2, 4, ...: most leases hold one key, and a plain push would
+                    // reserve room for four.
+                    if v.len() == v.capacity() {
+                        v.reserve_exact(v.len().max(1));
+                    }
                     v.push(key.into());
                 } else {
                     let mut set: HashSet<Box<[u8]>> = v.drain(..).collect();

@@ -112,10 +112,43 @@ fn bad_input_is_refused_and_changes_nothing() {
             "{err:?} should say {text:?}"
         );
     }
+    let unknown = Checkpoint {
+        id: 9,
+        remaining_ttl: 5,
+    };
+    assert_eq!(lessor.apply_checkpoints(&[unknown], None).unwrap(), 0);
     assert_eq!(store.current_revision(), rev);
     assert_eq!(lessor.leases(), vec![1]);
     assert!(keys_with_leases(&store).is_empty());
     assert_eq!(store.consistent_index(), 10);
+}
+
+#[test]
+fn a_lessor_is_shared_between_threads() {
+    fn shared<T: Send + Sync + 'static>(_: &T) {}
+    let store = open_store(&mem_path("threads"));
+    let clock = Arc::new(ManualClock::new());
+    let lessor = Arc::new(open_lessor(&store, &clock));
+    shared(&lessor);
+    let handles: Vec<_> = (0..4i64)
+        .map(|t| {
+            let lessor = lessor.clone();
+            std::thread::spawn(move || {
+                for i in 0..50 {
+                    let id = t * 1_000 + i + 1;
+                    lessor.grant(id, 60, None).unwrap();
+                    lessor
+                        .put(format!("{id}").as_bytes(), b"v", id, None)
+                        .unwrap();
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    assert_eq!(lessor.leases().len(), 200);
+    assert_eq!(keys_with_leases(&store).len(), 200);
 }
 
 #[test]
