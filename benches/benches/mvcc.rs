@@ -384,12 +384,11 @@ fn fan_out() {
                                 }
                             }
                             delivered.fetch_add(got, Ordering::Relaxed);
-                            if got == 0 {
-                                if stop.load(Ordering::Acquire) {
-                                    return;
-                                }
-                                std::thread::sleep(Duration::from_micros(200));
+                            if got == 0 && stop.load(Ordering::Acquire) {
+                                return;
                             }
+                            // Poll, do not spin: the channels hold what arrives meanwhile.
+                            std::thread::sleep(Duration::from_millis(2));
                         }
                     }));
                 }

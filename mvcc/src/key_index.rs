@@ -24,10 +24,128 @@ pub(crate) struct Generation {
     revs: Vec<Revision>,
 }
 
-/// The history of one key.
+/// The generations of one key, oldest first.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub(crate) struct KeyEntry {
+pub(crate) struct Gens {
     gens: Vec<Generation>,
+}
+
+/// The history of one key. A key whose history is a single put (the common case for a
+/// large, rarely rewritten key space) is kept inline without heap allocations; any other
+/// history lives in a vector of generations.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum KeyEntry {
+    /// One generation holding one put (perhaps the survivor of a compaction).
+    Single {
+        /// Puts in the generation.
+        ver: u64,
+        /// Main revision of the generation's first put.
+        created: Revision,
+        /// The put.
+        rev: Revision,
+    },
+    /// Any other history.
+    Multi(Gens),
+}
+
+impl Default for KeyEntry {
+    fn default() -> KeyEntry {
+        KeyEntry::Multi(Gens::default())
+    }
+}
+
+impl KeyEntry {
+    fn is_empty(&self) -> bool {
+        match self {
+            KeyEntry::Single { .. } => false,
+            KeyEntry::Multi(g) => g.is_empty(),
+        }
+    }
+
+    /// The live state of the key at `at` (main revision), or `None` if it did not exist then.
+    pub fn get(&self, at: u64) -> Option<KeyAt> {
+        match self {
+            KeyEntry::Single { ver, created, rev } => (rev.main <= at).then_some(KeyAt {
+                modified: *rev,
+                created: *created,
+                version: *ver,
+            }),
+            KeyEntry::Multi(g) => g.get(at),
+        }
+    }
+
+    /// Runs `f` on the generations, then stores them back in the most compact form.
+    fn edit<R>(&mut self, f: impl FnOnce(&mut Gens) -> R) -> R {
+        let mut gens = match std::mem::take(self) {
+            KeyEntry::Single { ver, created, rev } => Gens {
+                gens: vec![Generation {
+                    ver,
+                    created,
+                    revs: vec![rev],
+                }],
+            },
+            KeyEntry::Multi(g) => g,
+        };
+        let r = f(&mut gens);
+        *self = match gens.gens.as_slice() {
+            [g] if g.revs.len() == 1 => KeyEntry::Single {
+                ver: g.ver,
+                created: g.created,
+                rev: g.revs[0],
+            },
+            _ => KeyEntry::Multi(gens),
+        };
+        r
+    }
+
+    fn put(&mut self, rev: Revision) {
+        self.edit(|g| g.put(rev));
+    }
+
+    fn restore(&mut self, created: Revision, modified: Revision, ver: u64) {
+        self.edit(|g| g.restore(created, modified, ver));
+    }
+
+    fn tombstone(&mut self, rev: Revision) -> bool {
+        if !self.is_live() {
+            return false;
+        }
+        self.edit(|g| g.tombstone(rev))
+    }
+
+    fn rollback(&mut self, rev: Revision) {
+        self.edit(|g| g.rollback(rev));
+    }
+
+    fn compact(&mut self, at: u64, available: &mut HashSet<Revision>) {
+        if let KeyEntry::Single { rev, .. } = self {
+            // A lone put survives any compaction.
+            if rev.main <= at {
+                available.insert(*rev);
+            }
+            return;
+        }
+        self.edit(|g| g.compact(at, available));
+    }
+
+    fn keep(&self, at: u64, available: &mut HashSet<Revision>) {
+        match self {
+            KeyEntry::Single { rev, .. } => {
+                if rev.main <= at {
+                    available.insert(*rev);
+                }
+            }
+            KeyEntry::Multi(g) => g.keep(at, available),
+        }
+    }
+
+    /// True when the key's latest generation holds a live put.
+    fn is_live(&self) -> bool {
+        match self {
+            KeyEntry::Single { .. } => true,
+            KeyEntry::Multi(g) => g.gens.last().is_some_and(|g| !g.revs.is_empty()),
+        }
+    }
 }
 
 /// What a key looks like at a revision.
@@ -38,7 +156,7 @@ pub(crate) struct KeyAt {
     pub version: u64,
 }
 
-impl KeyEntry {
+impl Gens {
     fn is_empty(&self) -> bool {
         self.gens.len() <= 1 && self.gens.first().is_none_or(|g| g.revs.is_empty())
     }
@@ -223,7 +341,7 @@ impl KeyIndex {
     /// tombstone).
     pub fn restore_put(&mut self, key: &[u8], created: Revision, rev: Revision, ver: u64) {
         match self.map.get_mut(key) {
-            Some(e) if e.gens.last().is_some_and(|g| !g.revs.is_empty()) => e.put(rev),
+            Some(e) if e.is_live() => e.put(rev),
             Some(e) => e.restore(created, rev, ver),
             None => {
                 let mut e = KeyEntry::default();

@@ -43,17 +43,38 @@ pub struct KeyValue {
     pub lease: LeaseId,
 }
 
-/// Encodes one change; `kv.value` is ignored for a tombstone (`kv.version == 0`).
+/// Encodes one change.
+#[cfg(test)]
 pub(crate) fn encode_record(kv: &KeyValue) -> Vec<u8> {
-    let mut out = Vec::with_capacity(HEADER + kv.key.len() + kv.value.len() + CRC);
+    encode_parts(
+        &kv.key,
+        &kv.value,
+        kv.create_revision,
+        kv.mod_revision,
+        kv.version,
+        kv.lease,
+    )
+}
+
+/// Encodes one change from its parts (a tombstone has an empty value and zero create
+/// revision and version).
+pub(crate) fn encode_parts(
+    key: &[u8],
+    value: &[u8],
+    create_revision: u64,
+    mod_revision: u64,
+    version: u64,
+    lease: LeaseId,
+) -> Vec<u8> {
+    let mut out = Vec::with_capacity(HEADER + key.len() + value.len() + CRC);
     out.push(RECORD_FORMAT);
-    out.extend_from_slice(&kv.create_revision.to_be_bytes());
-    out.extend_from_slice(&kv.mod_revision.to_be_bytes());
-    out.extend_from_slice(&kv.version.to_be_bytes());
-    out.extend_from_slice(&kv.lease.to_be_bytes());
-    out.extend_from_slice(&(kv.key.len() as u32).to_be_bytes());
-    out.extend_from_slice(&kv.key);
-    out.extend_from_slice(&kv.value);
+    out.extend_from_slice(&create_revision.to_be_bytes());
+    out.extend_from_slice(&mod_revision.to_be_bytes());
+    out.extend_from_slice(&version.to_be_bytes());
+    out.extend_from_slice(&lease.to_be_bytes());
+    out.extend_from_slice(&(key.len() as u32).to_be_bytes());
+    out.extend_from_slice(key);
+    out.extend_from_slice(value);
     let crc = crc32fast::hash(&out);
     out.extend_from_slice(&crc.to_be_bytes());
     out
@@ -70,6 +91,26 @@ pub(crate) struct RecordRef<'a> {
 }
 
 impl RecordRef<'_> {
+    /// Builds the key-value around `key`, which the caller already owns and which must equal
+    /// the record's key.
+    pub fn to_kv_with_key(&self, key: Vec<u8>, with_value: bool) -> Option<KeyValue> {
+        if key != self.key {
+            return None;
+        }
+        Some(KeyValue {
+            key,
+            value: if with_value {
+                self.value.to_vec()
+            } else {
+                Vec::new()
+            },
+            create_revision: self.create_revision,
+            mod_revision: self.mod_revision,
+            version: self.version,
+            lease: self.lease,
+        })
+    }
+
     /// Copies it out; `with_value = false` leaves the value empty.
     pub fn to_kv(&self, with_value: bool) -> KeyValue {
         KeyValue {

@@ -89,21 +89,61 @@ impl<T: ReadTxn> Sources<'_, T> {
         revs: &[Revision],
         with_value: bool,
     ) -> Result<Vec<KeyValue>, MvccError> {
+        self.fetch_keyed(compacted, revs, None, with_value)
+    }
+
+    /// [`fetch`](Self::fetch) for callers that own the keys already: `keys[i]` must be the
+    /// key of `revs[i]`, and moves into the result instead of being copied from the record.
+    pub fn fetch_keyed(
+        &self,
+        compacted: impl Fn() -> u64,
+        revs: &[Revision],
+        mut keys: Option<Vec<Vec<u8>>>,
+        with_value: bool,
+    ) -> Result<Vec<KeyValue>, MvccError> {
+        let mut build = |i: usize, rev: Revision, rec: &[u8]| -> Result<KeyValue, MvccError> {
+            let r = decode_record(rev, rec)?;
+            match keys.as_mut() {
+                None => Ok(r.to_kv(with_value)),
+                Some(keys) => r
+                    .to_kv_with_key(std::mem::take(&mut keys[i]), with_value)
+                    .ok_or_else(|| MvccError::Corrupt {
+                        revision: rev,
+                        reason: "record key differs from the key index".to_owned(),
+                    }),
+            }
+        };
         let mut out: Vec<Option<KeyValue>> = vec![None; revs.len()];
         let mut misses: Vec<(Revision, usize)> = Vec::new();
-        {
-            let current = self.current.changes.read();
-            let committing = self.committing.map(|c| c.changes.read());
-            for (i, &rev) in revs.iter().enumerate() {
-                let found = self
-                    .staged
-                    .and_then(|s| s.find(rev))
-                    .or_else(|| current.find(rev))
-                    .or_else(|| committing.as_ref().and_then(|c| c.find(rev)));
-                match found {
-                    Some(p) => out[i] = Some(decode_record(rev, &p.record)?.to_kv(with_value)),
-                    None => misses.push((rev, i)),
+        // A buffer only holds revisions from its first one on, and a view only asks for
+        // revisions it could see when it opened, so a revision below a buffer's first is not
+        // in it. Buffers are locked per lookup, only for revisions that may be there: a long
+        // scan of committed data never holds a lock a writer needs.
+        let first = |p: &Pending| p.changes.read().revs.first().map(|c| c.rev);
+        let buffers: Vec<(&Pending, Revision)> = [Some(self.current), self.committing]
+            .into_iter()
+            .flatten()
+            .filter_map(|p| first(p).map(|f| (p, f)))
+            .collect();
+        for (i, &rev) in revs.iter().enumerate() {
+            if let Some(p) = self.staged.and_then(|s| s.find(rev)) {
+                out[i] = Some(build(i, rev, &p.record)?);
+                continue;
+            }
+            let mut found = false;
+            for (p, lo) in &buffers {
+                if rev < *lo {
+                    continue;
                 }
+                let changes = p.changes.read();
+                if let Some(c) = changes.find(rev) {
+                    out[i] = Some(build(i, rev, &c.record)?);
+                    found = true;
+                    break;
+                }
+            }
+            if !found {
+                misses.push((rev, i));
             }
         }
         if !misses.is_empty() {
@@ -122,7 +162,7 @@ impl<T: ReadTxn> Sources<'_, T> {
                     let have = Revision::from_key(k).map(|(r, _)| r);
                     match have {
                         Some(r) if r == want && k.len() == REV_KEY_LEN => {
-                            out[misses[m].1] = Some(decode_record(r, v)?.to_kv(with_value));
+                            out[misses[m].1] = Some(build(misses[m].1, r, v)?);
                             m += 1;
                             skipped = 0;
                             if m == misses.len() {
@@ -270,16 +310,9 @@ pub(crate) fn range<B: Backend>(
         return Ok(resp);
     }
     let revs: Vec<Revision> = hits.iter().map(|(_, at)| at.modified).collect();
+    let keys: Vec<Vec<u8>> = hits.into_iter().map(|(k, _)| k).collect();
     let compacted = || inner.index.read().compacted;
-    let kvs = src.fetch(compacted, &revs, !req.keys_only)?;
-    for (kv, (key, _)) in kvs.iter().zip(&hits) {
-        if kv.key != *key {
-            return Err(MvccError::Corrupt {
-                revision: Revision::new(kv.mod_revision, 0),
-                reason: "record key differs from the key index".to_owned(),
-            });
-        }
-    }
+    let kvs = src.fetch_keyed(compacted, &revs, Some(keys), !req.keys_only)?;
     resp.kvs = kvs;
     Ok(resp)
 }

@@ -15,7 +15,7 @@ use parking_lot::MutexGuard;
 
 use crate::backend::{Backend, Bucket};
 use crate::error::MvccError;
-use crate::kv::{KeyValue, LeaseId, decode_record, encode_record};
+use crate::kv::{KeyValue, LeaseId, decode_record, encode_parts};
 use crate::pending::{Changes, PendingRev};
 use crate::read::{ReadView, range, scan_live};
 use crate::request::{
@@ -136,24 +136,25 @@ impl<'a, B: Backend> WriteTxn<'a, B> {
         }
         self.check_size(key.len() + value.len())?;
         let rev = Revision::new(self.base + 1, self.next_sub);
-        let prev = self.inner.index.read().keys.get(key, rev.main);
-        let prev_kv = match prev {
-            Some(p) if want_prev => self.fetch(&[p.modified])?.pop(),
-            _ => None,
+        let (prev, prev_kv) = if want_prev {
+            let prev = self.inner.index.read().keys.get(key, rev.main);
+            let prev_kv = match prev {
+                Some(p) => self.fetch(&[p.modified])?.pop(),
+                None => None,
+            };
+            self.inner.index.write().keys.put(key, rev);
+            (prev, prev_kv)
+        } else {
+            let mut idx = self.inner.index.write();
+            let prev = idx.keys.get(key, rev.main);
+            idx.keys.put(key, rev);
+            (prev, None)
         };
         let (create_revision, version) = match prev {
             Some(p) => (p.created.main, p.version + 1),
             None => (rev.main, 1),
         };
-        let record = encode_record(&KeyValue {
-            key: key.to_vec(),
-            value: value.to_vec(),
-            create_revision,
-            mod_revision: rev.main,
-            version,
-            lease,
-        });
-        self.inner.index.write().keys.put(key, rev);
+        let record = encode_parts(key, value, create_revision, rev.main, version, lease);
         self.next_sub += 1;
         self.staged.revs.push(PendingRev {
             rev,
@@ -210,11 +211,7 @@ impl<'a, B: Backend> WriteTxn<'a, B> {
                 self.staged.revs.push(PendingRev {
                     rev,
                     tombstone: true,
-                    record: encode_record(&KeyValue {
-                        key: k.clone(),
-                        mod_revision: at,
-                        ..KeyValue::default()
-                    }),
+                    record: encode_parts(k, &[], 0, at, 0, 0),
                 });
                 self.staged.writes += 1;
                 self.prev_revs.push(Some(*prev));
