@@ -21,6 +21,28 @@
 //!   snapshot transfer, for member status.
 //!
 //! Every refusal is a [`MembershipError`] whose text is etcd's, so operators recognise it.
+//!
+//! # Wiring into the node
+//!
+//! - **Start**: `MemberSet::load(&store)`; `check_not_removed(id)` (refuse to start on a
+//!   removed member's data); for a member joining with a start configuration,
+//!   `check_start_config(&local)`; on bootstrap, `MemberSet::bootstrap(members)` then
+//!   `persist_all(&mut txn)` in the first write transaction.
+//! - **Every message received** (`Driver::step`): `activity.heard(m.from, Instant::now())`.
+//! - **Proposing** a [`MemberOp`] on the leader: `members.validate(&op, &options)`, then, when
+//!   `options.strict_reconfig_check`, `strict_check(&voters, &learners, &activity.active(id,
+//!   now, options.active_window), change)` with `change = op.proposed_change()`, then for a
+//!   manual promote `promotion_gate(&LearnerProgress::from_tracker(..), last_index, &options)`;
+//!   propose the Raft conf change with `op.encode()` in the entry context.
+//! - **Applying** the conf-change entry: decode the op, `members.apply(&op, index, &options,
+//!   &mut txn)` in the transaction that sets the consistent index; on `Ok(Changed)` apply the
+//!   Raft conf change, on `Ok(NoOp)` or `Err` skip it (do not apply an empty `ConfChangeV2`:
+//!   that means "leave joint"); then `auto.on_applied(op.id())`.
+//! - **Each loop turn on the leader**: build the gate verdict of every learner and call
+//!   `auto.tick(now, &gates, raft.pending_conf_index > raft_log.applied, &options)`; propose
+//!   `MemberOp::Promote { id, automatic: true }` for the id it returns (`auto.on_failed` if
+//!   the proposal is dropped); `auto.reset()` when leadership is lost.
+//! - **Requests on a learner**: `refuse_on_learner(is_learner, write_or_linearizable)?`.
 
 pub mod auto;
 pub mod check;
