@@ -107,6 +107,7 @@ impl LmdbReadTxn {
 impl ReadTxn for LmdbReadTxn {
     type Range<'a> = LmdbRange<'a>;
 
+    #[inline]
     fn get(&self, bucket: &Bucket, key: &[u8]) -> Result<Option<&[u8]>, BackendError> {
         let len = keys::prefix_len(bucket) + key.len();
         if len > self.max_key {
@@ -134,20 +135,47 @@ impl ReadTxn for LmdbReadTxn {
         start: &[u8],
         end: Option<&[u8]>,
     ) -> Result<LmdbRange<'a>, BackendError> {
-        let Some((lower, upper)) = keys::range_bounds(bucket, start, end, self.max_key) else {
-            return Ok(LmdbRange {
-                inner: None,
-                prefix: 0,
-                generation: &self.generation,
-            });
+        let empty = LmdbRange {
+            inner: None,
+            last: 0,
+            #[cfg(debug_assertions)]
+            upper: Bound::Unbounded,
+            prefix: 0,
+            generation: &self.generation,
         };
-        let bounds = (as_slice(&lower), as_slice(&upper));
+        let Some((lower, upper)) = keys::range_bounds(bucket, start, end, self.max_key) else {
+            return Ok(empty);
+        };
+        // The last pair of the range is found up front, so each step checks the end with one
+        // pointer comparison (keys point into the snapshot's pages, one address per key)
+        // instead of comparing key bytes with the end bound.
+        let last = match &upper {
+            Bound::Excluded(end) => self.db.get_lower_than(&self.txn, end),
+            Bound::Included(end) => self.db.get_lower_than_or_equal_to(&self.txn, end),
+            Bound::Unbounded => self.db.last(&self.txn),
+        }
+        .map_err(|e| self.err("seek range end", e))?;
+        let Some((last, _)) = last else {
+            return Ok(empty);
+        };
+        let before_start = match &lower {
+            Bound::Included(start) => last < start.as_slice(),
+            Bound::Excluded(start) => last <= start.as_slice(),
+            Bound::Unbounded => false,
+        };
+        if before_start {
+            return Ok(empty);
+        }
+        let bounds = (as_slice(&lower), Bound::Unbounded);
         let inner = self
             .db
             .range(&self.txn, &bounds)
             .map_err(|e| self.err("range", e))?;
         Ok(LmdbRange {
             inner: Some(inner),
+            last: last.as_ptr().addr(),
+            #[cfg(debug_assertions)]
+            upper,
             prefix: keys::prefix_len(bucket),
             generation: &self.generation,
         })
@@ -201,6 +229,11 @@ fn as_slice(bound: &Bound<Vec<u8>>) -> Bound<&[u8]> {
 /// Iterator over a key range of one bucket, in ascending key order.
 pub struct LmdbRange<'a> {
     inner: Option<RoRange<'a, Bytes, Bytes>>,
+    /// Address of the last stored key in the range.
+    last: usize,
+    /// Bound on stored keys where the range ends, to check `last` in debug builds.
+    #[cfg(debug_assertions)]
+    upper: Bound<Vec<u8>>,
     prefix: usize,
     generation: &'a Generation,
 }
@@ -208,17 +241,32 @@ pub struct LmdbRange<'a> {
 impl<'a> Iterator for LmdbRange<'a> {
     type Item = Result<(&'a [u8], &'a [u8]), BackendError>;
 
+    #[inline]
     fn next(&mut self) -> Option<Self::Item> {
         let item = self.inner.as_mut()?.next()?;
         Some(match item {
-            Ok((stored, value)) => match stored.get(self.prefix..) {
-                Some(key) => Ok((key, value)),
-                None => Err(BackendError::Corrupt {
-                    path: self.generation.dir().join(crate::env::DATA_FILE),
-                    offset: 0,
-                    reason: "a stored key is shorter than its bucket prefix".to_owned(),
-                }),
-            },
+            Ok((stored, value)) => {
+                #[cfg(debug_assertions)]
+                debug_assert!(
+                    match &self.upper {
+                        Bound::Excluded(end) => stored < end.as_slice(),
+                        Bound::Included(end) => stored <= end.as_slice(),
+                        Bound::Unbounded => true,
+                    },
+                    "range iteration passed its last key"
+                );
+                if stored.as_ptr().addr() == self.last {
+                    self.inner = None;
+                }
+                match stored.get(self.prefix..) {
+                    Some(key) => Ok((key, value)),
+                    None => Err(BackendError::Corrupt {
+                        path: self.generation.dir().join(crate::env::DATA_FILE),
+                        offset: 0,
+                        reason: "a stored key is shorter than its bucket prefix".to_owned(),
+                    }),
+                }
+            }
             Err(e) => {
                 self.inner = None;
                 Err(from_heed(self.generation.dir(), "range next", e))

@@ -1,0 +1,230 @@
+//! The LMDB backend against raw LMDB through heed, in the same run: what keel's bucket
+//! prefixes, batch validation, commit stamp and checked read-transaction start cost.
+//!
+//! - commit: batches of 1 000 puts (24-byte ever-growing keys, 150-byte values, as the MVCC
+//!   store writes revisions), with fsync and without; only the commit is timed (building the
+//!   `WriteBatch` or the raw pairs is not); goal ≥ 0.9× raw heed's throughput;
+//! - range: a read transaction iterating 10 000 pairs; goal ≤ 1.1× raw heed's time;
+//! - point read: open a read transaction and get one key; reported (the commit-stamp check
+//!   adds one lookup per open).
+//!
+//! `cargo bench -p keel-benches --bench lmdb_backend` (about a minute); `-- --test` is the
+//! smoke run.
+
+use std::hint::black_box;
+use std::ops::Bound;
+use std::path::Path;
+use std::sync::LazyLock;
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, Throughput};
+use heed::types::Bytes;
+use heed::{Database, Env, EnvFlags, EnvOpenOptions, WithoutTls};
+use keel_backend_lmdb::{LmdbBackend, LmdbOptions};
+use keel_benches::{Better, Recorder};
+use keel_mvcc::{Backend, Bucket, ReadTxn, WriteBatch};
+
+static RECORDER: LazyLock<Recorder> = LazyLock::new(Recorder::new);
+
+const BATCH: u64 = 1_000;
+const RANGE_KEYS: u64 = 10_000;
+const KEY: Bucket = Bucket::new("key");
+const MAP_SIZE: usize = 8 << 30;
+
+fn key(i: u64) -> [u8; 24] {
+    let mut k = [b'0'; 24];
+    k[..4].copy_from_slice(b"rev-");
+    k[8..].copy_from_slice(&i.to_be_bytes().map(|b| b % 10 + b'0').repeat(2));
+    k[4..8].copy_from_slice(&(i as u32).to_be_bytes());
+    k
+}
+
+fn value(i: u64) -> [u8; 150] {
+    [(i % 251) as u8; 150]
+}
+
+/// Raw LMDB configured as the backend configures it: `MDB_NOTLS`, the same map size, and
+/// `MDB_NOSYNC` exactly when the backend skips fsync.
+fn raw_env(dir: &Path, sync: bool) -> (Env<WithoutTls>, Database<Bytes, Bytes>) {
+    let mut options = EnvOpenOptions::new().read_txn_without_tls();
+    options.map_size(MAP_SIZE).max_readers(1024);
+    // SAFETY: `dir` is a fresh temporary directory that only this benchmark opens, once, on a
+    // local file system, and nothing else writes its files; `NO_SYNC` only weakens
+    // durability, which a benchmark does not rely on.
+    let env = unsafe {
+        if !sync {
+            options.flags(EnvFlags::NO_SYNC);
+        }
+        options.open(dir).expect("open raw LMDB")
+    };
+    let mut wtxn = env.write_txn().expect("write txn");
+    let db = env.create_database(&mut wtxn, None).expect("main db");
+    wtxn.commit().expect("commit");
+    (env, db)
+}
+
+fn backend(dir: &Path, sync: bool) -> LmdbBackend {
+    let options = LmdbOptions {
+        map_size: MAP_SIZE as u64,
+        sync_on_commit: sync,
+        ..LmdbOptions::default()
+    };
+    LmdbBackend::open(dir, &options).expect("open backend")
+}
+
+fn commit(c: &mut Criterion) {
+    for sync in [true, false] {
+        let label = if sync { "fsync" } else { "no fsync" };
+        let mut group = c.benchmark_group(format!("lmdb_backend/commit 1000 puts, {label}"));
+        group
+            .throughput(Throughput::Elements(BATCH))
+            .sample_size(20)
+            .measurement_time(Duration::from_secs(5));
+        let ours = format!("keel backend, {label}");
+        let raw = format!("raw heed, {label}");
+
+        let dir = tempfile::tempdir().unwrap();
+        let store = backend(dir.path(), sync);
+        let mut next = 0u64;
+        group.bench_function("keel", |b| {
+            b.iter_custom(|iters| {
+                let mut timed = Duration::ZERO;
+                for _ in 0..iters {
+                    let mut batch = WriteBatch::new();
+                    for _ in 0..BATCH {
+                        batch.put(&KEY, key(next), value(next));
+                        next += 1;
+                    }
+                    let start = Instant::now();
+                    store.commit(&batch).expect("commit");
+                    timed += start.elapsed();
+                }
+                RECORDER.record(&ours, timed, iters);
+                timed
+            })
+        });
+        drop(store);
+
+        let dir = tempfile::tempdir().unwrap();
+        let (env, db) = raw_env(dir.path(), sync);
+        let mut next = 0u64;
+        group.bench_function("raw heed", |b| {
+            b.iter_custom(|iters| {
+                let mut timed = Duration::ZERO;
+                for _ in 0..iters {
+                    let pairs: Vec<([u8; 24], [u8; 150])> = (0..BATCH)
+                        .map(|_| {
+                            next += 1;
+                            (key(next - 1), value(next - 1))
+                        })
+                        .collect();
+                    let start = Instant::now();
+                    let mut wtxn = env.write_txn().expect("write txn");
+                    for (k, v) in &pairs {
+                        db.put(&mut wtxn, k, v).expect("put");
+                    }
+                    wtxn.commit().expect("commit");
+                    timed += start.elapsed();
+                }
+                RECORDER.record(&raw, timed, iters);
+                timed
+            })
+        });
+        group.finish();
+        RECORDER.ratio(
+            &format!("LMDB backend commit throughput vs raw heed ({label})"),
+            &ours,
+            &raw,
+            Better::Faster,
+            Some(0.9),
+        );
+    }
+}
+
+fn reads(c: &mut Criterion) {
+    let ours_dir = tempfile::tempdir().unwrap();
+    let store = backend(ours_dir.path(), false);
+    let raw_dir = tempfile::tempdir().unwrap();
+    let (env, db) = raw_env(raw_dir.path(), false);
+    let mut batch = WriteBatch::new();
+    let mut wtxn = env.write_txn().expect("write txn");
+    for i in 0..RANGE_KEYS {
+        batch.put(&KEY, key(i), value(i));
+        db.put(&mut wtxn, &key(i), &value(i)).expect("put");
+    }
+    store.commit(&batch).expect("commit");
+    wtxn.commit().expect("commit");
+
+    let mut group = c.benchmark_group("lmdb_backend/range 10k");
+    group
+        .throughput(Throughput::Elements(RANGE_KEYS))
+        .sample_size(30)
+        .measurement_time(Duration::from_secs(4));
+    group.bench_function("keel", |b| {
+        RECORDER.iter(b, "keel range", |_| {
+            let txn = store.read_txn().expect("read txn");
+            let mut bytes = 0usize;
+            for item in txn.range(&KEY, b"", None).expect("range") {
+                let (k, v) = item.expect("item");
+                bytes += k.len() + v.len();
+            }
+            assert_eq!(bytes, RANGE_KEYS as usize * 174);
+            black_box(bytes);
+        })
+    });
+    group.bench_function("raw heed", |b| {
+        RECORDER.iter(b, "raw heed range", |_| {
+            let txn = env.clone().static_read_txn().expect("read txn");
+            let mut bytes = 0usize;
+            let bounds: (Bound<&[u8]>, Bound<&[u8]>) = (Bound::Unbounded, Bound::Unbounded);
+            for item in db.range(&txn, &bounds).expect("range") {
+                let (k, v) = item.expect("item");
+                bytes += k.len() + v.len();
+            }
+            assert_eq!(bytes, RANGE_KEYS as usize * 174);
+            black_box(bytes);
+        })
+    });
+    group.finish();
+    RECORDER.ratio(
+        "LMDB backend range of 10k pairs vs raw heed",
+        "keel range",
+        "raw heed range",
+        Better::LowerTime,
+        Some(1.1),
+    );
+
+    let mut group = c.benchmark_group("lmdb_backend/read txn + get");
+    group
+        .sample_size(30)
+        .measurement_time(Duration::from_secs(4));
+    group.bench_function("keel", |b| {
+        RECORDER.iter(b, "keel point read", |i| {
+            let txn = store.read_txn().expect("read txn");
+            let k = key(i.wrapping_mul(7919) % RANGE_KEYS);
+            black_box(txn.get(&KEY, &k).expect("get").expect("present").len());
+        })
+    });
+    group.bench_function("raw heed", |b| {
+        RECORDER.iter(b, "raw heed point read", |i| {
+            let txn = env.clone().static_read_txn().expect("read txn");
+            let k = key(i.wrapping_mul(7919) % RANGE_KEYS);
+            black_box(db.get(&txn, &k).expect("get").expect("present").len());
+        })
+    });
+    group.finish();
+    RECORDER.ratio(
+        "LMDB backend read txn + get vs raw heed",
+        "keel point read",
+        "raw heed point read",
+        Better::LowerTime,
+        None,
+    );
+}
+
+fn main() {
+    let mut c = Criterion::default().configure_from_args();
+    commit(&mut c);
+    reads(&mut c);
+    c.final_summary();
+}
