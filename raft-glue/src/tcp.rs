@@ -142,7 +142,10 @@ struct Inner {
     peers: RwLock<HashMap<u64, Arc<Peer>>>,
     raft_in: Sender<Message>,
     snap_in: Sender<SnapshotFrame>,
-    accepted: Mutex<Vec<TcpStream>>,
+    /// Incoming connections by number, so shutdown can close them; each reader removes
+    /// its own when it ends.
+    accepted: Mutex<HashMap<u64, TcpStream>>,
+    next_conn: AtomicU64,
     shutdown: AtomicBool,
     counters: Counters,
 }
@@ -267,7 +270,7 @@ fn shutdown(inner: &Inner) {
         return;
     }
     inner.peers.write().clear();
-    for s in inner.accepted.lock().drain(..) {
+    for (_, s) in inner.accepted.lock().drain() {
         let _ = s.shutdown(Shutdown::Both);
     }
 }
@@ -309,7 +312,8 @@ impl TcpTransport {
             peers: RwLock::new(HashMap::new()),
             raft_in,
             snap_in,
-            accepted: Mutex::new(Vec::new()),
+            accepted: Mutex::new(HashMap::new()),
+            next_conn: AtomicU64::new(0),
             shutdown: AtomicBool::new(false),
             counters: Counters::default(),
         });
@@ -532,16 +536,17 @@ fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {
                         continue;
                     }
                 };
-                {
-                    let mut acc = inner.accepted.lock();
-                    acc.retain(|s| s.peer_addr().is_ok());
-                    acc.push(clone);
-                }
+                let conn = inner.next_conn.fetch_add(1, Ordering::Relaxed);
+                inner.accepted.lock().insert(conn, clone);
                 let reader_inner = inner.clone();
                 let spawned = thread::Builder::new()
                     .name(format!("keel-tcp-recv-{}", inner.id))
-                    .spawn(move || read_loop(reader_inner, stream, peer));
+                    .spawn(move || {
+                        read_loop(&reader_inner, stream, peer);
+                        reader_inner.accepted.lock().remove(&conn);
+                    });
                 if let Err(e) = spawned {
+                    inner.accepted.lock().remove(&conn);
                     tracing::warn!(member = inner.id, error = %e, "cannot start a reader thread");
                 }
             }
@@ -605,10 +610,10 @@ fn read_frame(inner: &Inner, s: &mut TcpStream) -> Result<ReadOutcome, NodeError
     Ok(ReadOutcome::Frame(frame::decode(&h, &payload)?))
 }
 
-fn read_loop(inner: Arc<Inner>, mut s: TcpStream, peer: SocketAddr) {
+fn read_loop(inner: &Inner, mut s: TcpStream, peer: SocketAddr) {
     let mut from = None;
     loop {
-        let f = match read_frame(&inner, &mut s) {
+        let f = match read_frame(inner, &mut s) {
             Ok(ReadOutcome::Frame(f)) => f,
             Ok(ReadOutcome::Closed) => break,
             Err(e @ NodeError::Decode { .. }) => {
@@ -837,6 +842,13 @@ mod tests {
             .recv_timeout(Duration::from_secs(5))
             .expect("intact frame delivered");
         assert_eq!(m.commit, 1);
+        // the refused connections were released; the intact one is still held
+        drop((s, s2));
+        while tb.inner.accepted.lock().len() > 1 && Instant::now() < deadline {
+            thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(tb.inner.accepted.lock().len(), 1);
+        drop(s3);
     }
 
     /// A heartbeat is not delayed behind a multi-megabyte snapshot: 8 MiB stream at
