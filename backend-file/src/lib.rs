@@ -3,7 +3,7 @@
 //! The store is a directory of append-only segment files (byte layout in [`format`]). Each
 //! commit appends one checksummed frame holding the whole batch and syncs it once: that frame
 //! is the commit point, so a batch is either wholly in the store after a crash or not at all.
-//! An in-memory index per bucket, a persistent B-tree, maps keys to the place of their value
+//! An in-memory index per bucket, a copy-on-write B+tree, maps keys to the place of their value
 //! in a segment; open rebuilds it by replaying the segments and cuts off a torn last frame.
 //! Reads go through read-only shared mappings: a read transaction ([`FileReadTxn`]) holds one
 //! immutable index version and the mappings it points into, so it never waits for the writer
@@ -20,6 +20,7 @@
 
 pub mod fault;
 pub mod format;
+mod index;
 mod key;
 mod options;
 mod reclaim;

@@ -122,10 +122,9 @@ impl Inner {
                 let mut buf = std::mem::take(&mut w.buf);
                 let mut batch: Vec<(&[u8], Loc, u64)> = Vec::new();
                 while buf.len() < step {
-                    let Some((key, &old)) = entries.next() else {
+                    let Some((key, old)) = entries.next() else {
                         break;
                     };
-                    let key = key.as_bytes();
                     // Still live? Commits since the snapshot may have replaced or deleted it.
                     if w.version.maps[bucket as usize].get(key) != Some(&old) {
                         continue;

@@ -3,14 +3,11 @@
 //! Keys are borrowed from the version's index nodes and values from its mappings; both stay
 //! untouched for as long as the transaction holds the version.
 
-use std::ops::Bound;
 use std::sync::Arc;
 
-use imbl::ordmap::RangedIter;
-use imbl::shared_ptr::DefaultSharedPtr;
 use keel_mvcc::{BackendError, Bucket, ReadTxn};
 
-use crate::key::Key;
+use crate::index::Iter;
 use crate::version::{Loc, Version};
 
 /// A snapshot read transaction of a [`FileBackend`](crate::FileBackend).
@@ -54,11 +51,7 @@ impl ReadTxn for FileReadTxn {
     ) -> Result<FileRange<'a>, BackendError> {
         let v = &*self.version;
         let iter = match v.names.get(bucket) {
-            Some(&id) if end.is_none_or(|e| e > start) => {
-                let map = &v.maps[id as usize];
-                let upper = end.map_or(Bound::Unbounded, Bound::Excluded);
-                Some(map.range::<_, [u8]>((Bound::Included(start), upper)))
-            }
+            Some(&id) => Some(v.maps[id as usize].range(start, end)),
             _ => None,
         };
         Ok(FileRange { version: v, iter })
@@ -77,16 +70,16 @@ impl ReadTxn for FileReadTxn {
 /// Iterator of [`FileReadTxn::range`].
 pub struct FileRange<'a> {
     version: &'a Version,
-    iter: Option<RangedIter<'a, Key, Loc, DefaultSharedPtr>>,
+    iter: Option<Iter<'a>>,
 }
 
 impl<'a> Iterator for FileRange<'a> {
     type Item = Result<(&'a [u8], &'a [u8]), BackendError>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        let (k, &loc) = self.iter.as_mut()?.next()?;
+        let (k, loc) = self.iter.as_mut()?.next()?;
         Some(match self.version.value(loc) {
-            Some(v) => Ok((k.as_bytes(), v)),
+            Some(v) => Ok((k, v)),
             None => Err(missing(loc)),
         })
     }

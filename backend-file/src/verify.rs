@@ -54,8 +54,7 @@ pub(crate) fn check(backend: &FileBackend) -> Result<(), BackendError> {
         }
     }
     for (name, &id) in version.names.iter() {
-        for (key, &loc) in version.maps[id as usize].iter() {
-            let key = key.as_bytes();
+        for (key, loc) in version.maps[id as usize].iter() {
             let bad = |reason: &str| BackendError::Corrupt {
                 path: backend.path().join(format!("{:016x}.seg", loc.seg)),
                 offset: u64::from(loc.off),

@@ -1,19 +1,18 @@
 //! Index versions: what one read transaction sees.
 //!
 //! A [`Version`] maps every bucket's keys to the location of their current value ([`Loc`]),
-//! and holds the mappings those locations point into. The per-bucket maps are persistent
-//! B-trees (`imbl::OrdMap`): cloning one is O(1), and the writer's changes copy only the nodes
+//! and holds the mappings those locations point into. The per-bucket maps are copy-on-write
+//! B+trees ([`BucketMap`]): cloning one is O(1), and the writer's changes copy only the nodes
 //! they touch (a node already copied in the same commit is changed in place), so publishing a
 //! new version per commit costs little, and a version, once published, never changes.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use imbl::OrdMap;
 use keel_mvcc::Bucket;
 
 use crate::format::put_len;
-use crate::key::Key;
+pub(crate) use crate::index::BucketMap;
 use crate::segment::SegMap;
 
 /// Where a value lives: `len` bytes at offset `off` of segment `seg`.
@@ -23,9 +22,6 @@ pub(crate) struct Loc {
     pub(crate) off: u32,
     pub(crate) len: u32,
 }
-
-/// One bucket's index.
-pub(crate) type BucketMap = OrdMap<Key, Loc>;
 
 /// An immutable view of the whole store.
 #[derive(Clone, Default)]
@@ -70,8 +66,8 @@ pub(crate) struct Applier<'a> {
 }
 
 impl Applier<'_> {
-    fn dead(&mut self, key: &[u8], old: Loc) {
-        if let Some(s) = self.stats.get_mut(&old.seg) {
+    fn dead(stats: &mut BTreeMap<u32, SegStat>, key: &[u8], old: Loc) {
+        if let Some(s) = stats.get_mut(&old.seg) {
             s.live = s.live.saturating_sub(put_len(key.len(), old.len as usize));
         }
     }
@@ -80,37 +76,19 @@ impl Applier<'_> {
         if let Some(s) = self.stats.get_mut(&loc.seg) {
             s.live += put_len(key.len(), loc.len as usize);
         }
-        if let Some(old) = self.maps[bucket as usize].insert(Key::new(key), loc) {
-            self.dead(key, old);
+        if let Some(old) = self.maps[bucket as usize].insert(key, loc) {
+            Self::dead(self.stats, key, old);
         }
     }
 
     pub(crate) fn delete(&mut self, bucket: u32, key: &[u8]) {
         if let Some(old) = self.maps[bucket as usize].remove(key) {
-            self.dead(key, old);
+            Self::dead(self.stats, key, old);
         }
     }
 
     pub(crate) fn delete_range(&mut self, bucket: u32, start: &[u8], end: Option<&[u8]>) {
-        if end.is_some_and(|e| e <= start) {
-            return;
-        }
-        let map = &self.maps[bucket as usize];
-        let doomed: Vec<Key> = match end {
-            Some(e) => map
-                .range::<_, [u8]>((
-                    std::ops::Bound::Included(start),
-                    std::ops::Bound::Excluded(e),
-                ))
-                .map(|(k, _)| k.clone())
-                .collect(),
-            None => map
-                .range::<_, [u8]>((std::ops::Bound::Included(start), std::ops::Bound::Unbounded))
-                .map(|(k, _)| k.clone())
-                .collect(),
-        };
-        for k in doomed {
-            self.delete(bucket, k.as_bytes());
-        }
+        let stats = &mut *self.stats;
+        self.maps[bucket as usize].remove_range(start, end, |k, old| Self::dead(stats, k, old));
     }
 }
