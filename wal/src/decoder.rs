@@ -46,15 +46,31 @@ pub(crate) struct SegmentReader<'f> {
 
 impl<'f> SegmentReader<'f> {
     pub(crate) fn new(file: &'f dyn WalFile, from: u64, limit: u64, chunk: usize) -> Self {
+        Self::with_buffer(file, from, limit, chunk, Vec::new())
+    }
+
+    /// Like [`SegmentReader::new`], reusing `buf`'s allocation.
+    pub(crate) fn with_buffer(
+        file: &'f dyn WalFile,
+        from: u64,
+        limit: u64,
+        chunk: usize,
+        buf: Vec<u8>,
+    ) -> Self {
         SegmentReader {
             file,
             limit,
-            buf: Vec::new(),
+            buf,
             buf_off: from,
             start: 0,
             end: 0,
             chunk: chunk.max(4096),
         }
+    }
+
+    /// Gives the buffer back for reuse.
+    pub(crate) fn into_buffer(self) -> Vec<u8> {
+        self.buf
     }
 
     /// File offset of the next record.
@@ -145,7 +161,7 @@ impl<'f> SegmentReader<'f> {
             });
         }
         let body = self.start + HEADER_LEN;
-        if !header.verify(prev_crc, &self.buf[body..body + plen]) {
+        if !header.verify(prev_crc, &self.buf[self.start + 4..body + plen]) {
             return Ok(Next::Bad {
                 offset,
                 reason: "record checksum mismatch".into(),

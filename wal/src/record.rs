@@ -122,19 +122,18 @@ pub(crate) fn encode(buf: &mut Vec<u8>, ty: RecordType, parts: &[&[u8]], prev_cr
     let len: usize = parts.iter().map(|p| p.len()).sum();
     debug_assert!(len <= MAX_PAYLOAD);
     let word = ((ty as u32) << 24) | len as u32;
-    let word = word.to_le_bytes();
-    let mut h = crc32fast::Hasher::new_with_initial(prev_crc);
-    h.update(&word);
-    for p in parts {
-        h.update(p);
-    }
-    let crc = h.finalize();
+    let start = buf.len();
     buf.reserve(record_len(len));
-    buf.extend_from_slice(&crc.to_le_bytes());
-    buf.extend_from_slice(&word);
+    buf.extend_from_slice(&[0u8; 4]);
+    buf.extend_from_slice(&word.to_le_bytes());
     for p in parts {
         buf.extend_from_slice(p);
     }
+    // Word and payload are contiguous: one crc pass over both.
+    let mut h = crc32fast::Hasher::new_with_initial(prev_crc);
+    h.update(&buf[start + 4..]);
+    let crc = h.finalize();
+    buf[start..start + 4].copy_from_slice(&crc.to_le_bytes());
     buf.resize(buf.len() + padded(len) - len, 0);
     crc
 }
@@ -175,11 +174,11 @@ impl Header {
         }
         Ok(ty)
     }
-    /// Whether `payload` (unpadded) matches the crc, chained from `prev_crc`.
-    pub(crate) fn verify(&self, prev_crc: u32, payload: &[u8]) -> bool {
+    /// Whether the record's bytes from its word (offset 4) to the end of the unpadded
+    /// payload match the crc, chained from `prev_crc`.
+    pub(crate) fn verify(&self, prev_crc: u32, word_and_payload: &[u8]) -> bool {
         let mut h = crc32fast::Hasher::new_with_initial(prev_crc);
-        h.update(&self.word.to_le_bytes());
-        h.update(payload);
+        h.update(word_and_payload);
         h.finalize() == self.crc
     }
 }

@@ -232,6 +232,7 @@ impl Wal {
         let mut segments = BTreeMap::new();
         let mut last: Option<LastSegment> = None;
         let mut fresh = (0u64, 1u64);
+        let mut scratch = Vec::new();
         let n = segs.len();
         for (i, (seq, first, name)) in segs.into_iter().enumerate() {
             let is_last = i + 1 == n;
@@ -275,8 +276,13 @@ impl Wal {
                 }
             }
             let len = file.len().map_err(|e| WalError::io("stat", &path, e))?;
-            let mut reader =
-                SegmentReader::new(&*file, SEGMENT_HEADER_LEN, len, options.read_buffer);
+            let mut reader = SegmentReader::with_buffer(
+                &*file,
+                SEGMENT_HEADER_LEN,
+                len,
+                options.read_buffer,
+                std::mem::take(&mut scratch),
+            );
             let mut seeded = false;
             let end = loop {
                 let prev = if seeded { st.crc } else { 0 };
@@ -372,6 +378,7 @@ impl Wal {
                     }
                 }
             };
+            scratch = reader.into_buffer();
             if !seeded && i == 0 {
                 st.index = LogIndex::new(first);
             }
