@@ -32,6 +32,9 @@ use crate::version::{Applier, Loc, SegStat, Version};
 /// Name of the lock file inside the store directory.
 pub const LOCK_FILE: &str = "LOCK";
 
+/// How long open waits for a busy lock before reporting it held.
+const LOCK_PATIENCE: std::time::Duration = std::time::Duration::from_millis(250);
+
 /// keel's pure-Rust, memory-mapped, log-structured [`Backend`].
 ///
 /// See the crate documentation for the design and [`crate::format`] for the bytes on disk.
@@ -98,15 +101,24 @@ impl FileBackend {
             .truncate(false)
             .open(&lock_path)
             .map_err(|e| BackendError::io(&lock_path, "open", e))?;
-        match lock.try_lock() {
-            Ok(()) => {}
-            Err(std::fs::TryLockError::WouldBlock) => {
-                return Err(BackendError::Locked {
-                    path: path.to_path_buf(),
-                });
-            }
-            Err(std::fs::TryLockError::Error(e)) => {
-                return Err(BackendError::io(&lock_path, "lock", e));
+        // A lock held by a closed handle can linger for a moment: a child process forked
+        // by another thread holds a copy of every descriptor until it calls exec. So a busy
+        // lock is retried briefly before it counts as held.
+        let deadline = std::time::Instant::now() + LOCK_PATIENCE;
+        loop {
+            match lock.try_lock() {
+                Ok(()) => break,
+                Err(std::fs::TryLockError::WouldBlock) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                }
+                Err(std::fs::TryLockError::WouldBlock) => {
+                    return Err(BackendError::Locked {
+                        path: path.to_path_buf(),
+                    });
+                }
+                Err(std::fs::TryLockError::Error(e)) => {
+                    return Err(BackendError::io(&lock_path, "lock", e));
+                }
             }
         }
         let io = Io::new(options.fault_hook.clone());

@@ -5,4 +5,5 @@ mod conformance;
 mod corruption;
 mod crash;
 mod faults;
+mod mvcc;
 mod support;
