@@ -213,7 +213,6 @@ impl ExpiryWorkload {
     fn new(n: usize) -> ExpiryWorkload {
         let mut table = primary_table(LessorOptions {
             promote_extension: Some(Duration::ZERO),
-            expired_retry_interval: secs(1 << 40),
             ..LessorOptions::default()
         });
         let mut ttls: Vec<i64> = (1..=n as i64).collect();

@@ -245,6 +245,104 @@ impl TimerQueue {
     }
 }
 
+/// Leases handed out as expired, waiting for their retry deadline.
+///
+/// Retry deadlines are `now + retry interval` with a fixed interval, so the queue is a FIFO,
+/// already sorted. It holds at most the leases handed out during one retry interval (the
+/// expiry rate bounds that), so it stays small and in cache. Revoking a lease marks its entry
+/// dead through a small slot → position map, so a revoked lease costs nothing when its retry
+/// deadline comes (no read of its slot), which is the common case.
+#[derive(Debug, Default)]
+pub(crate) struct RetryQueue {
+    queue: std::collections::VecDeque<Timer>,
+    /// Sequence number of the queue's front entry.
+    base: u64,
+    /// Slot → sequence number of its live entry.
+    live: std::collections::HashMap<u32, u64, std::hash::BuildHasherDefault<SlotHasher>>,
+}
+
+/// Hashes slot numbers, which are internal and dense (no client controls them), with one
+/// multiplication (Fibonacci hashing) instead of SipHash.
+#[derive(Default)]
+pub(crate) struct SlotHasher(u64);
+
+impl std::hash::Hasher for SlotHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+
+    fn write_u32(&mut self, n: u32) {
+        self.0 = u64::from(n).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
+/// Slot number of an entry whose lease was revoked.
+const DEAD: u32 = u32::MAX;
+
+impl RetryQueue {
+    /// Queues `timer` (deadline = its retry time).
+    pub fn push(&mut self, timer: Timer) {
+        let seq = self.base + self.queue.len() as u64;
+        if let Some(old) = self.live.insert(timer.slot, seq) {
+            self.kill(old);
+        }
+        self.queue.push_back(timer);
+    }
+
+    fn kill(&mut self, seq: u64) {
+        if let Some(entry) = seq
+            .checked_sub(self.base)
+            .and_then(|i| self.queue.get_mut(i as usize))
+        {
+            entry.slot = DEAD;
+        }
+    }
+
+    /// Forgets the entry of `slot` (its lease was revoked): O(1).
+    pub fn forget(&mut self, slot: u32) {
+        if let Some(seq) = self.live.remove(&slot) {
+            self.kill(seq);
+        }
+    }
+
+    /// Removes and returns the next live entry whose retry deadline is `<= now`.
+    pub fn pop_due(&mut self, now: u64) -> Option<Timer> {
+        while let Some(front) = self.queue.front() {
+            if front.deadline > now {
+                return None;
+            }
+            let entry = self.queue.pop_front()?;
+            let seq = self.base;
+            self.base += 1;
+            if entry.slot != DEAD {
+                if self.live.get(&entry.slot) == Some(&seq) {
+                    self.live.remove(&entry.slot);
+                }
+                return Some(entry);
+            }
+        }
+        None
+    }
+
+    /// Removes every entry.
+    pub fn clear(&mut self) {
+        self.base += self.queue.len() as u64;
+        self.queue.clear();
+        self.live.clear();
+    }
+
+    /// Bytes allocated, approximately.
+    pub fn allocated_bytes(&self) -> usize {
+        self.queue.capacity() * std::mem::size_of::<Timer>() + self.live.capacity() * 13
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -323,6 +421,37 @@ mod tests {
             popped.push(t.deadline);
         }
         assert_eq!(popped, model);
+    }
+
+    #[test]
+    fn retry_queue_skips_forgotten_entries() {
+        let mut q = RetryQueue::default();
+        for slot in 0..10u32 {
+            q.push(Timer {
+                deadline: u64::from(slot),
+                slot,
+                tag: 0,
+            });
+        }
+        q.forget(3);
+        q.forget(7);
+        q.forget(42);
+        // Re-queuing a slot kills its older entry.
+        q.push(Timer {
+            deadline: 20,
+            slot: 5,
+            tag: 1,
+        });
+        let mut popped = Vec::new();
+        while let Some(t) = q.pop_due(9) {
+            popped.push(t.slot);
+        }
+        assert_eq!(popped, vec![0, 1, 2, 4, 6, 8, 9]);
+        assert_eq!(q.pop_due(19), None);
+        assert_eq!(q.pop_due(20).map(|t| (t.slot, t.tag)), Some((5, 1)));
+        assert!(q.queue.is_empty());
+        q.forget(5);
+        assert_eq!(q.pop_due(u64::MAX), None);
     }
 
     #[test]

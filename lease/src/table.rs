@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use crate::LeaseId;
 use crate::error::LeaseError;
-use crate::heap::{Timer, TimerQueue};
+use crate::heap::{RetryQueue, Timer, TimerQueue};
 use crate::index::IdIndex;
 use crate::keys::KeySet;
 use crate::options::LessorOptions;
@@ -114,6 +114,7 @@ pub struct LeaseTable {
     index: IdIndex,
     live: usize,
     expiries: TimerQueue,
+    retries: RetryQueue,
     checkpoints: VecDeque<Timer>,
     primary: bool,
     tokens: f64,
@@ -149,6 +150,7 @@ impl LeaseTable {
             index: IdIndex::new(),
             live: 0,
             expiries: TimerQueue::default(),
+            retries: RetryQueue::default(),
             checkpoints: VecDeque::new(),
             primary: false,
             tokens: 0.0,
@@ -313,6 +315,7 @@ impl LeaseTable {
         s.gen_expiry = s.gen_expiry.wrapping_add(1);
         s.incarnation = s.incarnation.wrapping_add(1);
         self.free.push(slot);
+        self.retries.forget(slot);
         self.live -= 1;
         self.sweep();
         Ok(keys)
@@ -416,6 +419,7 @@ impl LeaseTable {
         let now = nanos(now);
         let start = now.saturating_add(self.extension);
         self.expiries.clear();
+        self.retries.clear();
         self.checkpoints.clear();
         for (i, s) in self.slots.iter_mut().enumerate() {
             if s.id == 0 {
@@ -450,6 +454,7 @@ impl LeaseTable {
             s.expiry = FOREVER;
         }
         self.expiries.clear();
+        self.retries.clear();
         self.checkpoints.clear();
     }
 
@@ -457,7 +462,8 @@ impl LeaseTable {
     /// since the last call (a token bucket holding one second's worth), earliest first.
     ///
     /// A lease handed out stays until revoked and is handed out again after the retry
-    /// interval if it is still there. Empty on a non-primary. Costs O(k log n) for k leases.
+    /// interval if it is still there (revoking it cancels that at no cost). Empty on a
+    /// non-primary. Costs O(k log n) for k leases.
     pub fn expired(&mut self, now: Duration) -> Vec<LeaseId> {
         if !self.primary {
             return Vec::new();
@@ -475,6 +481,12 @@ impl LeaseTable {
             // so the processor overlaps their cache misses instead of taking them one by one.
             due.clear();
             while due.len() < budget - out.len() {
+                match self.retries.pop_due(now) {
+                    Some(t) => due.push(t),
+                    None => break,
+                }
+            }
+            while due.len() < budget - out.len() {
                 match self.expiries.pop_due(now) {
                     Some(t) => due.push(t),
                     None => break,
@@ -483,11 +495,19 @@ impl LeaseTable {
             if due.is_empty() {
                 break;
             }
-            for t in &due {
-                let s = &self.slots[t.slot as usize];
-                if s.id != 0 && s.gen_expiry == t.tag {
-                    out.push(s.id);
-                    self.expiries.push(Timer {
+            // A tight loop of independent loads (0 marks a stale timer), then the rest.
+            let slots = &self.slots;
+            let ids: Vec<LeaseId> = due
+                .iter()
+                .map(|t| {
+                    let s = &slots[t.slot as usize];
+                    if s.gen_expiry == t.tag { s.id } else { 0 }
+                })
+                .collect();
+            for (t, &id) in due.iter().zip(&ids) {
+                if id != 0 {
+                    out.push(id);
+                    self.retries.push(Timer {
                         deadline: now.saturating_add(self.retry),
                         ..*t
                     });
@@ -572,6 +592,7 @@ impl LeaseTable {
                 + self.free.capacity() * std::mem::size_of::<u32>()
                 + self.index.allocated_bytes()
                 + self.expiries.allocated_bytes()
+                + self.retries.allocated_bytes()
                 + self.checkpoints.capacity() * std::mem::size_of::<Timer>(),
             keys,
         }
