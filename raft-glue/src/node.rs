@@ -642,7 +642,7 @@ impl<B: Backend> Node<B> {
         }
     }
 
-    /// The data directory layout root of a member (for tools and tests).
+    /// The WAL directory of a member whose data directory is `dir` (for tools and tests).
     pub fn wal_dir(dir: &Path) -> PathBuf {
         dir.join("wal")
     }
