@@ -13,6 +13,7 @@
 //! starts a new one, so such data ends up in full leaves; other splits are halves. A leaf that
 //! becomes empty is removed.
 
+use std::cmp::Ordering;
 use std::sync::Arc;
 
 use crate::key::Key;
@@ -21,23 +22,88 @@ use crate::version::Loc;
 /// Most entries in a leaf.
 const LEAF_MAX: usize = 128;
 
+/// The first 8 bytes of a key as a big-endian integer (zero-padded): comparing prefixes
+/// orders keys correctly except between keys with equal prefixes, which then compare in full.
+/// Searching the compact prefix arrays touches a quarter of the cache lines the keys would.
+fn prefix(key: &[u8]) -> u64 {
+    let mut b = [0u8; 8];
+    let n = key.len().min(8);
+    b[..n].copy_from_slice(&key[..n]);
+    u64::from_be_bytes(b)
+}
+
+/// First index whose key is greater than `key` (`or_equal`: greater or equal).
+fn bound(pre: &[u64], keys: &[Key], key: &[u8], or_equal: bool) -> usize {
+    let kp = prefix(key);
+    let (mut lo, mut hi) = (0, pre.len());
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        let ord = pre[mid]
+            .cmp(&kp)
+            .then_with(|| keys[mid].as_bytes().cmp(key));
+        let before = match ord {
+            Ordering::Less => true,
+            Ordering::Equal => !or_equal,
+            Ordering::Greater => false,
+        };
+        if before {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
+}
+
 #[derive(Clone, Default)]
 struct Leaf {
+    pre: Vec<u64>,
     keys: Vec<Key>,
     locs: Vec<Loc>,
 }
 
 impl Leaf {
     fn search(&self, key: &[u8]) -> Result<usize, usize> {
-        self.keys.binary_search_by(|k| k.as_bytes().cmp(key))
+        let i = bound(&self.pre, &self.keys, key, true);
+        if self.keys.get(i).is_some_and(|k| k.as_bytes() == key) {
+            Ok(i)
+        } else {
+            Err(i)
+        }
+    }
+
+    /// Index of the first key >= `key`.
+    fn lower_bound(&self, key: &[u8]) -> usize {
+        bound(&self.pre, &self.keys, key, true)
+    }
+
+    fn insert(&mut self, at: usize, key: &[u8], loc: Loc) {
+        self.pre.insert(at, prefix(key));
+        self.keys.insert(at, Key::new(key));
+        self.locs.insert(at, loc);
+    }
+
+    fn remove(&mut self, at: usize) -> Loc {
+        self.pre.remove(at);
+        self.keys.remove(at);
+        self.locs.remove(at)
+    }
+
+    fn split_off(&mut self, at: usize) -> Leaf {
+        Leaf {
+            pre: self.pre.split_off(at),
+            keys: self.keys.split_off(at),
+            locs: self.locs.split_off(at),
+        }
     }
 }
 
 /// One bucket's ordered map from key to value location.
 #[derive(Clone, Default)]
 pub(crate) struct BucketMap {
-    /// `firsts[i]` is the first key of `leaves[i]`.
+    /// `firsts[i]` is the first key of `leaves[i]`, `first_pre[i]` its prefix.
     firsts: Arc<Vec<Key>>,
+    first_pre: Arc<Vec<u64>>,
     leaves: Arc<Vec<Arc<Leaf>>>,
     len: usize,
 }
@@ -49,9 +115,7 @@ impl BucketMap {
 
     /// The leaf that holds `key` if anything does: the last whose first key is <= `key`.
     fn leaf_for(&self, key: &[u8]) -> Option<usize> {
-        self.firsts
-            .partition_point(|f| f.as_bytes() <= key)
-            .checked_sub(1)
+        bound(&self.first_pre, &self.firsts, key, false).checked_sub(1)
     }
 
     pub(crate) fn get(&self, key: &[u8]) -> Option<&Loc> {
@@ -66,7 +130,7 @@ impl BucketMap {
         match self.leaves.get(li) {
             None => (self.leaves.len(), 0),
             Some(leaf) => {
-                let i = leaf.keys.partition_point(|k| k.as_bytes() < key);
+                let i = leaf.lower_bound(key);
                 if i == leaf.keys.len() {
                     (li + 1, 0)
                 } else {
@@ -80,7 +144,9 @@ impl BucketMap {
     pub(crate) fn insert(&mut self, key: &[u8], loc: Loc) -> Option<Loc> {
         if self.leaves.is_empty() {
             Arc::make_mut(&mut self.firsts).push(Key::new(key));
+            Arc::make_mut(&mut self.first_pre).push(prefix(key));
             Arc::make_mut(&mut self.leaves).push(Arc::new(Leaf {
+                pre: vec![prefix(key)],
                 keys: vec![Key::new(key)],
                 locs: vec![loc],
             }));
@@ -95,11 +161,11 @@ impl BucketMap {
             Ok(i) => return Some(std::mem::replace(&mut leaf.locs[i], loc)),
             Err(i) => i,
         };
-        leaf.keys.insert(at, Key::new(key));
-        leaf.locs.insert(at, loc);
+        leaf.insert(at, key, loc);
         self.len += 1;
         if at == 0 {
             Arc::make_mut(&mut self.firsts)[li] = Key::new(key);
+            Arc::make_mut(&mut self.first_pre)[li] = prefix(key);
         }
         if leaf.keys.len() > LEAF_MAX {
             // Appending at the very end keeps the old leaf full; otherwise split in halves.
@@ -108,13 +174,12 @@ impl BucketMap {
             } else {
                 leaf.keys.len() / 2
             };
-            let right = Leaf {
-                keys: leaf.keys.split_off(cut),
-                locs: leaf.locs.split_off(cut),
-            };
+            let right = leaf.split_off(cut);
             let first = right.keys[0].clone();
+            let first_pre = right.pre[0];
             leaves.insert(li + 1, Arc::new(right));
             Arc::make_mut(&mut self.firsts).insert(li + 1, first);
+            Arc::make_mut(&mut self.first_pre).insert(li + 1, first_pre);
         }
         None
     }
@@ -125,15 +190,16 @@ impl BucketMap {
         let at = self.leaves[li].search(key).ok()?;
         let leaves = Arc::make_mut(&mut self.leaves);
         let leaf = Arc::make_mut(&mut leaves[li]);
-        leaf.keys.remove(at);
-        let loc = leaf.locs.remove(at);
+        let loc = leaf.remove(at);
         self.len -= 1;
         if leaf.keys.is_empty() {
             leaves.remove(li);
             Arc::make_mut(&mut self.firsts).remove(li);
+            Arc::make_mut(&mut self.first_pre).remove(li);
         } else if at == 0 {
             let first = leaf.keys[0].clone();
             Arc::make_mut(&mut self.firsts)[li] = first;
+            Arc::make_mut(&mut self.first_pre)[li] = leaf.pre[0];
         }
         Some(loc)
     }
@@ -152,7 +218,7 @@ impl BucketMap {
         while li < self.leaves.len() {
             let leaf = &self.leaves[li];
             let stop = match end {
-                Some(e) => leaf.keys.partition_point(|k| k.as_bytes() < e),
+                Some(e) => leaf.lower_bound(e),
                 None => leaf.keys.len(),
             };
             if stop <= at {
@@ -164,12 +230,14 @@ impl BucketMap {
             if whole {
                 let leaf = leaves.remove(li);
                 Arc::make_mut(&mut self.firsts).remove(li);
+                Arc::make_mut(&mut self.first_pre).remove(li);
                 for (k, l) in leaf.keys.iter().zip(&leaf.locs) {
                     removed(k.as_bytes(), *l);
                 }
                 self.len -= leaf.keys.len();
             } else {
                 let leaf = Arc::make_mut(&mut leaves[li]);
+                leaf.pre.drain(at..stop);
                 for (k, l) in leaf.keys.drain(at..stop).zip(leaf.locs.drain(at..stop)) {
                     removed(k.as_bytes(), l);
                 }
@@ -177,6 +245,7 @@ impl BucketMap {
                 if at == 0 {
                     let first = leaf.keys[0].clone();
                     Arc::make_mut(&mut self.firsts)[li] = first;
+                    Arc::make_mut(&mut self.first_pre)[li] = leaf.pre[0];
                 }
                 if stop < len {
                     break;
@@ -261,6 +330,11 @@ mod tests {
                 if n.is_multiple_of(7) {
                     k.extend_from_slice(&[b'x'; 30]);
                 }
+                if n.is_multiple_of(5) {
+                    // Keys sharing their 8-byte prefix, and one that is only that prefix.
+                    k = format!("sharedpf{}", n % 300).into_bytes();
+                    k.truncate(8 + (n as usize % 4));
+                }
                 k
             };
             for step in 0..3000u32 {
@@ -315,6 +389,11 @@ mod tests {
                 for (i, leaf) in m.leaves.iter().enumerate() {
                     assert!(!leaf.keys.is_empty() && leaf.keys.len() <= LEAF_MAX);
                     assert_eq!(m.firsts[i], leaf.keys[0]);
+                    assert_eq!(m.first_pre[i], leaf.pre[0]);
+                    assert_eq!(leaf.pre.len(), leaf.keys.len());
+                    for (p, k) in leaf.pre.iter().zip(&leaf.keys) {
+                        assert_eq!(*p, prefix(k.as_bytes()));
+                    }
                 }
             }
         }
