@@ -20,7 +20,7 @@ use crate::revision::Revision;
 pub(crate) struct Generation {
     /// Puts in this generation so far (the tombstone is not counted).
     ver: u64,
-    created: Revision,
+    created: u64,
     revs: Vec<Revision>,
 }
 
@@ -40,7 +40,7 @@ pub(crate) enum KeyEntry {
         /// Puts in the generation.
         ver: u64,
         /// Main revision of the generation's first put.
-        created: Revision,
+        created: u64,
         /// The put.
         rev: Revision,
     },
@@ -102,7 +102,7 @@ impl KeyEntry {
         self.edit(|g| g.put(rev));
     }
 
-    fn restore(&mut self, created: Revision, modified: Revision, ver: u64) {
+    fn restore(&mut self, created: u64, modified: Revision, ver: u64) {
         self.edit(|g| g.restore(created, modified, ver));
     }
 
@@ -152,7 +152,7 @@ impl KeyEntry {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct KeyAt {
     pub modified: Revision,
-    pub created: Revision,
+    pub created: u64,
     pub version: u64,
 }
 
@@ -190,14 +190,14 @@ impl Gens {
         }
         let g = self.gens.last_mut().expect("a generation");
         if g.revs.is_empty() {
-            g.created = rev;
+            g.created = rev.main;
         }
         g.revs.push(rev);
         g.ver += 1;
     }
 
     /// Starts a generation from a stored change whose earlier history may be compacted away.
-    fn restore(&mut self, created: Revision, modified: Revision, ver: u64) {
+    fn restore(&mut self, created: u64, modified: Revision, ver: u64) {
         if self.gens.last().is_some_and(|g| g.revs.is_empty()) {
             self.gens.pop();
         }
@@ -339,7 +339,7 @@ impl KeyIndex {
 
     /// Rebuild step for a stored put (see [`KeyEntry::restore`] for keys seen first or after a
     /// tombstone).
-    pub fn restore_put(&mut self, key: &[u8], created: Revision, rev: Revision, ver: u64) {
+    pub fn restore_put(&mut self, key: &[u8], created: u64, rev: Revision, ver: u64) {
         match self.map.get_mut(key) {
             Some(e) if e.is_live() => e.put(rev),
             Some(e) => e.restore(created, rev, ver),
@@ -420,6 +420,25 @@ mod tests {
     }
 
     #[test]
+    fn single_put_entries_stay_small() {
+        // Index memory per key depends on this (BTreeMap leaves store entries inline).
+        assert!(std::mem::size_of::<KeyEntry>() <= 40);
+        let mut idx = KeyIndex::default();
+        idx.put(b"a", r(1));
+        assert!(matches!(
+            idx.map.get(&b"a"[..]),
+            Some(KeyEntry::Single { .. })
+        ));
+        idx.put(b"a", r(2));
+        assert!(matches!(idx.map.get(&b"a"[..]), Some(KeyEntry::Multi(_))));
+        assert_eq!(idx.compact(2), HashSet::from([r(2)]));
+        assert!(matches!(
+            idx.map.get(&b"a"[..]),
+            Some(KeyEntry::Single { ver: 2, .. })
+        ));
+    }
+
+    #[test]
     fn generations_follow_etcd() {
         let mut idx = KeyIndex::default();
         idx.put(b"foo", r(2));
@@ -431,11 +450,11 @@ mod tests {
         idx.put(b"foo", r(14));
         assert_eq!(idx.get(b"foo", 1), None);
         let at = idx.get(b"foo", 5).unwrap();
-        assert_eq!((at.modified, at.created, at.version), (r(4), r(2), 2));
+        assert_eq!((at.modified, at.created, at.version), (r(4), 2, 2));
         assert_eq!(idx.get(b"foo", 6), None);
         assert_eq!(idx.get(b"foo", 7), None);
         let at = idx.get(b"foo", 11).unwrap();
-        assert_eq!((at.modified, at.created, at.version), (r(10), r(8), 2));
+        assert_eq!((at.modified, at.created, at.version), (r(10), 8, 2));
         assert_eq!(idx.get(b"foo", 13), None);
         assert_eq!(idx.get(b"foo", 14).unwrap().modified, r(14));
         assert!(!idx.tombstone(b"bar", r(15)));
@@ -451,7 +470,7 @@ mod tests {
         assert_eq!(idx.get(b"foo", 10).unwrap().version, 2);
         let avail = idx.compact(13);
         assert!(avail.is_empty());
-        assert_eq!(idx.get(b"foo", 14).unwrap().created, r(14));
+        assert_eq!(idx.get(b"foo", 14).unwrap().created, 14);
         assert_eq!(idx.len(), 1);
         assert!(idx.tombstone(b"foo", r(16)));
         let keep = idx.keep(16);

@@ -168,12 +168,7 @@ impl<B: Backend> Store<B> {
             if tombstone {
                 keys.tombstone(rec.key, rev);
             } else {
-                keys.restore_put(
-                    rec.key,
-                    Revision::new(rec.create_revision, 0),
-                    rev,
-                    rec.version,
-                );
+                keys.restore_put(rec.key, rec.create_revision, rev, rec.version);
             }
             revision = revision.max(rev.main);
         }

@@ -151,7 +151,7 @@ impl<'a, B: Backend> WriteTxn<'a, B> {
             (prev, None)
         };
         let (create_revision, version) = match prev {
-            Some(p) => (p.created.main, p.version + 1),
+            Some(p) => (p.created, p.version + 1),
             None => (rev.main, 1),
         };
         let record = encode_parts(key, value, create_revision, rev.main, version, lease);

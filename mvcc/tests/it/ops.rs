@@ -178,3 +178,19 @@ fn aux_writes_and_consistent_index_ride_with_the_txn() {
         })
     ));
 }
+
+#[test]
+fn handles_cross_threads() {
+    fn send_sync<T: Send + Sync>() {}
+    fn send_static<T: Send + 'static>() {}
+    send_sync::<keel_mvcc::Store<keel_mvcc::testing::MemBackend>>();
+    send_static::<keel_mvcc::ReadView<keel_mvcc::testing::MemBackend>>();
+    send_static::<keel_mvcc::Watcher>();
+    let (_d, _p, s) = store();
+    s.put(b"k", b"v", 0).unwrap();
+    let view = s.read().unwrap();
+    let got = std::thread::spawn(move || view.range(&RangeRequest::key(b"k".to_vec())).unwrap())
+        .join()
+        .unwrap();
+    assert_eq!(got.kvs[0].value, b"v");
+}
