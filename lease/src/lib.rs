@@ -9,7 +9,9 @@
 //! - [`Lessor`] puts the table over a [`keel_mvcc::Store`]: grants and checkpoints are
 //!   persisted as records in the `lease` bucket (format in [`record`]), a revoke deletes
 //!   every attached key and the record in one MVCC write, and opening a lessor rebuilds the
-//!   leases and their attached keys from the store.
+//!   leases and their attached keys from the store. Key writes that carry leases go through
+//!   [`Lessor::put`], [`Lessor::delete_range`] and [`Lessor::txn`], which keep the
+//!   attachments right and refuse unknown leases.
 //!
 //! The Raft glue drives it: it applies grant, revoke and checkpoint entries with their Raft
 //! index, promotes the lessor when its member becomes leader and demotes it when it stops

@@ -5,8 +5,9 @@
 //! with persistence through the MVCC store and a [`Clock`](crate::Clock).
 //!
 //! Layout: leases live in a slab of 64-byte slots (freed slots are reused); an [`IdIndex`]
-//! maps ids to slots; the expiry min-heap ([`TimerHeap`]) and the checkpoint queue hold
-//! 16-byte timers naming a slot and its generation. A renew pushes a new timer and bumps the
+//! maps ids to slots; the expiry queue ([`TimerQueue`]: a min-heap behind a timing wheel),
+//! the retry queue of leases handed out as expired ([`RetryQueue`]) and the checkpoint queue
+//! hold 16-byte timers naming a slot and its generation. A renew pushes a new timer and bumps the
 //! slot's expiry generation; a revoke frees the slot and bumps both generations; stale timers
 //! are skipped when they surface and swept out when they outnumber the live ones.
 //!
