@@ -10,6 +10,7 @@
 use std::fs::File;
 use std::ops::Bound;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 
 use heed::types::Bytes;
@@ -38,6 +39,8 @@ pub struct LmdbBackend {
     path: PathBuf,
     options: LmdbOptions,
     current: RwLock<Arc<Generation>>,
+    /// The map size, readable without waiting for a commit; changed only under `writer`.
+    map_size: AtomicU64,
     /// Superseded generations, alive while read transactions still use them.
     retired: Mutex<Vec<Weak<Generation>>>,
     writer: Mutex<Writer>,
@@ -71,7 +74,7 @@ impl LmdbBackend {
 
     /// The current map size: the most bytes the data file may reach.
     pub fn map_size(&self) -> u64 {
-        self.writer.lock().map_size as u64
+        self.map_size.load(Ordering::Acquire)
     }
 
     /// Enlarges the map to `new_size` bytes (rounded up to 64 KiB), so that commits failing
@@ -112,12 +115,14 @@ impl LmdbBackend {
                 unsafe { current.env().resize(new_size) }
                     .map_err(|e| from_heed(current.dir(), "resize map", e))?;
                 writer.map_size = new_size;
+                self.map_size.store(new_size as u64, Ordering::Release);
                 tracing::info!(path = %self.path.display(), map_size = new_size, "map grown in place");
                 return Ok(());
             }
         }
         self.swap_in_compacted_copy(&mut writer, new_size)?;
         writer.map_size = new_size;
+        self.map_size.store(new_size as u64, Ordering::Release);
         tracing::info!(path = %self.path.display(), map_size = new_size, "map grown by copy");
         Ok(())
     }
@@ -267,6 +272,7 @@ impl Backend for LmdbBackend {
             path: path.to_path_buf(),
             options: options.clone(),
             current: RwLock::new(Arc::new(generation)),
+            map_size: AtomicU64::new(map_size as u64),
             retired: Mutex::new(Vec::new()),
             writer: Mutex::new(Writer {
                 poisoned: None,

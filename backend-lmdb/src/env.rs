@@ -15,6 +15,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use heed::types::Bytes;
 use heed::{Database, Env, EnvFlags, EnvOpenOptions, WithoutTls};
@@ -25,6 +26,13 @@ use crate::options::LmdbOptions;
 
 /// Name of the lock file inside the store directory.
 pub const LOCK_FILE: &str = "LOCK";
+/// How long a lock found held is retried before open reports [`BackendError::Locked`].
+///
+/// A `flock` belongs to the open file, and a child process being spawned by any thread of
+/// this process holds a copy of every descriptor from its fork until its exec closes them.
+/// A handle dropped in that window keeps the lock held for the child's last moments, so a
+/// reopen right after the drop would fail without this grace period.
+const LOCK_WAIT: Duration = Duration::from_millis(250);
 /// Prefix of generation directory names.
 const GEN_PREFIX: &str = "gen-";
 /// Suffix of a generation still being written.
@@ -53,15 +61,25 @@ impl DirLock {
             .truncate(false)
             .open(&path)
             .map_err(|e| BackendError::io(&path, "open", e))?;
-        match file.try_lock() {
-            Ok(()) => Ok(DirLock {
-                _file: file,
-                path: dir.to_path_buf(),
-            }),
-            Err(TryLockError::WouldBlock) => Err(BackendError::Locked {
-                path: dir.to_path_buf(),
-            }),
-            Err(TryLockError::Error(e)) => Err(BackendError::io(&path, "flock", e)),
+        let deadline = Instant::now() + LOCK_WAIT;
+        loop {
+            match file.try_lock() {
+                Ok(()) => {
+                    return Ok(DirLock {
+                        _file: file,
+                        path: dir.to_path_buf(),
+                    });
+                }
+                Err(TryLockError::WouldBlock) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                Err(TryLockError::WouldBlock) => {
+                    return Err(BackendError::Locked {
+                        path: dir.to_path_buf(),
+                    });
+                }
+                Err(TryLockError::Error(e)) => return Err(BackendError::io(&path, "flock", e)),
+            }
         }
     }
 

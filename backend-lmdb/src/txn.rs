@@ -6,6 +6,10 @@
 //! new generation. LMDB read transactions take no lock the writer waits for: a commit never
 //! waits for readers, and readers never wait for a commit.
 //!
+//! Dropping the last read transaction of a generation that defragment or map growth has
+//! superseded closes that generation's environment and deletes its directory, on the
+//! dropping thread.
+//!
 //! A long-lived read transaction pins the pages of its snapshot: LMDB cannot reuse them, so the
 //! data file grows while it is open. The MVCC store keeps its read transactions short for this
 //! reason.
