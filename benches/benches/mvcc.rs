@@ -366,33 +366,44 @@ fn fan_out() {
             let delivered = Arc::new(AtomicU64::new(0));
             let stop = Arc::new(AtomicBool::new(false));
             let mut consumers = Vec::new();
+            // `KEEL_FANOUT_LATE_CONSUMERS=1` starts draining only after the puts, to separate
+            // the writer's cost from the consumers' CPU.
+            let late = std::env::var("KEEL_FANOUT_LATE_CONSUMERS").is_ok();
+            let mut parked = Vec::new();
             if with_watchers {
                 let all: Vec<_> = (0..watchers)
                     .map(|i| s.watch(WatchRequest::key(key(i))).expect("watch"))
                     .collect();
-                let per = all.len().div_ceil(2);
-                let mut all = all.into_iter();
-                for _ in 0..2 {
-                    let mine: Vec<_> = all.by_ref().take(per).collect();
-                    let (delivered, stop) = (delivered.clone(), stop.clone());
-                    consumers.push(std::thread::spawn(move || {
-                        loop {
-                            let mut got = 0;
-                            for w in &mine {
-                                while let Ok(Some(events)) = w.try_recv() {
-                                    got += events.len() as u64;
+                parked = all;
+            }
+            let spawn_consumers =
+                |all: Vec<keel_mvcc::Watcher>, consumers: &mut Vec<std::thread::JoinHandle<()>>| {
+                    let per = all.len().div_ceil(2).max(1);
+                    let mut all = all.into_iter();
+                    for _ in 0..2 {
+                        let mine: Vec<_> = all.by_ref().take(per).collect();
+                        let (delivered, stop) = (delivered.clone(), stop.clone());
+                        consumers.push(std::thread::spawn(move || {
+                            loop {
+                                let mut got = 0;
+                                for w in &mine {
+                                    while let Ok(Some(events)) = w.try_recv() {
+                                        got += events.len() as u64;
+                                    }
                                 }
+                                delivered.fetch_add(got, Ordering::Relaxed);
+                                if got == 0 && stop.load(Ordering::Acquire) {
+                                    return;
+                                }
+                                // Poll, do not spin: each channel holds what arrives meanwhile
+                                // (a sweep of thousands of channels costs more than the puts).
+                                std::thread::sleep(Duration::from_millis(10));
                             }
-                            delivered.fetch_add(got, Ordering::Relaxed);
-                            if got == 0 && stop.load(Ordering::Acquire) {
-                                return;
-                            }
-                            // Poll, do not spin: each channel holds what arrives meanwhile
-                            // (a sweep of thousands of channels costs more than the puts).
-                            std::thread::sleep(Duration::from_millis(10));
-                        }
-                    }));
-                }
+                        }));
+                    }
+                };
+            if with_watchers && !late {
+                spawn_consumers(std::mem::take(&mut parked), &mut consumers);
             }
             let start = Instant::now();
             for i in 0..puts {
@@ -405,6 +416,9 @@ fn fan_out() {
                 "puts without watchers"
             };
             RECORDER.record(name, put_time, puts);
+            if with_watchers && late {
+                spawn_consumers(std::mem::take(&mut parked), &mut consumers);
+            }
             if with_watchers {
                 let deadline = Instant::now() + Duration::from_secs(60);
                 while delivered.load(Ordering::Relaxed) < puts && Instant::now() < deadline {

@@ -17,7 +17,7 @@
 //! [`StoreOptions::watch_channel_capacity`]: crate::StoreOptions::watch_channel_capacity
 //! [`StoreOptions::watch_sync_batch`]: crate::StoreOptions::watch_sync_batch
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -29,7 +29,7 @@ use crate::backend::Backend;
 use crate::error::MvccError;
 use crate::kv::{KeyValue, decode_record};
 use crate::options::StoreOptions;
-use crate::pending::Changes;
+use crate::pending::Pending;
 use crate::read::ReadView;
 use crate::request::{RangeRequest, check_range};
 use crate::revision::Revision;
@@ -99,36 +99,11 @@ pub struct Event {
     pub prev_kv: Option<KeyValue>,
 }
 
-/// An event before per-watcher `prev_kv` resolution.
+/// An event read back by the syncer, shared by the watchers it catches up.
 #[derive(Clone, Debug)]
-pub(crate) struct RawEvent {
+struct RawEvent {
     kind: EventKind,
     kv: KeyValue,
-    prev_rev: Option<Revision>,
-}
-
-/// The events of a committed transaction's changes.
-pub(crate) fn events_of(
-    staged: &Changes,
-    prev_revs: &[Option<Revision>],
-) -> Result<Vec<RawEvent>, MvccError> {
-    staged
-        .revs
-        .iter()
-        .zip(prev_revs)
-        .map(|(p, prev)| {
-            let rec = decode_record(p.rev, &p.record)?;
-            Ok(RawEvent {
-                kind: if p.tombstone {
-                    EventKind::Delete
-                } else {
-                    EventKind::Put
-                },
-                kv: rec.to_kv(true),
-                prev_rev: *prev,
-            })
-        })
-        .collect()
 }
 
 #[derive(Clone, Debug)]
@@ -281,53 +256,74 @@ impl WatchHub {
     }
 
     /// Hands the events of `revision` to synced watchers; called by the committing writer,
-    /// in revision order. Never blocks on a watcher.
-    pub fn notify<B: Backend>(&self, inner: &Arc<Inner<B>>, revision: u64, events: Vec<RawEvent>) {
+    /// in revision order, with the buffer its changes went to (`buf.revs[start..]`, one
+    /// entry of `prev_revs` each). Never blocks on a watcher; allocates only for matches.
+    pub fn notify<B: Backend>(
+        &self,
+        inner: &Arc<Inner<B>>,
+        revision: u64,
+        buf: &Pending,
+        start: usize,
+        prev_revs: &[Option<Revision>],
+    ) {
         let mut st = self.shared.state.lock();
         st.last_notified = revision;
-        let mut batches: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
-        for (i, ev) in events.iter().enumerate() {
-            if let Some(ids) = st.synced_keys.get(&ev.kv.key) {
-                for &id in ids {
-                    batches.entry(id).or_default().push(i);
-                }
+        let changes = buf.changes.read();
+        let end = (start + prev_revs.len()).min(changes.revs.len());
+        let revs = &changes.revs[start.min(end)..end];
+        let mut matches: Vec<(u64, usize)> = Vec::new();
+        for (i, p) in revs.iter().enumerate() {
+            let Ok(rec) = decode_record(p.rev, &p.record) else {
+                continue;
+            };
+            if let Some(ids) = st.synced_keys.get(rec.key) {
+                matches.extend(ids.iter().map(|&id| (id, i)));
             }
             for &id in &st.synced_ranges {
-                if st.watchers.get(&id).is_some_and(|w| w.matches(&ev.kv.key)) {
-                    batches.entry(id).or_default().push(i);
+                if st.watchers.get(&id).is_some_and(|w| w.matches(rec.key)) {
+                    matches.push((id, i));
                 }
             }
         }
-        if batches.is_empty() {
+        if matches.is_empty() {
             return;
         }
+        matches.sort_unstable();
         let mut prevs: HashMap<usize, Option<KeyValue>> = HashMap::new();
         let mut view: Option<Option<ReadView<B>>> = None;
         let mut gone = Vec::new();
-        for (id, idxs) in batches {
+        for group in matches.chunk_by(|a, b| a.0 == b.0) {
+            let id = group[0].0;
             let Some(w) = st.watchers.get(&id) else {
                 continue;
             };
             if revision < w.next_rev {
                 continue;
             }
-            let mut out = Vec::with_capacity(idxs.len());
-            for i in idxs {
-                let ev = &events[i];
+            let mut out = Vec::with_capacity(group.len());
+            for &(_, i) in group {
+                let p = &revs[i];
+                let Ok(rec) = decode_record(p.rev, &p.record) else {
+                    continue;
+                };
                 let prev_kv = if w.prev_kv {
                     prevs
                         .entry(i)
                         .or_insert_with(|| {
                             let v = view.get_or_insert_with(|| ReadView::open(inner).ok());
-                            resolve_prev(inner, v.as_ref(), ev.prev_rev)
+                            resolve_prev(inner, v.as_ref(), prev_revs.get(i).copied().flatten())
                         })
                         .clone()
                 } else {
                     None
                 };
                 out.push(Event {
-                    kind: ev.kind,
-                    kv: ev.kv.clone(),
+                    kind: if p.tombstone {
+                        EventKind::Delete
+                    } else {
+                        EventKind::Put
+                    },
+                    kv: rec.to_kv(true),
                     prev_kv,
                 });
             }
@@ -616,7 +612,6 @@ fn sync_round<B: Backend>(inner: &Arc<Inner<B>>) -> Result<bool, MvccError> {
                         EventKind::Put
                     },
                     kv,
-                    prev_rev: None,
                 };
                 match revs.last_mut() {
                     Some((main, evs)) if *main == rev.main => evs.push(ev),

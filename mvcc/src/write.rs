@@ -289,14 +289,12 @@ impl<'a, B: Backend> WriteTxn<'a, B> {
             self.staged.writes += 1;
         }
         let staged = std::mem::take(&mut self.staged);
-        let events = if changed && self.inner.watch.has_watchers() {
-            Some(crate::watch::events_of(&staged, &self.prev_revs)?)
-        } else {
-            None
-        };
-        let pending_writes = {
+        let notify = changed && self.inner.watch.has_watchers();
+        let (buf, start, pending_writes) = {
             let mut st = self.inner.state.lock();
-            let mut current = st.current.changes.write();
+            let buf = st.current.clone();
+            let mut current = buf.changes.write();
+            let start = current.revs.len();
             current.absorb(staged);
             let writes = current.writes;
             drop(current);
@@ -304,11 +302,13 @@ impl<'a, B: Backend> WriteTxn<'a, B> {
             if let Some(ci) = self.consistent_index {
                 self.inner.consistent_index.store(ci, Ordering::Release);
             }
-            writes
+            (buf, start, writes)
         };
         self.done = true;
-        if let Some(events) = events {
-            self.inner.watch.notify(self.inner, revision, events);
+        if notify {
+            self.inner
+                .watch
+                .notify(self.inner, revision, &buf, start, &self.prev_revs);
         }
         let limit = self.inner.options.batch_limit;
         if pending_writes >= limit.saturating_mul(4) {

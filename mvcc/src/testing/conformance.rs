@@ -21,8 +21,8 @@
 //! - read transactions: a fixed snapshot even while iterating across commits, usable from
 //!   another thread, never blocking commits (bounded by a timeout rather than hanging), alive
 //!   after the backend handle is dropped;
-//! - durability across reopen, the exclusive lock, size reporting, defragmentation that gives
-//!   space back and keeps old readers' views;
+//! - durability across reopen, the exclusive lock (also while the process spawns children),
+//!   size reporting, defragmentation that gives space back and keeps old readers' views;
 //! - snapshot/restore: round trip, consistency while a writer commits, rejection of corrupted,
 //!   truncated and extended streams, refusal to restore into a non-empty backend;
 //! - large values and keys, empty batches, and a seeded random model test (set
@@ -67,6 +67,7 @@ macro_rules! backend_conformance_tests {
                 concurrent_readers_see_consistent_states,
                 reopen_keeps_commits,
                 second_open_is_locked,
+                reopen_while_spawning_children,
                 size_is_reported,
                 defragment_gives_space_back,
                 defragment_keeps_old_readers,
@@ -986,6 +987,48 @@ pub fn second_open_is_locked<B: Backend>(options: B::Options) {
         Some(&b"v"[..])
     );
     f.reopen(&options);
+    assert_eq!(
+        get(&f.b().read_txn().unwrap(), &b("kv"), b"k").as_deref(),
+        Some(&b"v"[..])
+    );
+}
+
+/// Dropping a handle and reopening succeeds even while another thread spawns child
+/// processes (a child between fork and exec holds a copy of every descriptor, lock files
+/// included, for a moment).
+pub fn reopen_while_spawning_children<B: Backend>(options: B::Options) {
+    let mut f = Fixture::<B>::new(&options);
+    let mut batch = WriteBatch::new();
+    batch.put(&b("kv"), "k", "v");
+    commit(f.b(), &batch);
+    let stop = Arc::new(AtomicBool::new(false));
+    let spawner = {
+        let stop = Arc::clone(&stop);
+        thread::spawn(move || {
+            let mut spawned = 0u32;
+            while !stop.load(Ordering::Relaxed) {
+                if std::process::Command::new("true").status().is_ok() {
+                    spawned += 1;
+                }
+            }
+            spawned
+        })
+    };
+    for round in 0..100 {
+        drop(f.backend.take());
+        match B::open(&f.path, &options) {
+            Ok(backend) => f.backend = Some(backend),
+            Err(e) => {
+                stop.store(true, Ordering::Relaxed);
+                panic!("reopen {round} while another thread spawns children failed: {e}");
+            }
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    assert!(
+        spawner.join().unwrap() > 0,
+        "no child process was spawned meanwhile"
+    );
     assert_eq!(
         get(&f.b().read_txn().unwrap(), &b("kv"), b"k").as_deref(),
         Some(&b"v"[..])
