@@ -17,7 +17,8 @@ pub struct WalOptions {
     /// [`WalError::Corrupt`] instead of being truncated. Default: false.
     pub strict: bool,
     /// Prepare the next segment (create, size, write and sync its header) on a background
-    /// thread so rotation only renames it. Default: true.
+    /// thread, started once the active segment is a quarter full, so rotation only renames
+    /// it. Default: true.
     pub preallocate: bool,
     /// Write zeros over a new segment's whole length (instead of only reserving it with
     /// `fallocate`), so later overwrites are pure data writes and `fdatasync` has no block

@@ -492,8 +492,12 @@ impl Wal {
                 ready = Some(p);
                 continue;
             }
-            fs.remove(&path)
-                .map_err(|e| WalError::io("remove stale file", &path, e))?;
+            // A stale `<seq>.tmp` of the first segment was already replaced above.
+            match fs.remove(&path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(WalError::io("remove stale file", &path, e)),
+            }
         }
         let wal = Wal {
             dir: dir.to_path_buf(),
@@ -505,10 +509,10 @@ impl Wal {
         };
         {
             let mut g = wal.inner.lock();
-            g.prealloc = match ready {
-                Some(p) => Prealloc::Ready(p),
-                None => wal.spawn_prealloc(next_seq),
-            };
+            if let Some(p) = ready {
+                g.prealloc = Prealloc::Ready(p);
+            }
+            wal.maybe_prealloc(&mut g);
         }
         debug!(dir = %dir.display(), first = wal.first_index(), last = wal.last_index(), "WAL opened");
         Ok(wal)
@@ -517,6 +521,18 @@ impl Wal {
     /// The directory of the log.
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// Starts preparing the next segment once the active one is a quarter full: early
+    /// enough to be ready at rotation, late enough that a short-lived or idle log never pays
+    /// for a second segment.
+    fn maybe_prealloc(&self, g: &mut Inner) {
+        if self.options.preallocate
+            && matches!(g.prealloc, Prealloc::None)
+            && g.writer.end() >= g.writer.size / 4
+        {
+            g.prealloc = self.spawn_prealloc(g.writer.seq + 1);
+        }
     }
 
     fn spawn_prealloc(&self, seq: u64) -> Prealloc {
@@ -617,7 +633,6 @@ impl Wal {
                 file: prepared.file,
             },
         );
-        g.prealloc = self.spawn_prealloc(seq + 1);
         debug!(seq, first, "WAL rotated to a new segment");
         Ok(())
     }
@@ -677,6 +692,7 @@ impl Wal {
                 g.hard_state = Some(*hs);
             }
             g.written += g.writer.end() - before;
+            self.maybe_prealloc(&mut g);
             if g.writer.buf.len() >= self.options.write_buffer {
                 flush(&mut g)?;
             }
@@ -823,6 +839,7 @@ impl Wal {
         let before = g.writer.end();
         encode(&mut g.writer);
         g.written += g.writer.end() - before;
+        self.maybe_prealloc(g);
         Ok(())
     }
 
