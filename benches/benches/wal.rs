@@ -129,6 +129,42 @@ fn keel_append(wal: &Wal, es: &mut [Entry], next: &mut u64) {
     *next += es.len() as u64;
 }
 
+/// Times `a` and `b` once per iteration, alternating which goes first, records both, and
+/// returns the total of `a`: on a shared machine only interleaved samples compare fairly.
+fn paired(
+    b: &mut criterion::Bencher<'_>,
+    rec: &Recorder,
+    names: (&str, &str),
+    mut fa: impl FnMut(),
+    mut fb: impl FnMut(),
+) {
+    let mut flip = false;
+    b.iter_custom(|iters| {
+        let (mut ta, mut tb) = (Duration::ZERO, Duration::ZERO);
+        for _ in 0..iters {
+            flip = !flip;
+            if flip {
+                let t = Instant::now();
+                fa();
+                ta += t.elapsed();
+                let t = Instant::now();
+                fb();
+                tb += t.elapsed();
+            } else {
+                let t = Instant::now();
+                fb();
+                tb += t.elapsed();
+                let t = Instant::now();
+                fa();
+                ta += t.elapsed();
+            }
+        }
+        rec.record(names.0, ta, iters);
+        rec.record(names.1, tb, iters);
+        ta
+    });
+}
+
 fn append(c: &mut Criterion, rec: &Recorder) {
     let mut g = quick(c, "wal_append");
     for batch in [1usize, 16, 256] {
@@ -137,25 +173,26 @@ fn append(c: &mut Criterion, rec: &Recorder) {
         let wal = Wal::open(&dir.path().join("wal"), WalOptions::default()).unwrap();
         let mut es = template(batch);
         let mut next = 1u64;
-        let keel = format!("keel append x{batch}");
-        g.bench_function(BenchmarkId::new("keel", batch), |b| {
-            rec.iter(b, &keel, |_| keel_append(&wal, &mut es, &mut next))
-        });
-        drop(wal);
-
         let f = raw_file(dir.path());
         let buf: Vec<u8> = template(batch).into_iter().flat_map(|e| e.data).collect();
         let mut off = 0u64;
+        let keel = format!("keel append x{batch}");
         let raw = format!("raw write+fdatasync x{batch}");
-        g.bench_function(BenchmarkId::new("raw", batch), |b| {
-            rec.iter(b, &raw, |_| {
-                if off + buf.len() as u64 > RAW_FILE {
-                    off = 0;
-                }
-                f.write_all_at(&buf, off).unwrap();
-                f.sync_data().unwrap();
-                off += buf.len() as u64;
-            })
+        g.bench_function(BenchmarkId::new("keel vs raw (paired)", batch), |b| {
+            paired(
+                b,
+                rec,
+                (&keel, &raw),
+                || keel_append(&wal, &mut es, &mut next),
+                || {
+                    if off + buf.len() as u64 > RAW_FILE {
+                        off = 0;
+                    }
+                    f.write_all_at(&buf, off).unwrap();
+                    f.sync_data().unwrap();
+                    off += buf.len() as u64;
+                },
+            )
         });
         rec.ratio(
             &format!("wal append, 1 KiB entries, batch {batch}, vs raw write+fdatasync"),
@@ -177,47 +214,57 @@ fn group_commit(c: &mut Criterion, rec: &Recorder) {
     let data: Vec<u8> = (0..ENTRY).map(|b| b as u8).collect();
 
     let one = "keel 1 thread, durable single-entry appends";
-    g.bench_function("1 thread", |b| {
-        rec.iter(b, one, |_| {
-            let mut n = next.lock();
-            let e = Entry {
-                index: *n,
-                term: 1,
-                data: data.clone(),
-            };
-            wal.append(&[e], None, true).unwrap();
-            *n += 1;
-        })
-    });
     let eight = "keel 8 threads, durable single-entry appends";
-    g.bench_function("8 threads", |b| {
-        b.iter_custom(|iters| {
-            let per = iters.div_ceil(8).max(1);
-            let start = Instant::now();
-            std::thread::scope(|s| {
-                for _ in 0..8 {
-                    s.spawn(|| {
-                        for _ in 0..per {
-                            {
-                                // Raft indices are consecutive: the index is taken and the
-                                // entry buffered under one lock; the durable wait is shared.
-                                let mut n = next.lock();
-                                let e = Entry {
-                                    index: *n,
-                                    term: 1,
-                                    data: data.clone(),
-                                };
-                                wal.append(&[e], None, false).unwrap();
-                                *n += 1;
-                            }
-                            wal.sync().unwrap();
+    let append_one = || {
+        let mut n = next.lock();
+        let e = Entry {
+            index: *n,
+            term: 1,
+            data: data.clone(),
+        };
+        wal.append(&[e], None, true).unwrap();
+        *n += 1;
+    };
+    let run_eight = |per: u64| {
+        std::thread::scope(|s| {
+            for _ in 0..8 {
+                s.spawn(|| {
+                    for _ in 0..per {
+                        {
+                            // Raft indices are consecutive: the index is taken and the entry
+                            // buffered under one lock; the durable wait is shared.
+                            let mut n = next.lock();
+                            let e = Entry {
+                                index: *n,
+                                term: 1,
+                                data: data.clone(),
+                            };
+                            wal.append(&[e], None, false).unwrap();
+                            *n += 1;
                         }
-                    });
-                }
-            });
-            let elapsed = start.elapsed();
-            rec.record(eight, elapsed, per * 8);
-            elapsed.mul_f64(iters as f64 / (per * 8) as f64)
+                        wal.sync().unwrap();
+                    }
+                });
+            }
+        });
+    };
+    g.bench_function("8 threads vs 1 thread (paired)", |b| {
+        b.iter_custom(|iters| {
+            // Each sample: `n` appends on one thread, then `n` appends from 8 threads
+            // started once (so thread start-up is not what is measured).
+            let per = iters.div_ceil(8).max(4);
+            let n = per * 8;
+            let t = Instant::now();
+            for _ in 0..n {
+                append_one();
+            }
+            let t1 = t.elapsed();
+            let t = Instant::now();
+            run_eight(per);
+            let t8 = t.elapsed();
+            rec.record(one, t1, n);
+            rec.record(eight, t8, n);
+            t8.mul_f64(iters as f64 / n as f64)
         })
     });
     rec.ratio(
@@ -241,11 +288,6 @@ fn peer(c: &mut Criterion, rec: &Recorder) {
     let mut es = template(16);
     let mut next = 1u64;
     let keel = "keel append x16 (beside raft-engine)";
-    g.bench_function("keel", |b| {
-        rec.iter(b, keel, |_| keel_append(&wal, &mut es, &mut next))
-    });
-    drop(wal);
-
     let engine = Engine::open(Config {
         dir: dir
             .path()
@@ -257,20 +299,26 @@ fn peer(c: &mut Criterion, rec: &Recorder) {
     .unwrap();
     let values = template(16);
     let mut batch = LogBatch::with_capacity(16);
-    let mut next = 1u64;
+    let mut key = 1u64;
     let re = "raft-engine write x16 sync";
-    g.bench_function("raft-engine", |b| {
-        rec.iter(b, re, |_| {
-            // raft-engine's entry path needs protobuf message types; its key-value path goes
-            // through the same batch encoding, write and sync pipeline.
-            for e in &values {
-                batch
-                    .put(1, next.to_be_bytes().to_vec(), e.data.clone())
-                    .unwrap();
-                next += 1;
-            }
-            engine.write(&mut batch, true).unwrap();
-        })
+    g.bench_function("keel vs raft-engine (paired)", |b| {
+        paired(
+            b,
+            rec,
+            (keel, re),
+            || keel_append(&wal, &mut es, &mut next),
+            || {
+                // raft-engine's entry path needs protobuf message types; its key-value path
+                // goes through the same batch encoding, write and sync pipeline.
+                for e in &values {
+                    batch
+                        .put(1, key.to_be_bytes().to_vec(), e.data.clone())
+                        .unwrap();
+                    key += 1;
+                }
+                engine.write(&mut batch, true).unwrap();
+            },
+        )
     });
     rec.ratio(
         "wal append x16 1 KiB sync vs raft-engine",
