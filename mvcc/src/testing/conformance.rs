@@ -1002,19 +1002,23 @@ pub fn reopen_while_spawning_children<B: Backend>(options: B::Options) {
     batch.put(&b("kv"), "k", "v");
     commit(f.b(), &batch);
     let stop = Arc::new(AtomicBool::new(false));
+    let spawned = Arc::new(std::sync::atomic::AtomicU32::new(0));
     let spawner = {
-        let stop = Arc::clone(&stop);
+        let (stop, spawned) = (Arc::clone(&stop), Arc::clone(&spawned));
         thread::spawn(move || {
-            let mut spawned = 0u32;
             while !stop.load(Ordering::Relaxed) {
                 if std::process::Command::new("true").status().is_ok() {
-                    spawned += 1;
+                    spawned.fetch_add(1, Ordering::Relaxed);
                 }
             }
-            spawned
         })
     };
-    for round in 0..100 {
+    // At least 100 reopens, and enough for several children to be spawned meanwhile.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let mut round = 0u32;
+    while round < 100
+        || (spawned.load(Ordering::Relaxed) < 5 && std::time::Instant::now() < deadline)
+    {
         drop(f.backend.take());
         match B::open(&f.path, &options) {
             Ok(backend) => f.backend = Some(backend),
@@ -1023,11 +1027,13 @@ pub fn reopen_while_spawning_children<B: Backend>(options: B::Options) {
                 panic!("reopen {round} while another thread spawns children failed: {e}");
             }
         }
+        round += 1;
     }
     stop.store(true, Ordering::Relaxed);
+    spawner.join().expect("spawner thread panicked");
     assert!(
-        spawner.join().unwrap() > 0,
-        "no child process was spawned meanwhile"
+        spawned.load(Ordering::Relaxed) >= 5,
+        "fewer than 5 child processes were spawned in 20 s"
     );
     assert_eq!(
         get(&f.b().read_txn().unwrap(), &b("kv"), b"k").as_deref(),
