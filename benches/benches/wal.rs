@@ -483,12 +483,14 @@ fn replay(c: &mut Criterion, rec: &Recorder) {
     );
     let base = LIVE.load(Ordering::Relaxed);
     PEAK.store(base, Ordering::Relaxed);
-    let got = wal.entries(mid, mid + 10_000, None).unwrap();
+    let hi = (mid + 10_000).min(wal.last_index() + 1);
+    let got = wal.entries(mid, hi, None).unwrap();
     let returned: usize = got.iter().map(|e| e.data.len() + size_of::<Entry>()).sum();
     let peak = PEAK.load(Ordering::Relaxed) - base;
     println!(
-        "MEMORY wal entries(mid, mid + 10000): peak heap +{:.1} MiB; bound: one segment ({} MiB) + \
+        "MEMORY wal entries(mid, mid + {}): peak heap +{:.1} MiB; bound: one segment ({} MiB) + \
          entries returned ({:.1} MiB) -> {}",
+        hi - mid,
         peak as f64 / (1 << 20) as f64,
         seg >> 20,
         returned as f64 / (1 << 20) as f64,
