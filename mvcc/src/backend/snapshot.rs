@@ -1,6 +1,6 @@
 //! The backend-independent snapshot stream.
 //!
-//! A consistent copy of a whole backend, written by [`write`] from one [`ReadTxn`] and loaded
+//! A consistent copy of a whole backend, written by [`fn@write`] from one [`ReadTxn`] and loaded
 //! by [`restore`]. All integers are little-endian.
 //!
 //! ```text
