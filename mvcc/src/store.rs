@@ -41,7 +41,7 @@ use crate::request::{
     RangeResponse, TxnRequest, TxnResponse,
 };
 use crate::revision::Revision;
-use crate::watch::{WatchHub, WatchRequest, Watcher};
+use crate::watch::{WatchHub, WatchRequest, WatchStream, Watcher};
 use crate::write::WriteTxn;
 
 /// Bucket of the revision-keyed changes.
@@ -325,6 +325,11 @@ impl<B: Backend> Store<B> {
     /// Watches a key or range; see [`WatchRequest`].
     pub fn watch(&self, req: WatchRequest) -> Result<Watcher, MvccError> {
         crate::watch::watch(&self.inner, req)
+    }
+
+    /// A new, empty [`WatchStream`]: many watchers behind one wake-up.
+    pub fn watch_stream(&self) -> WatchStream<B> {
+        WatchStream::new(&self.inner)
     }
 
     /// The revision of the last write transaction that changed a key.

@@ -11,6 +11,13 @@
 //! once it has everything up to the last revision writers dispatched. Memory therefore stays
 //! bounded by the channels, whatever the consumers do.
 //!
+//! A [`WatchStream`] multiplexes many watchers onto one wake-up, like etcd's `watchStream`:
+//! each watcher keeps its own bounded channel (so flow control stays per watcher), and every
+//! response handed to one of them also queues the watcher's id on the stream's channel. A
+//! consumer of thousands of watchers then blocks on one channel instead of polling each.
+//! The id queue holds at most one entry per response waiting in a channel, so it is bounded
+//! by the watchers' channels too.
+//!
 //! A watcher whose next revision falls below the compaction point receives
 //! [`MvccError::Compacted`] and ends (etcd's "required revision has been compacted").
 //!
@@ -118,6 +125,8 @@ struct WatcherState {
     bound: KeyBound,
     prev_kv: bool,
     tx: Sender<Vec<Event>>,
+    /// The stream this watcher belongs to: told the watcher's id after every response.
+    stream: Option<Sender<u64>>,
     end: Arc<WatchEnd>,
     /// First revision this watcher has not received (for a synced watcher: the lowest
     /// revision it may still receive).
@@ -126,6 +135,22 @@ struct WatcherState {
 }
 
 impl WatcherState {
+    /// Hands `out` to the watcher, then tells its stream (if any).
+    fn try_send(&self, id: u64, out: Vec<Event>) -> Result<(), TrySendError<Vec<Event>>> {
+        self.tx.try_send(out)?;
+        if let Some(s) = &self.stream {
+            let _ = s.send(id);
+        }
+        Ok(())
+    }
+
+    /// Tells the stream (if any) that the watcher ended.
+    fn ended(&self, id: u64) {
+        if let Some(s) = &self.stream {
+            let _ = s.send(id);
+        }
+    }
+
     fn matches(&self, key: &[u8]) -> bool {
         match &self.bound {
             KeyBound::Single => key == self.key.as_slice(),
@@ -327,7 +352,7 @@ impl WatchHub {
                     prev_kv,
                 });
             }
-            match w.tx.try_send(out) {
+            match w.try_send(id, out) {
                 Ok(()) => {}
                 Err(TrySendError::Full(_)) => {
                     st.remove_synced(id);
@@ -448,6 +473,15 @@ pub(crate) fn watch<B: Backend>(
     inner: &Arc<Inner<B>>,
     req: WatchRequest,
 ) -> Result<Watcher, MvccError> {
+    watch_in(inner, req, None)
+}
+
+/// Registers a watcher, reporting to `stream` when given.
+fn watch_in<B: Backend>(
+    inner: &Arc<Inner<B>>,
+    req: WatchRequest,
+    stream: Option<Sender<u64>>,
+) -> Result<Watcher, MvccError> {
     check_range(&req.key, req.range_end.as_deref())?;
     let size = req.key.len() + req.range_end.as_ref().map_or(0, Vec::len);
     if size > inner.options.max_request_bytes {
@@ -489,6 +523,7 @@ pub(crate) fn watch<B: Backend>(
             bound,
             prev_kv: req.prev_kv,
             tx,
+            stream,
             end: end.clone(),
             next_rev: start,
             synced: false,
@@ -572,6 +607,7 @@ fn sync_round<B: Backend>(inner: &Arc<Inner<B>>) -> Result<bool, MvccError> {
                         requested: w.next_rev,
                         compacted,
                     });
+                    w.ended(id);
                 }
                 continue;
             }
@@ -583,6 +619,7 @@ fn sync_round<B: Backend>(inner: &Arc<Inner<B>>) -> Result<bool, MvccError> {
                     bound: w.bound.clone(),
                     prev_kv: w.prev_kv,
                     tx: w.tx.clone(),
+                    stream: w.stream.clone(),
                     end: w.end.clone(),
                     next_rev: w.next_rev,
                     synced: false,
@@ -642,7 +679,7 @@ fn sync_round<B: Backend>(inner: &Arc<Inner<B>>) -> Result<bool, MvccError> {
             if out.is_empty() {
                 continue;
             }
-            match t.matcher.tx.try_send(out) {
+            match t.matcher.try_send(t.id, out) {
                 Ok(()) => {}
                 Err(TrySendError::Full(_)) => {
                     t.next = *main;
@@ -693,4 +730,171 @@ fn prev_at<B: Backend>(
         .ok()?
         .kvs
         .pop()
+}
+
+/// What a [`WatchStream`] yields.
+#[derive(Debug)]
+pub enum StreamItem {
+    /// The events of one revision for one watcher of the stream.
+    Events {
+        /// The watcher's id (as returned by [`WatchStream::watch`]).
+        id: u64,
+        /// The changes, in revision order within the revision.
+        events: Vec<Event>,
+    },
+    /// A watcher of the stream ended (e.g. [`MvccError::Compacted`]); it is removed from the
+    /// stream.
+    Ended {
+        /// The watcher's id.
+        id: u64,
+        /// Why it ended.
+        error: MvccError,
+    },
+}
+
+/// Many watchers behind one wake-up (etcd's `watchStream`); see the module docs. Dropping
+/// the stream cancels its watchers.
+pub struct WatchStream<B: Backend> {
+    inner: Weak<Inner<B>>,
+    tx: Option<Sender<u64>>,
+    rx: Receiver<u64>,
+    watchers: HashMap<u64, Watcher>,
+}
+
+impl<B: Backend> std::fmt::Debug for WatchStream<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WatchStream")
+            .field("watchers", &self.watchers.len())
+            .finish()
+    }
+}
+
+impl<B: Backend> WatchStream<B> {
+    pub(crate) fn new(inner: &Arc<Inner<B>>) -> WatchStream<B> {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        WatchStream {
+            inner: Arc::downgrade(inner),
+            tx: Some(tx),
+            rx,
+            watchers: HashMap::new(),
+        }
+    }
+
+    /// Adds a watcher to the stream and returns its id; its events come out of
+    /// [`recv`](WatchStream::recv). Fails like [`Store::watch`](crate::Store::watch), or with
+    /// [`MvccError::WatchClosed`] once the store is gone.
+    pub fn watch(&mut self, req: WatchRequest) -> Result<u64, MvccError> {
+        let (Some(inner), Some(tx)) = (self.inner.upgrade(), self.tx.as_ref()) else {
+            return Err(MvccError::WatchClosed { id: 0 });
+        };
+        if inner.watch.shared.closed.load(Ordering::Acquire) {
+            return Err(MvccError::WatchClosed { id: 0 });
+        }
+        let w = watch_in(&inner, req, Some(tx.clone()))?;
+        let id = w.id();
+        self.watchers.insert(id, w);
+        Ok(id)
+    }
+
+    /// Cancels one watcher of the stream; false if the stream has no such watcher.
+    pub fn cancel(&mut self, id: u64) -> bool {
+        self.watchers.remove(&id).is_some()
+    }
+
+    /// Number of watchers in the stream.
+    pub fn len(&self) -> usize {
+        self.watchers.len()
+    }
+
+    /// True when the stream has no watcher.
+    pub fn is_empty(&self) -> bool {
+        self.watchers.is_empty()
+    }
+
+    /// Turns a queued id into an item; `None` for a stale id (cancelled watcher).
+    fn take(&mut self, id: u64) -> Option<StreamItem> {
+        let w = self.watchers.get(&id)?;
+        match w.try_recv() {
+            Ok(Some(events)) => Some(StreamItem::Events { id, events }),
+            Ok(None) => None,
+            Err(error) => {
+                self.watchers.remove(&id);
+                Some(StreamItem::Ended { id, error })
+            }
+        }
+    }
+
+    /// Waits for the next response of any watcher of the stream. Fails with
+    /// [`MvccError::WatchClosed`] once the store is gone and everything was received.
+    pub fn recv(&mut self) -> Result<StreamItem, MvccError> {
+        loop {
+            match self.recv_timeout(Duration::from_millis(100))? {
+                Some(item) => return Ok(item),
+                None => continue,
+            }
+        }
+    }
+
+    /// Like [`recv`](WatchStream::recv) but gives up after `timeout` with `Ok(None)`.
+    pub fn recv_timeout(&mut self, timeout: Duration) -> Result<Option<StreamItem>, MvccError> {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match self.rx.recv_timeout(left) {
+                Ok(id) => {
+                    if let Some(item) = self.take(id) {
+                        return Ok(Some(item));
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    return if self.closed() {
+                        self.drain_closed()
+                    } else {
+                        Ok(None)
+                    };
+                }
+                Err(RecvTimeoutError::Disconnected) => return self.drain_closed(),
+            }
+        }
+    }
+
+    /// A response already delivered to some watcher of the stream, if any.
+    pub fn try_recv(&mut self) -> Result<Option<StreamItem>, MvccError> {
+        loop {
+            match self.rx.try_recv() {
+                Ok(id) => {
+                    if let Some(item) = self.take(id) {
+                        return Ok(Some(item));
+                    }
+                }
+                Err(TryRecvError::Empty) => {
+                    return if self.closed() {
+                        self.drain_closed()
+                    } else {
+                        Ok(None)
+                    };
+                }
+                Err(TryRecvError::Disconnected) => return self.drain_closed(),
+            }
+        }
+    }
+
+    fn closed(&self) -> bool {
+        self.inner
+            .upgrade()
+            .is_none_or(|i| i.watch.shared.closed.load(Ordering::Acquire))
+    }
+
+    /// After the store closed: whatever is still buffered, then [`MvccError::WatchClosed`].
+    fn drain_closed(&mut self) -> Result<Option<StreamItem>, MvccError> {
+        self.tx = None;
+        let ids: Vec<u64> = self.watchers.keys().copied().collect();
+        for id in ids {
+            if let Some(StreamItem::Events { id, events }) = self.take(id) {
+                return Ok(Some(StreamItem::Events { id, events }));
+            }
+        }
+        self.watchers.clear();
+        Err(MvccError::WatchClosed { id: 0 })
+    }
 }

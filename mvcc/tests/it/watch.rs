@@ -1,11 +1,12 @@
 //! Watch: revision order, catch-up from the past, prev values, the compacted error,
-//! cancellation, and slow watchers that neither block writers nor lose events.
+//! cancellation, slow watchers that neither block writers nor lose events, and watch streams
+//! multiplexing many watchers.
 
 use std::time::{Duration, Instant};
 
 use keel_mvcc::{
-    DeleteRangeRequest, Event, EventKind, MvccError, PutRequest, StoreOptions, TxnOp, TxnRequest,
-    WatchRequest, Watcher,
+    DeleteRangeRequest, Event, EventKind, MvccError, PutRequest, StoreOptions, StreamItem, TxnOp,
+    TxnRequest, WatchRequest, Watcher,
 };
 
 use crate::common::{fresh_path, open_at, store};
@@ -212,4 +213,120 @@ fn cancel_and_drop_unregister() {
     assert_eq!(collect(&b, 1)[0].kv.value, b"1");
     drop(s);
     assert!(matches!(b.recv(), Err(MvccError::WatchClosed { .. })));
+}
+
+#[test]
+fn a_stream_multiplexes_many_watchers_in_order_including_slow_ones() {
+    let (_d, path) = fresh_path();
+    let options = StoreOptions {
+        watch_channel_capacity: 2,
+        watch_sync_interval: Duration::from_millis(5),
+        ..StoreOptions::default()
+    };
+    let s = open_at(&path, options);
+    let mut stream = s.watch_stream();
+    let ids: Vec<u64> = (0..20u32)
+        .map(|i| {
+            stream
+                .watch(WatchRequest::key(format!("k{i:02}").into_bytes()))
+                .unwrap()
+        })
+        .collect();
+    let past = stream
+        .watch(WatchRequest::key(b"k00".to_vec()).from(1))
+        .unwrap();
+    assert_eq!(stream.len(), 21);
+    assert_eq!(s.watcher_count(), 21);
+    // Nobody drains while 200 puts land: channels of 2 overflow, watchers fall behind.
+    for i in 0..200u32 {
+        s.put(
+            format!("k{:02}", i % 20).as_bytes(),
+            format!("{i}").as_bytes(),
+            0,
+        )
+        .unwrap();
+    }
+    let mut per: std::collections::HashMap<u64, Vec<u64>> = Default::default();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut total = 0;
+    while total < 210 {
+        assert!(
+            Instant::now() < deadline,
+            "only {total} of 210 events arrived"
+        );
+        match stream.recv_timeout(Duration::from_millis(200)).unwrap() {
+            Some(StreamItem::Events { id, events }) => {
+                total += events.len();
+                per.entry(id)
+                    .or_default()
+                    .extend(events.iter().map(|e| e.kv.mod_revision));
+            }
+            Some(StreamItem::Ended { id, error }) => panic!("watcher {id} ended: {error}"),
+            None => {}
+        }
+    }
+    for (n, id) in ids.iter().enumerate() {
+        let want: Vec<u64> = (0..10u64).map(|j| j * 20 + n as u64 + 1).collect();
+        assert_eq!(per[id], want, "watcher {n}");
+    }
+    let want: Vec<u64> = (0..10u64).map(|j| j * 20 + 1).collect();
+    assert_eq!(per[&past], want);
+    assert!(stream.cancel(ids[0]));
+    assert!(!stream.cancel(ids[0]));
+    assert_eq!(s.watcher_count(), 20);
+    s.put(b"k00", b"x", 0).unwrap();
+    s.put(b"k01", b"y", 0).unwrap();
+    match stream.recv_timeout(Duration::from_secs(10)).unwrap() {
+        Some(StreamItem::Events { id, events }) => {
+            assert!(id == past || id == ids[1], "{id}");
+            assert!(events[0].kv.mod_revision >= 201);
+        }
+        other => panic!("{other:?}"),
+    }
+    drop(s);
+    let mut ended = false;
+    for _ in 0..10 {
+        match stream.recv_timeout(Duration::from_millis(100)) {
+            Err(MvccError::WatchClosed { .. }) => {
+                ended = true;
+                break;
+            }
+            Ok(_) => {}
+            Err(e) => panic!("{e:?}"),
+        }
+    }
+    assert!(ended, "the stream reports the closed store");
+}
+
+#[test]
+fn a_stream_reports_a_watcher_overtaken_by_compaction() {
+    let (_d, path) = fresh_path();
+    let options = StoreOptions {
+        watch_channel_capacity: 1,
+        watch_sync_interval: Duration::from_millis(5),
+        ..StoreOptions::default()
+    };
+    let s = open_at(&path, options);
+    let mut stream = s.watch_stream();
+    let id = stream.watch(WatchRequest::key(b"k".to_vec())).unwrap();
+    for i in 0..20u32 {
+        s.put(b"k", format!("{i}").as_bytes(), 0).unwrap();
+    }
+    s.compact(15).unwrap();
+    let err = loop {
+        match stream.recv_timeout(Duration::from_secs(10)).unwrap() {
+            Some(StreamItem::Events { id: got, .. }) => assert_eq!(got, id),
+            Some(StreamItem::Ended { id: got, error }) => {
+                assert_eq!(got, id);
+                break error;
+            }
+            None => panic!("watcher neither caught up nor failed"),
+        }
+    };
+    assert!(
+        matches!(err, MvccError::Compacted { compacted: 15, .. }),
+        "{err:?}"
+    );
+    assert!(stream.is_empty());
+    assert_eq!(s.watcher_count(), 0);
 }
