@@ -3,8 +3,8 @@
 //! [`TimerHeap`] is a 4-ary min-heap of 16-byte timers ordered by deadline (four children
 //! are 64 contiguous bytes, so a sift-down reads about one cache line per level).
 //! [`TimerQueue`] puts it behind a timing wheel: a timer is filed, unsorted, in the slot of
-//! its deadline's bucket (granule [`GRANULE_NANOS`], about 17 s; 4 096 slots, so a slot
-//! comes round every 19.5 h and a longer timer is looked at once per turn), and only when
+//! its deadline's bucket (granule [`GRANULE_NANOS`], about 17 s; 65 536 slots, so a slot
+//! comes round every 13 days and a longer timer is looked at once per turn), and only when
 //! time reaches a bucket are its timers moved into the heap. The heap thus holds the timers
 //! of the current granule rather than all n of them and stays in cache: the k earliest
 //! timers are popped in O(k log h) for h timers in the heap (h ≤ n), plus O(1) per timer
@@ -131,8 +131,8 @@ impl TimerHeap {
 
 /// Width of a calendar bucket: 2^34 ns, about 17.2 s.
 pub(crate) const GRANULE_NANOS: u64 = 1 << 34;
-/// Buckets on the wheel: 4 096 × 17.2 s ≈ 19.5 h before a slot comes round again.
-const WHEEL_SLOTS: usize = 4_096;
+/// Buckets on the wheel: 65 536 × 17.2 s ≈ 13 days before a slot comes round again.
+const WHEEL_SLOTS: usize = 65_536;
 
 /// A timing wheel of far timers in front of a [`TimerHeap`] of near ones; see the module
 /// docs.

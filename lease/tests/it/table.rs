@@ -280,13 +280,18 @@ fn heavy_renewal_churn_keeps_the_heap_bounded() {
     for id in 1..=100 {
         t.grant(id, 60, secs(0)).unwrap();
     }
+    let before = t.allocated_bytes().structure;
     for round in 0..200u64 {
         for id in 1..=100 {
             t.renew(id, Duration::from_millis(round)).unwrap();
         }
     }
+    // 20 000 renewals left 20 000 stale timers behind; sweeping keeps a few thousand.
     let usage = t.allocated_bytes();
-    assert!(usage.structure < 200_000, "{usage:?}");
+    assert!(
+        usage.structure < before + 100_000,
+        "{usage:?} (before: {before})"
+    );
     // All leases still expire once, at their last renewal + 60 s.
     let last = Duration::from_millis(199) + secs(60);
     assert!(t.expired(last - Duration::from_nanos(1)).is_empty());
