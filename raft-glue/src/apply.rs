@@ -34,7 +34,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use keel_lease::{Checkpoint, Clock, LeaseError, Lessor, LessorOptions};
-use keel_mvcc::{Backend, Bucket, MvccError, Store, StoreOptions};
+use keel_mvcc::{Backend, Bucket, MvccError, Store, StoreOptions, WriteTxn};
 use parking_lot::RwLock;
 use raft::eraftpb::{ConfState, Entry};
 
@@ -352,12 +352,18 @@ impl<B: Backend> StateMachine<B> {
         }
     }
 
-    /// Records the bootstrap conf state of a new cluster (index 0: no entry applied).
-    pub fn bootstrap(&self, cs: &ConfState) -> Result<(), NodeError> {
+    /// Records the bootstrap conf state of a new cluster (index 0: no entry applied) and its
+    /// members, in one transaction. Also used by force-new-cluster to rewrite both.
+    pub fn bootstrap(
+        &self,
+        cs: &ConfState,
+        members: &crate::membership::MemberSet,
+    ) -> Result<(), NodeError> {
         let store = self.store();
         let mut txn = store.write();
         txn.put_aux(&RAFT_BUCKET, CONF_KEY, &encode_conf_state(cs))
             .map_err(store_err)?;
+        members.persist_all(&mut txn)?;
         txn.commit().map_err(store_err)?;
         store.force_commit().map_err(store_err)
     }
@@ -407,6 +413,13 @@ impl<B: Backend> StateMachine<B> {
             .map_err(store_err)?;
         txn.commit().map_err(store_err)?;
         Ok(true)
+    }
+
+    /// Stages `cs` as the stored conf state into `txn` (the transaction of a membership
+    /// change, which also records the entry's index and the members).
+    pub fn stage_conf_state(txn: &mut WriteTxn<'_, B>, cs: &ConfState) -> Result<(), NodeError> {
+        txn.put_aux(&RAFT_BUCKET, CONF_KEY, &encode_conf_state(cs))
+            .map_err(store_err)
     }
 
     fn advance_index(&self, store: &Store<B>, index: u64) -> Result<(), NodeError> {
@@ -484,7 +497,7 @@ impl<B: Backend> StateMachine<B> {
                 lessor.apply_checkpoints(&cps, idx).map_err(lease_err)?;
                 Ok(Response::LeaseCheckpoint)
             }
-            Request::ConfChange(_) => Err(NodeError::InvalidRequest(
+            Request::ConfChange(_) | Request::Member(_) => Err(NodeError::InvalidRequest(
                 "a membership change must travel in a conf-change entry".into(),
             )),
         }

@@ -101,6 +101,15 @@ pub enum NodeError {
     /// A membership change was refused.
     #[error("membership change refused: {0}")]
     Membership(String),
+    /// The member may not run: it was removed from the cluster, or its start configuration
+    /// does not match the cluster's (`source` says which, in etcd's words).
+    #[error("member {id} cannot run: {source}")]
+    Member {
+        /// This member.
+        id: u64,
+        /// The membership rule that stops it.
+        source: crate::membership::MembershipError,
+    },
     /// An operating-system I/O call failed.
     #[error("I/O error on {path}: {op} failed: {source}")]
     Io {

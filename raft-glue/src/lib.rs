@@ -11,6 +11,9 @@
 //! - Members talk through a [`Transport`] ([`transport`]): Raft messages on one path, snapshot
 //!   streams on another; [`MemNetwork`] is the in-memory implementation with fault injection
 //!   used by the simulation harness.
+//! - Membership ([`membership`]) follows etcd's rules; membership requests made on a
+//!   follower, refusals, learners' applied-index reports and removal notices travel between
+//!   members as control frames on the Raft message path (`control`).
 //! - A follower behind the compacted log receives the leader's backend as a checksummed,
 //!   chunked stream that it verifies, stores and installs ([`snapshot`]).
 //! - [`NodeOptions`] ([`options`]) holds every knob with etcd's defaults; [`NodeError`]
@@ -19,6 +22,7 @@
 #![forbid(unsafe_code)]
 
 pub mod apply;
+mod control;
 pub mod error;
 pub mod logger;
 pub mod membership;

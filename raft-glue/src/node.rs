@@ -21,7 +21,7 @@
 //! (batched: one read-index round serves every read queued in one loop turn) and wait until
 //! the member has applied the read index; serializable reads read the local store.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -46,13 +46,24 @@ use raft::{RawNode, SnapshotStatus, StateRole};
 use raft_proto::ConfChangeI;
 
 use crate::apply::{self, LeaseSetup, SharedCurrent, StateMachine, lease_err, store_err};
+use crate::control::Control;
 use crate::error::NodeError;
 use crate::logger::raft_logger;
+use crate::membership::set::Applied;
+use crate::membership::{
+    ActivityTracker, AutoPromoter, LearnerProgress, Member, MemberOp, MemberSet, MembershipError,
+    MembershipOptions, ProposedChange, TransferProgress, promotion_gate, refuse_on_learner,
+    strict_check,
+};
 use crate::options::NodeOptions;
-use crate::request::{Envelope, MemberChange, Request, Response};
+use crate::request::{Envelope, MemberChange, Request, Response, is_member_request};
 use crate::snapshot::{self, AckWaiters, Assembler, Received};
 use crate::storage::RaftStorage;
+use crate::tcp::RateLimiter;
 use crate::transport::{Mailbox, SnapshotAck, SnapshotFrame, Transport};
+
+/// The file a removed member leaves in its data directory so it never runs on it again.
+pub const REMOVED_MARKER: &str = "removed";
 
 /// Everything a member needs to start.
 pub struct NodeConfig<B: Backend> {
@@ -76,6 +87,26 @@ pub struct NodeConfig<B: Backend> {
     pub lessor_options: LessorOptions,
     /// Where lease time comes from. Default: the system's monotonic clock.
     pub clock: Arc<dyn Clock>,
+    /// The members of a new cluster with their addresses, used with `peers` on bootstrap
+    /// (their ids must be `peers`). Default: empty, meaning one voter per id of `peers`,
+    /// named `member-<id>` with peer URL `mem://<id>`.
+    pub members: Vec<Member>,
+    /// Membership options (strict check, learner by default, automatic promotion, learner
+    /// limit, promotion gate). Default: [`MembershipOptions::default`].
+    pub membership: MembershipOptions,
+    /// The cluster this member was told at start (name and peer URLs of every member),
+    /// checked against the cluster's membership as soon as it is known (etcd's
+    /// `--initial-cluster` with `--initial-cluster-state existing`): a mismatch stops the
+    /// member with etcd's error. Default: None (not checked).
+    pub start_config: Option<Vec<(String, Vec<String>)>>,
+    /// Restart this member's data as a single-member cluster (etcd's
+    /// `--force-new-cluster`), for recovery after permanent quorum loss: every other member
+    /// is removed, this one becomes the only voter. Default: false.
+    pub force_new_cluster: bool,
+    /// Paces outgoing snapshot streams on a transport that does not pace them itself (the
+    /// in-memory network; [`TcpTransport`](crate::TcpTransport) has its own limiter).
+    /// Default: None (unlimited).
+    pub snapshot_limiter: Option<Arc<RateLimiter>>,
 }
 
 impl<B: Backend> NodeConfig<B> {
@@ -91,7 +122,23 @@ impl<B: Backend> NodeConfig<B> {
             store_options: StoreOptions::default(),
             lessor_options: LessorOptions::default(),
             clock: Arc::new(SystemClock::new()),
+            members: Vec::new(),
+            membership: MembershipOptions::default(),
+            start_config: None,
+            force_new_cluster: false,
+            snapshot_limiter: None,
         }
+    }
+}
+
+/// The member description the node uses for an id given without addresses.
+pub fn default_member(id: u64, is_learner: bool) -> Member {
+    Member {
+        id,
+        name: format!("member-{id}"),
+        peer_urls: vec![format!("mem://{id}")],
+        client_urls: Vec::new(),
+        is_learner,
     }
 }
 
@@ -148,6 +195,9 @@ pub struct NodeStatus {
     pub snapshots_sent: u64,
     /// Incoming snapshot transfers refused (corrupt, incomplete, unusable) since start.
     pub snapshots_refused: u64,
+    /// Snapshot transfers this member sent or is sending, one per receiver (the latest):
+    /// bytes sent, rate, estimated time left.
+    pub transfers: Vec<TransferProgress>,
 }
 
 /// How a read is served.
@@ -177,6 +227,11 @@ enum Cmd {
     Read {
         reply: ReadReply,
     },
+    Member {
+        seq: u64,
+        op: MemberOp,
+        reply: Reply,
+    },
     Campaign,
     Stop,
 }
@@ -184,6 +239,7 @@ enum Cmd {
 enum Event {
     SnapshotSent {
         to: u64,
+        index: u64,
         ok: bool,
     },
     SnapshotReceived {
@@ -202,6 +258,10 @@ struct Shared<B: Backend> {
     snapshots_refused: AtomicU64,
     stopped: AtomicBool,
     stop_reason: Mutex<Option<String>>,
+    membership: MembershipOptions,
+    is_learner: AtomicBool,
+    members: RwLock<Vec<Member>>,
+    transfers: Mutex<HashMap<u64, TransferProgress>>,
 }
 
 /// One replicated keel member. Share it between threads with `Arc`.
@@ -228,12 +288,19 @@ impl<B: Backend> Node<B> {
         mailbox: Mailbox,
     ) -> Result<Node<B>, NodeError> {
         config.options.validate()?;
+        config.membership.validate()?;
         let id = config.id;
         if id == 0 {
             return Err(NodeError::InvalidOption("member id 0 is reserved".into()));
         }
         fs::create_dir_all(&config.dir)
             .map_err(|e| NodeError::io(&config.dir, "create directory", e))?;
+        if config.dir.join(REMOVED_MARKER).exists() {
+            return Err(NodeError::Member {
+                id,
+                source: MembershipError::PermanentlyRemoved { id },
+            });
+        }
         let mut lessor_options = config.lessor_options.clone();
         lessor_options.election_timeout =
             config.options.tick_interval * config.options.election_ticks as u32;
@@ -250,15 +317,54 @@ impl<B: Backend> Node<B> {
             Wal::open(&config.dir.join("wal"), config.wal_options.clone())
                 .map_err(|e| NodeError::Log(e.to_string()))?,
         );
+        let member_err = |source| NodeError::Member { id, source };
+        let mut members = MemberSet::load(&sm.store()).map_err(member_err)?;
+        members.check_not_removed(id).map_err(member_err)?;
         let conf_state = match sm.conf_state()? {
+            Some(_) if config.force_new_cluster => {
+                let cs = bootstrap_conf_state(&[id]);
+                members = members.forced_single(id, sm.applied(), default_member(id, false));
+                sm.bootstrap(&cs, &members)?;
+                tracing::warn!(
+                    member = id,
+                    "forced a new single-member cluster from this member's data"
+                );
+                cs
+            }
             Some(cs) => cs,
             None if !config.peers.is_empty() => {
+                let list = if config.members.is_empty() {
+                    config
+                        .peers
+                        .iter()
+                        .map(|&p| default_member(p, false))
+                        .collect()
+                } else {
+                    config.members.clone()
+                };
+                let mut ids: Vec<u64> = list.iter().map(|m| m.id).collect();
+                let mut peers = config.peers.clone();
+                ids.sort_unstable();
+                peers.sort_unstable();
+                if ids != peers {
+                    return Err(NodeError::InvalidOption(format!(
+                        "the members' ids {ids:?} are not the peers {peers:?}"
+                    )));
+                }
+                members = MemberSet::bootstrap(list).map_err(member_err)?;
                 let cs = bootstrap_conf_state(&config.peers);
-                sm.bootstrap(&cs)?;
+                sm.bootstrap(&cs, &members)?;
                 cs
             }
             None => ConfState::default(),
         };
+        let mut start_checked = false;
+        if let Some(local) = &config.start_config
+            && members.members().next().is_some()
+        {
+            members.check_start_config(local).map_err(member_err)?;
+            start_checked = true;
+        }
         let applied = sm.applied();
         let snap_term = sm
             .snapshot_point()?
@@ -298,11 +404,16 @@ impl<B: Backend> Node<B> {
                 snapshots_installed: 0,
                 snapshots_sent: 0,
                 snapshots_refused: 0,
+                transfers: Vec::new(),
             }),
             current: sm.shared(),
             snapshots_refused: AtomicU64::new(0),
             stopped: AtomicBool::new(false),
             stop_reason: Mutex::new(None),
+            membership: config.membership.clone(),
+            is_learner: AtomicBool::new(false),
+            members: RwLock::new(members.members().cloned().collect()),
+            transfers: Mutex::new(HashMap::new()),
         });
         let acks: AckWaiters = Arc::new(Mutex::new(HashMap::new()));
         let assembler = Assembler::new(config.dir.join("snap"))?;
@@ -347,7 +458,22 @@ impl<B: Backend> Node<B> {
             dir: config.dir.clone(),
             was_leader: false,
             last_lease_check: Instant::now(),
+            members,
+            mopts: config.membership.clone(),
+            activity: ActivityTracker::new(),
+            auto: AutoPromoter::new(),
+            snap_idx: HashMap::new(),
+            applied_reports: HashMap::new(),
+            last_member_turn: Instant::now(),
+            was_member_leader: false,
+            start_config: config.start_config.clone(),
+            start_checked,
+            limiter: config.snapshot_limiter.clone(),
+            removed: false,
         };
+        for m in driver.members.members() {
+            driver.transport.peer_added(m.id, &m.peer_urls);
+        }
         driver.update_status();
         threads.push(spawn(&format!("keel-raft-{id}"), move || {
             driver.run(cmd_rx, raft_rx, ev_rx)
@@ -386,6 +512,11 @@ impl<B: Backend> Node<B> {
         self.shared.current.read().lessor.clone()
     }
 
+    fn refuse_on_learner(&self) -> Result<(), NodeError> {
+        refuse_on_learner(self.shared.is_learner.load(Ordering::Acquire), true)?;
+        Ok(())
+    }
+
     fn check_running(&self) -> Result<(), NodeError> {
         if self.shared.stopped.load(Ordering::Acquire) {
             return Err(self.stopped_error());
@@ -417,8 +548,11 @@ impl<B: Backend> Node<B> {
     }
 
     /// Replicates `request` and returns its result once applied on this member.
+    ///
+    /// A learner refuses every proposal ("rpc not supported for learner").
     pub fn propose(&self, request: Request) -> Result<Response, NodeError> {
         self.check_running()?;
+        self.refuse_on_learner()?;
         let seq = self.shared.seq.fetch_add(1, Ordering::Relaxed);
         let env = Envelope {
             origin: self.shared.id,
@@ -441,6 +575,7 @@ impl<B: Backend> Node<B> {
                 context: data,
                 reply: tx,
             },
+            Request::Member(op) => Cmd::Member { seq, op, reply: tx },
             _ => Cmd::Propose {
                 seq,
                 data,
@@ -555,33 +690,94 @@ impl<B: Backend> Node<B> {
         self.lessor().leases()
     }
 
-    /// Adds a voting member; returns `(voters, learners)` after the change.
+    /// Adds member `id` (peer URL `mem://<id>`) as a voter, or as a learner when
+    /// [`MembershipOptions::learner_by_default`] is on; returns `(voters, learners)` after
+    /// the change.
     pub fn add_voter(&self, id: u64) -> Result<(Vec<u64>, Vec<u64>), NodeError> {
-        self.change_members(vec![MemberChange::AddVoter(id)])
+        Self::check_id(id)?;
+        self.member_op(MemberOp::Add(default_member(id, false)))
     }
 
-    /// Adds a learner; returns `(voters, learners)` after the change.
+    /// Adds member `id` (peer URL `mem://<id>`) as a learner; returns `(voters, learners)`
+    /// after the change.
     pub fn add_learner(&self, id: u64) -> Result<(Vec<u64>, Vec<u64>), NodeError> {
-        self.change_members(vec![MemberChange::AddLearner(id)])
+        Self::check_id(id)?;
+        self.member_op(MemberOp::Add(default_member(id, true)))
     }
 
     /// Removes a member; returns `(voters, learners)` after the change.
     pub fn remove_member(&self, id: u64) -> Result<(Vec<u64>, Vec<u64>), NodeError> {
-        self.change_members(vec![MemberChange::Remove(id)])
+        Self::check_id(id)?;
+        self.member_op(MemberOp::Remove(id))
     }
 
-    fn change_members(
-        &self,
-        changes: Vec<MemberChange>,
-    ) -> Result<(Vec<u64>, Vec<u64>), NodeError> {
-        for c in &changes {
-            let (MemberChange::AddVoter(m) | MemberChange::Remove(m) | MemberChange::AddLearner(m)) =
-                c;
-            if *m == 0 {
-                return Err(NodeError::Membership("member id 0 is reserved".into()));
-            }
+    fn check_id(id: u64) -> Result<(), NodeError> {
+        if id == 0 {
+            return Err(NodeError::Membership("member id 0 is reserved".into()));
         }
-        match self.propose(Request::ConfChange(changes))? {
+        Ok(())
+    }
+
+    /// Adds a member with a fresh random id (etcd `member add`): a learner when
+    /// `as_learner` or when [`MembershipOptions::learner_by_default`] is on. Returns the
+    /// member as added. Works on any voter: a follower forwards it to the leader.
+    pub fn member_add(
+        &self,
+        name: &str,
+        peer_urls: Vec<String>,
+        as_learner: bool,
+    ) -> Result<Member, NodeError> {
+        let taken: Vec<u64> = self.shared.members.read().iter().map(|m| m.id).collect();
+        let m = Member::with_random_id(
+            name,
+            peer_urls,
+            Vec::new(),
+            as_learner || self.shared.membership.learner_by_default,
+            |id| taken.contains(&id),
+        );
+        self.member_add_member(m)
+    }
+
+    /// Adds `member` with its own id (a removed id is refused with "ID removed").
+    pub fn member_add_member(&self, mut member: Member) -> Result<Member, NodeError> {
+        if self.shared.membership.learner_by_default {
+            member.is_learner = true;
+        }
+        self.member_op(MemberOp::Add(member.clone()))?;
+        Ok(member)
+    }
+
+    /// Removes member `id` (etcd `member remove`); the member stops when it learns it.
+    pub fn member_remove(&self, id: u64) -> Result<(Vec<u64>, Vec<u64>), NodeError> {
+        self.member_op(MemberOp::Remove(id))
+    }
+
+    /// Promotes learner `id` to a voter (etcd `member promote`), if the promotion gate
+    /// holds.
+    pub fn member_promote(&self, id: u64) -> Result<(Vec<u64>, Vec<u64>), NodeError> {
+        self.member_op(MemberOp::Promote {
+            id,
+            automatic: false,
+        })
+    }
+
+    /// Replaces the peer URLs of member `id` (etcd `member update`).
+    pub fn member_update_peer_urls(
+        &self,
+        id: u64,
+        peer_urls: Vec<String>,
+    ) -> Result<(Vec<u64>, Vec<u64>), NodeError> {
+        self.member_op(MemberOp::UpdatePeerUrls { id, peer_urls })
+    }
+
+    /// The members as this member last applied them (etcd `member list`).
+    pub fn member_list(&self) -> Vec<Member> {
+        self.shared.members.read().clone()
+    }
+
+    /// Runs one membership operation through the leader.
+    pub fn member_op(&self, op: MemberOp) -> Result<(Vec<u64>, Vec<u64>), NodeError> {
+        match self.propose(Request::Member(op))? {
             Response::ConfChange { voters, learners } => Ok((voters, learners)),
             other => Err(unexpected(other)),
         }
@@ -589,8 +785,11 @@ impl<B: Backend> Node<B> {
 
     /// Waits until this member has applied everything committed before the call (ReadIndex)
     /// and returns that index.
+    ///
+    /// A learner refuses ("rpc not supported for learner"): it serves serializable reads only.
     pub fn read_index(&self) -> Result<u64, NodeError> {
         self.check_running()?;
+        self.refuse_on_learner()?;
         let (tx, rx) = bounded(1);
         self.shared
             .cmds
@@ -799,6 +998,23 @@ struct Driver<B: Backend> {
     dir: PathBuf,
     was_leader: bool,
     last_lease_check: Instant,
+    /// The applied membership.
+    members: MemberSet,
+    mopts: MembershipOptions,
+    /// When each member was last heard from (strict check, promotion gate).
+    activity: ActivityTracker,
+    auto: AutoPromoter,
+    /// Index of the last snapshot each member acknowledged (leader).
+    snap_idx: HashMap<u64, u64>,
+    /// The applied index each learner last reported (leader).
+    applied_reports: HashMap<u64, u64>,
+    last_member_turn: Instant,
+    was_member_leader: bool,
+    start_config: Option<Vec<(String, Vec<String>)>>,
+    start_checked: bool,
+    limiter: Option<Arc<RateLimiter>>,
+    /// A member told this one that it was removed.
+    removed: bool,
 }
 
 impl<B: Backend> Driver<B> {
@@ -837,6 +1053,10 @@ impl<B: Backend> Driver<B> {
                 self.flush_reads();
                 let installed_before = self.snapshots_installed;
                 self.on_ready()?;
+                self.member_duties();
+                if self.removed {
+                    return Err(self.removed_self());
+                }
                 if let Some(done) = pending_snapshot_done {
                     let installed = self.snapshots_installed > installed_before;
                     if !installed {
@@ -933,6 +1153,28 @@ impl<B: Backend> Driver<B> {
                 }
             }
             Cmd::Read { reply } => self.read_batch.push(reply),
+            Cmd::Member { seq, op, reply } => {
+                if self.raw.raft.state == StateRole::Leader {
+                    match self.propose_member(self.id, seq, op) {
+                        Ok(()) => {
+                            self.waiters.insert(seq, (Instant::now(), reply));
+                        }
+                        Err(e) => {
+                            let _ = reply.send(Err(e));
+                        }
+                    }
+                } else if let Some(leader) = self.leader() {
+                    let fwd = Control::Forward {
+                        origin: self.id,
+                        seq,
+                        op,
+                    };
+                    self.transport.send(fwd.to_message(self.id, leader));
+                    self.waiters.insert(seq, (Instant::now(), reply));
+                } else {
+                    let _ = reply.send(Err(NotLeaderNone(self.id).into()));
+                }
+            }
             Cmd::Campaign => {
                 if let Err(e) = self.raw.campaign() {
                     tracing::warn!(member = self.id, error = %e, "campaign refused");
@@ -956,6 +1198,19 @@ impl<B: Backend> Driver<B> {
     }
 
     fn step(&mut self, m: Message) {
+        if m.from != 0 && m.from != self.id {
+            self.activity.heard(m.from, Instant::now());
+        }
+        if let Some(c) = Control::from_message(&m) {
+            self.control(m.from, c);
+            return;
+        }
+        if m.from != self.id && self.members.is_removed(m.from) {
+            // etcd: a removed member that contacts the cluster learns it and exits.
+            self.transport
+                .send(Control::Removed.to_message(self.id, m.from));
+            return;
+        }
         if let Err(e) = self.raw.step(m) {
             tracing::debug!(member = self.id, error = %e, "message refused by raft");
         }
@@ -983,9 +1238,10 @@ impl<B: Backend> Driver<B> {
 
     fn event(&mut self, e: Event) -> Option<Sender<bool>> {
         match e {
-            Event::SnapshotSent { to, ok } => {
+            Event::SnapshotSent { to, index, ok } => {
                 if ok {
                     self.snapshots_sent += 1;
+                    self.snap_idx.insert(to, index);
                 }
                 let status = if ok {
                     SnapshotStatus::Finish
@@ -1050,12 +1306,45 @@ impl<B: Backend> Driver<B> {
         let chunk = self.shared.options.snapshot_chunk_bytes;
         let timeout = self.shared.options.snapshot_timeout;
         let id = self.id;
+        let limiter = self.limiter.clone();
+        let shared = self.shared.clone();
+        shared
+            .transfers
+            .lock()
+            .insert(to, TransferProgress::new(to, None, Instant::now()));
         let spawned = spawn(&format!("keel-snap-send-{id}-{to}"), move || {
-            let r = snapshot::send(&*transport, &acks, transfer, m, txn, chunk, timeout);
-            if let Err(e) = &r {
-                tracing::warn!(member = id, to, error = %e, "snapshot transfer failed");
+            let progress = |n: u64| {
+                if let Some(p) = shared.transfers.lock().get_mut(&to) {
+                    p.record(n, Instant::now());
+                }
+            };
+            let r = snapshot::send(
+                &*transport,
+                &acks,
+                transfer,
+                m,
+                txn,
+                chunk,
+                timeout,
+                limiter.as_deref(),
+                &progress,
+            );
+            match &r {
+                Ok(()) => {
+                    if let Some(p) = shared.transfers.lock().get_mut(&to) {
+                        p.done = true;
+                        p.last = Instant::now();
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(member = id, to, error = %e, "snapshot transfer failed");
+                }
             }
-            let _ = events.send(Event::SnapshotSent { to, ok: r.is_ok() });
+            let _ = events.send(Event::SnapshotSent {
+                to,
+                index,
+                ok: r.is_ok(),
+            });
         });
         if spawned.is_err() {
             self.raw.report_snapshot(to, SnapshotStatus::Failure);
@@ -1152,6 +1441,24 @@ impl<B: Backend> Driver<B> {
         self.storage.apply_snapshot(&snap)?;
         self.last_snapshot_point = meta.index;
         self.snapshots_installed += 1;
+        self.members = MemberSet::load(&self.sm.store()).map_err(NodeError::from)?;
+        let member_err = |source| NodeError::Member {
+            id: self.id,
+            source,
+        };
+        self.members
+            .check_not_removed(self.id)
+            .map_err(member_err)?;
+        if !self.start_checked
+            && let Some(local) = &self.start_config
+        {
+            self.members.check_start_config(local).map_err(member_err)?;
+            self.start_checked = true;
+        }
+        for m in self.members.members() {
+            self.transport.peer_added(m.id, &m.peer_urls);
+        }
+        self.publish_members();
         tracing::info!(
             member = self.id,
             index = meta.index,
@@ -1164,6 +1471,17 @@ impl<B: Backend> Driver<B> {
     fn apply(&mut self, entries: Vec<Entry>) -> Result<(), NodeError> {
         for e in entries {
             match e.get_entry_type() {
+                EntryType::EntryNormal if is_member_request(&e.data) => {
+                    match Envelope::decode(&e.data) {
+                        Ok(env) => self.apply_member(&e, env, None)?,
+                        Err(err) => {
+                            tracing::warn!(member = self.id, index = e.index, error = %err, "undecodable member request skipped");
+                            self.sm
+                                .apply_conf_state(e.index, &self.storage.conf_state())?;
+                            self.storage.set_applied(e.index, None);
+                        }
+                    }
+                }
                 EntryType::EntryNormal => {
                     if let Some((origin, seq, result)) = self.sm.apply_normal(&e)? {
                         self.answer(origin, seq, result);
@@ -1190,6 +1508,13 @@ impl<B: Backend> Driver<B> {
     fn apply_conf_change(&mut self, e: &Entry) -> Result<(), NodeError> {
         let env = Envelope::decode(&e.context).ok();
         if e.index <= self.sm.applied() {
+            if let Some(Envelope {
+                request: Request::Member(op),
+                ..
+            }) = &env
+            {
+                self.auto.on_applied(op.id());
+            }
             // Already in the stored conf state that raft-rs was started with.
             return Ok(());
         }
@@ -1208,6 +1533,11 @@ impl<B: Backend> Driver<B> {
                 return Ok(());
             }
         };
+        if let Some(env) = &env
+            && matches!(env.request, Request::Member(_))
+        {
+            return self.apply_member(e, env.clone(), Some(cc));
+        }
         let result = self.raw.apply_conf_change(&cc);
         let (cs, answer) = match result {
             Ok(cs) => {
@@ -1235,6 +1565,294 @@ impl<B: Backend> Driver<B> {
             });
         }
         Ok(())
+    }
+
+    /// Checks a membership operation on the leader and proposes it: the operation itself
+    /// (etcd's validation, learner limit), the strict reconfiguration check, the promotion
+    /// gate for a manual promote, one change at a time.
+    fn propose_member(&mut self, origin: u64, seq: u64, mut op: MemberOp) -> Result<(), NodeError> {
+        if let MemberOp::Add(m) = &mut op
+            && self.mopts.learner_by_default
+        {
+            m.is_learner = true;
+        }
+        self.members.validate(&op, &self.mopts)?;
+        let env = Envelope {
+            origin,
+            seq,
+            request: Request::Member(op.clone()),
+        }
+        .encode();
+        let Some(change) = op.proposed_change() else {
+            // Raft's configuration holds no addresses: an update of peer URLs is an
+            // ordinary entry.
+            return self
+                .raw
+                .propose(Vec::new(), env)
+                .map_err(|e| self.propose_error(e));
+        };
+        let raft = &self.raw.raft;
+        if raft.pending_conf_index > raft.raft_log.applied {
+            return Err(NodeError::Membership(
+                "another membership change is still being applied".into(),
+            ));
+        }
+        let now = Instant::now();
+        if self.mopts.strict_reconfig_check {
+            let cs = raft.prs().conf().to_conf_state();
+            let voters: BTreeSet<u64> = cs.voters.iter().copied().collect();
+            let learners: BTreeSet<u64> = cs.learners.iter().copied().collect();
+            let active = self.activity.active(self.id, now, self.mopts.active_window);
+            strict_check(&voters, &learners, &active, change)?;
+        }
+        if let MemberOp::Promote {
+            id,
+            automatic: false,
+        } = op
+        {
+            promotion_gate(
+                &self.learner_progress(id, now),
+                raft.raft_log.last_index(),
+                &self.mopts,
+            )?;
+        }
+        let (ty, id) = match change {
+            ProposedChange::AddVoter(id) | ProposedChange::Promote(id) => {
+                (ConfChangeType::AddNode, id)
+            }
+            ProposedChange::AddLearner(id) => (ConfChangeType::AddLearnerNode, id),
+            ProposedChange::Remove(id) => (ConfChangeType::RemoveNode, id),
+        };
+        let mut single = ConfChangeSingle::default();
+        single.set_change_type(ty);
+        single.node_id = id;
+        let mut cc = ConfChangeV2::default();
+        cc.set_transition(ConfChangeTransition::Auto);
+        cc.set_changes(vec![single].into());
+        self.raw
+            .propose_conf_change(env, cc)
+            .map_err(|e| self.propose_error(e))
+    }
+
+    /// The leader's view of learner `id` for the promotion gate.
+    fn learner_progress(&self, id: u64, now: Instant) -> LearnerProgress {
+        LearnerProgress::from_tracker(
+            id,
+            self.raw.raft.prs(),
+            self.snap_idx.get(&id).copied(),
+            self.applied_reports.get(&id).copied(),
+            self.activity.is_active(id, now, self.mopts.active_window),
+        )
+    }
+
+    /// Handles a control frame from member `from`.
+    fn control(&mut self, from: u64, c: Control) {
+        match c {
+            Control::Forward { origin, seq, op } => {
+                let result = if self.raw.raft.state == StateRole::Leader {
+                    self.propose_member(origin, seq, op)
+                } else {
+                    Err(NodeError::NotLeader {
+                        id: self.id,
+                        leader: self.leader(),
+                    })
+                };
+                if let Err(e) = result {
+                    let error = match e {
+                        NodeError::Membership(text) => text,
+                        other => other.to_string(),
+                    };
+                    self.transport
+                        .send(Control::Refused { seq, error }.to_message(self.id, origin));
+                }
+            }
+            Control::Refused { seq, error } => {
+                if let Some((_, reply)) = self.waiters.remove(&seq) {
+                    let _ = reply.send(Err(NodeError::Membership(error)));
+                }
+            }
+            Control::Applied { index } => {
+                self.applied_reports.insert(from, index);
+            }
+            Control::Removed => {
+                if self.members.get(from).is_some() || self.members.members().next().is_none() {
+                    self.removed = true;
+                }
+            }
+        }
+    }
+
+    /// Applies a membership entry: the members, the entry's index and the conf state in one
+    /// write transaction; the Raft conf change only when the membership changed.
+    fn apply_member(
+        &mut self,
+        e: &Entry,
+        env: Envelope,
+        cc: Option<ConfChangeV2>,
+    ) -> Result<(), NodeError> {
+        let Request::Member(op) = &env.request else {
+            return Err(NodeError::Membership(format!(
+                "entry {} is not a membership operation",
+                e.index
+            )));
+        };
+        if e.index <= self.sm.applied() {
+            self.auto.on_applied(op.id());
+            return Ok(());
+        }
+        let store = self.sm.store();
+        let mut txn = store.write();
+        txn.set_consistent_index(e.index).map_err(store_err)?;
+        let verdict = self.members.apply(op, e.index, &self.mopts, &mut txn);
+        let staged = matches!(verdict, Ok(Applied::Changed));
+        let mut cs = self.storage.conf_state();
+        let answer: Result<Applied, NodeError> = match verdict {
+            Ok(Applied::Changed) => match &cc {
+                Some(cc) => match self.raw.apply_conf_change(cc) {
+                    Ok(new) => {
+                        cs = new;
+                        Ok(Applied::Changed)
+                    }
+                    Err(err) => Err(NodeError::Membership(err.to_string())),
+                },
+                None => Ok(Applied::Changed),
+            },
+            Ok(Applied::NoOp) => Ok(Applied::NoOp),
+            Err(err) => Err(err.into()),
+        };
+        if answer.is_err() && staged {
+            // Raft refused what the member set accepted: keep neither.
+            drop(txn);
+            self.members = MemberSet::load(&store).map_err(NodeError::from)?;
+            self.sm.apply_conf_state(e.index, &cs)?;
+        } else {
+            StateMachine::<B>::stage_conf_state(&mut txn, &cs)?;
+            txn.commit().map_err(store_err)?;
+        }
+        self.storage.set_applied(e.index, Some(&cs));
+        self.auto.on_applied(op.id());
+        let mut removed_self = false;
+        if answer.as_ref().is_ok_and(|a| *a == Applied::Changed) {
+            match op {
+                MemberOp::Add(m) => self.transport.peer_added(m.id, &m.peer_urls),
+                MemberOp::UpdatePeerUrls { id, peer_urls } => {
+                    self.transport.peer_added(*id, peer_urls)
+                }
+                MemberOp::Remove(id) => {
+                    // The transport keeps the removed member's address so the member can be
+                    // told it was removed if it calls again.
+                    self.activity.forget(*id);
+                    self.snap_idx.remove(id);
+                    self.applied_reports.remove(id);
+                    self.shared.transfers.lock().remove(id);
+                    removed_self = *id == self.id;
+                }
+                MemberOp::Promote { .. } => {}
+            }
+            tracing::info!(member = self.id, index = e.index, op = ?op, "membership changed");
+        }
+        self.publish_members();
+        let mut voters = cs.voters.clone();
+        voters.sort_unstable();
+        let mut learners = cs.learners.clone();
+        learners.sort_unstable();
+        self.answer(
+            env.origin,
+            env.seq,
+            answer.map(|_| Response::ConfChange { voters, learners }),
+        );
+        if removed_self {
+            return Err(self.removed_self());
+        }
+        Ok(())
+    }
+
+    /// Leaves the marker that keeps this member from running on its data again, and returns
+    /// the error it stops with.
+    fn removed_self(&mut self) -> NodeError {
+        let marker = self.dir.join(REMOVED_MARKER);
+        let text = MembershipError::PermanentlyRemoved { id: self.id }.to_string();
+        let written = fs::write(&marker, format!("{text}\n"))
+            .and_then(|()| fs::File::open(&marker)?.sync_all())
+            .and_then(|()| fs::File::open(&self.dir)?.sync_all());
+        if let Err(e) = written {
+            tracing::error!(member = self.id, error = %e, "cannot write the removal marker");
+        }
+        tracing::warn!(member = self.id, "{text}");
+        NodeError::Member {
+            id: self.id,
+            source: MembershipError::PermanentlyRemoved { id: self.id },
+        }
+    }
+
+    fn publish_members(&self) {
+        *self.shared.members.write() = self.members.members().cloned().collect();
+    }
+
+    /// Once per tick: a learner reports its applied index to the leader; the leader runs
+    /// the automatic promotion.
+    fn member_duties(&mut self) {
+        let now = Instant::now();
+        if now.saturating_duration_since(self.last_member_turn) < self.shared.options.tick_interval
+        {
+            return;
+        }
+        self.last_member_turn = now;
+        let leader = self.raw.raft.state == StateRole::Leader;
+        if leader != self.was_member_leader {
+            self.was_member_leader = leader;
+            self.auto.reset();
+        }
+        if !leader {
+            let is_learner = self.raw.raft.prs().conf().learners().contains(&self.id);
+            if is_learner && let Some(l) = self.leader() {
+                let report = Control::Applied {
+                    index: self.sm.applied(),
+                };
+                self.transport.send(report.to_message(self.id, l));
+            }
+            return;
+        }
+        let learners: Vec<u64> = self
+            .raw
+            .raft
+            .prs()
+            .conf()
+            .learners()
+            .iter()
+            .copied()
+            .collect();
+        if learners.is_empty() {
+            return;
+        }
+        let last = self.raw.raft.raft_log.last_index();
+        let gates: Vec<(u64, Result<(), MembershipError>)> = learners
+            .iter()
+            .map(|&l| {
+                (
+                    l,
+                    promotion_gate(&self.learner_progress(l, now), last, &self.mopts),
+                )
+            })
+            .collect();
+        let pending = self.raw.raft.pending_conf_index > self.raw.raft.raft_log.applied;
+        if let Some(id) = self.auto.tick(now, &gates, pending, &self.mopts) {
+            let op = MemberOp::Promote {
+                id,
+                automatic: true,
+            };
+            match self.propose_member(0, 0, op) {
+                Ok(()) => tracing::info!(
+                    member = self.id,
+                    learner = id,
+                    "automatic promotion proposed"
+                ),
+                Err(e) => {
+                    tracing::debug!(member = self.id, learner = id, error = %e, "automatic promotion refused");
+                    self.auto.on_failed(id, now);
+                }
+            }
+        }
     }
 
     fn read_states(&mut self, states: Vec<raft::ReadState>) {
@@ -1316,7 +1934,16 @@ impl<B: Backend> Driver<B> {
             snapshots_installed: self.snapshots_installed,
             snapshots_sent: self.snapshots_sent,
             snapshots_refused: 0,
+            transfers: {
+                let mut t: Vec<TransferProgress> =
+                    self.shared.transfers.lock().values().copied().collect();
+                t.sort_by_key(|p| p.to);
+                t
+            },
         };
+        self.shared
+            .is_learner
+            .store(status.learners.contains(&self.id), Ordering::Release);
         *self.shared.status.write() = status;
     }
 }

@@ -23,6 +23,7 @@
 //! kind 6 lease revoke   id:i64
 //! kind 7 checkpoint     list<id:i64 | remaining_ttl:i64>
 //! kind 8 conf change    list<change:u8 | member:u64>   (1 add voter, 2 remove, 3 add learner)
+//! kind 9 member op      the rest: a membership operation (MemberOp encoding, with its CRC)
 //! txn       = list<compare> | list<op> (success) | list<op> (failure)
 //! compare   = key:bytes | range_end:opt<bytes> | result:u8 (1 =, 2 !=, 3 >, 4 <)
 //!             | target:u8 (1 value, 2 version, 3 create, 4 mod, 5 lease) | operand
@@ -41,6 +42,7 @@ use keel_mvcc::{
 };
 
 use crate::error::NodeError;
+use crate::membership::MemberOp;
 
 /// Encoding version written by this build.
 pub const REQUEST_VERSION: u8 = 1;
@@ -98,6 +100,9 @@ pub enum Request {
     LeaseCheckpoint(Vec<LeaseCheckpoint>),
     /// Change the membership (carried in the context of a `ConfChangeV2` entry).
     ConfChange(Vec<MemberChange>),
+    /// A membership operation with etcd's semantics (carried in the context of a
+    /// `ConfChangeV2` entry, or in a normal entry for an update of peer URLs).
+    Member(MemberOp),
 }
 
 /// The result of an applied [`Request`], handed back to its proposer.
@@ -136,6 +141,14 @@ pub enum Response {
         /// Learners.
         learners: Vec<u64>,
     },
+}
+
+/// The envelope kind of [`Request::Member`].
+pub const MEMBER_KIND: u8 = 9;
+
+/// Whether `data` is an encoded envelope of a [`Request::Member`] (checked without decoding).
+pub fn is_member_request(data: &[u8]) -> bool {
+    data.len() > 17 && data[0] == REQUEST_VERSION && data[17] == MEMBER_KIND
 }
 
 /// A request with the identity of its proposer.
@@ -203,6 +216,10 @@ impl Envelope {
                     put_u64(&mut w, *id);
                 }
             }
+            Request::Member(op) => {
+                w.push(MEMBER_KIND);
+                w.extend_from_slice(&op.encode());
+            }
         }
         w
     }
@@ -254,6 +271,11 @@ impl Envelope {
                     });
                 }
                 Request::ConfChange(changes)
+            }
+            MEMBER_KIND => {
+                let rest = &bytes[r.pos..];
+                r.pos = bytes.len();
+                Request::Member(MemberOp::decode(rest).map_err(|e| r.err(e.to_string()))?)
             }
             k => return Err(r.err(format!("unknown request kind {k}"))),
         };
@@ -588,6 +610,14 @@ mod tests {
                 remaining_ttl: 17,
             }]),
             Request::ConfChange(vec![MemberChange::AddLearner(4), MemberChange::Remove(2)]),
+            Request::Member(MemberOp::Promote {
+                id: 4,
+                automatic: true,
+            }),
+            Request::Member(MemberOp::UpdatePeerUrls {
+                id: 4,
+                peer_urls: vec!["http://127.0.0.1:2380".into()],
+            }),
         ]
     }
 

@@ -51,11 +51,19 @@ struct ChunkWriter<'a> {
     chunk: usize,
     total: u64,
     hasher: crc32fast::Hasher,
+    /// Paces the stream when the transport does not (the in-memory network).
+    limiter: Option<&'a crate::tcp::RateLimiter>,
+    /// Told the length of each chunk before it is sent (member status).
+    progress: &'a dyn Fn(u64),
 }
 
 impl ChunkWriter<'_> {
     fn flush_chunk(&mut self, end: bool) -> Result<(), NodeError> {
         let data = std::mem::take(&mut self.buf);
+        if let Some(l) = self.limiter {
+            l.acquire(data.len() as u64);
+        }
+        (self.progress)(data.len() as u64);
         self.hasher.update(&data);
         self.total += data.len() as u64;
         let chunk = SnapshotChunk {
@@ -100,6 +108,8 @@ pub(crate) fn send<T: keel_mvcc::ReadTxn>(
     txn: T,
     chunk_bytes: usize,
     timeout: Duration,
+    limiter: Option<&crate::tcp::RateLimiter>,
+    progress: &dyn Fn(u64),
 ) -> Result<(), NodeError> {
     let (from, to) = (msg.from, msg.to);
     let (tx, rx) = bounded(1);
@@ -116,6 +126,8 @@ pub(crate) fn send<T: keel_mvcc::ReadTxn>(
             chunk: chunk_bytes,
             total: 0,
             hasher: crc32fast::Hasher::new(),
+            limiter,
+            progress,
         };
         keel_mvcc::backend::snapshot::write(&txn, &mut w).map_err(|e| NodeError::Snapshot {
             from,

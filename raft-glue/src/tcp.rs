@@ -475,6 +475,27 @@ impl Transport for TcpTransport {
             .fetch_add(data_len as u64, Ordering::Relaxed);
         Ok(())
     }
+
+    fn peer_added(&self, id: u64, peer_urls: &[String]) {
+        if id == self.inner.id {
+            return;
+        }
+        let resolved = peer_urls.iter().find_map(|u| resolve_peer_url(u).ok());
+        match resolved {
+            Some(addr) => {
+                if let Err(e) = self.add_peer(id, addr) {
+                    tracing::warn!(member = self.inner.id, peer = id, error = %e, "cannot add peer");
+                }
+            }
+            None => {
+                tracing::warn!(member = self.inner.id, peer = id, urls = ?peer_urls, "no peer URL resolves; the member stays unreachable");
+            }
+        }
+    }
+
+    fn peer_removed(&self, id: u64) {
+        TcpTransport::remove_peer(self, id);
+    }
 }
 
 fn raft_writer(inner: Arc<Inner>, to: u64, addr: Arc<Mutex<SocketAddr>>, rx: Receiver<Message>) {

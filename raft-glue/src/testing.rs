@@ -16,8 +16,10 @@ use keel_mvcc::{Backend, PutResponse, RangeRequest, StoreOptions};
 use keel_wal::WalOptions;
 
 use crate::error::NodeError;
+use crate::membership::MembershipOptions;
 use crate::node::{Node, NodeConfig, ReadConsistency, Role};
 use crate::options::NodeOptions;
+use crate::tcp::RateLimiter;
 use crate::transport::MemNetwork;
 
 /// The backend the harness uses by default: the pure-Rust file backend when compiled in,
@@ -64,6 +66,10 @@ pub struct Cluster<B: Backend> {
     pub wal_options: WalOptions,
     /// Lessor options every member starts with.
     pub lessor_options: LessorOptions,
+    /// Membership options every member starts with (set before starting members).
+    pub membership: MembershipOptions,
+    /// Snapshot pacing shared by every member (the in-memory network does not pace).
+    pub snapshot_limiter: Option<Arc<RateLimiter>>,
     /// The lease clock every member shares; tests advance it by hand.
     pub clock: Arc<ManualClock>,
     _root: Option<tempfile::TempDir>,
@@ -76,6 +82,27 @@ impl<B: Backend> Cluster<B> {
     /// Creates and starts members `1..=n` of a new cluster.
     pub fn new(n: u64, options: NodeOptions, seed: u64) -> Result<Cluster<B>, NodeError> {
         Self::with(n, options, small_wal(), B::Options::default(), seed)
+    }
+
+    /// Like [`new`](Self::new) with explicit membership options.
+    pub fn with_membership(
+        n: u64,
+        options: NodeOptions,
+        membership: MembershipOptions,
+        seed: u64,
+    ) -> Result<Cluster<B>, NodeError> {
+        let root = tempfile::tempdir().map_err(|e| NodeError::io("tempdir", "create", e))?;
+        let path = root.path().to_path_buf();
+        Self::build(
+            n,
+            options,
+            small_wal(),
+            B::Options::default(),
+            seed,
+            &path,
+            Some(root),
+            membership,
+        )
     }
 
     /// Like [`new`](Self::new) with explicit WAL and backend options.
@@ -96,6 +123,7 @@ impl<B: Backend> Cluster<B> {
             seed,
             &path,
             Some(root),
+            MembershipOptions::default(),
         )
     }
 
@@ -115,9 +143,11 @@ impl<B: Backend> Cluster<B> {
             seed,
             root,
             None,
+            MembershipOptions::default(),
         )
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn build(
         n: u64,
         options: NodeOptions,
@@ -126,6 +156,7 @@ impl<B: Backend> Cluster<B> {
         seed: u64,
         path: &std::path::Path,
         root: Option<tempfile::TempDir>,
+        membership: MembershipOptions,
     ) -> Result<Cluster<B>, NodeError> {
         let peers: Vec<u64> = (1..=n).collect();
         let dirs = peers
@@ -143,6 +174,8 @@ impl<B: Backend> Cluster<B> {
             wal_options,
             lessor_options: LessorOptions::default(),
             clock: Arc::new(ManualClock::new()),
+            membership,
+            snapshot_limiter: None,
             _root: root,
             dirs,
             nodes: BTreeMap::new(),
@@ -166,6 +199,31 @@ impl<B: Backend> Cluster<B> {
 
     /// Starts (or restarts) member `id` from its directory.
     pub fn start(&mut self, id: u64) -> Result<(), NodeError> {
+        self.start_with(id, |_| {})
+    }
+
+    /// Gives member `id` a data directory without starting it: a member that will join the
+    /// running cluster (it starts with no peers and waits for the leader).
+    pub fn add_dir(&mut self, id: u64) -> PathBuf {
+        let root = self
+            .dirs
+            .values()
+            .next()
+            .and_then(|d| d.parent())
+            .map(PathBuf::from)
+            .unwrap_or_else(std::env::temp_dir);
+        let dir = root.join(format!("member-{id}"));
+        self.dirs.insert(id, dir.clone());
+        dir
+    }
+
+    /// Like [`start`](Self::start), after `configure` has adjusted the configuration (for
+    /// instance `force_new_cluster` or `start_config`).
+    pub fn start_with(
+        &mut self,
+        id: u64,
+        configure: impl Fn(&mut NodeConfig<B>),
+    ) -> Result<(), NodeError> {
         let dir = self
             .dirs
             .get(&id)
@@ -174,7 +232,7 @@ impl<B: Backend> Cluster<B> {
         let mut attempt = 0;
         loop {
             let (transport, mailbox) = self.net.register(id);
-            let config = NodeConfig {
+            let mut config = NodeConfig {
                 id,
                 peers: self.peers.clone(),
                 dir: dir.clone(),
@@ -184,12 +242,22 @@ impl<B: Backend> Cluster<B> {
                 store_options: self.store_options.clone(),
                 lessor_options: self.lessor_options.clone(),
                 clock: self.clock.clone(),
+                members: Vec::new(),
+                membership: self.membership.clone(),
+                start_config: None,
+                force_new_cluster: false,
+                snapshot_limiter: self.snapshot_limiter.clone(),
             };
+            if !self.peers.contains(&id) {
+                config.peers = Vec::new();
+            }
+            configure(&mut config);
             match Node::start(config, Arc::new(transport), mailbox) {
                 Ok(node) => {
                     self.nodes.insert(id, Some(Arc::new(node)));
                     return Ok(());
                 }
+                Err(e @ (NodeError::Member { .. } | NodeError::InvalidOption(_))) => return Err(e),
                 // A snapshot sender of the previous incarnation may still hold the backend.
                 Err(e) if attempt < 50 => {
                     tracing::debug!(member = id, error = %e, "restart retried");

@@ -103,6 +103,18 @@ pub trait Transport: Send + Sync + 'static {
     /// surely did not arrive (unknown or unreachable member); `Ok` promises nothing more
     /// than [`send`](Transport::send) does.
     fn send_snapshot(&self, frame: SnapshotFrame) -> Result<(), NodeError>;
+
+    /// A member was added, or its peer URLs changed, in the applied membership: a transport
+    /// that dials addresses learns where to reach it. Default: nothing (the in-memory
+    /// network routes by id).
+    fn peer_added(&self, id: u64, peer_urls: &[String]) {
+        let _ = (id, peer_urls);
+    }
+
+    /// A member was removed from the applied membership. Default: nothing.
+    fn peer_removed(&self, id: u64) {
+        let _ = id;
+    }
 }
 
 /// Faults currently injected into a [`MemNetwork`].

@@ -111,6 +111,8 @@ impl MemberSet {
                 .map_err(store_err)?;
         }
         for (id, at) in &self.removed {
+            txn.delete_aux(&MEMBERS_BUCKET, &id.to_be_bytes())
+                .map_err(store_err)?;
             txn.put_aux(&REMOVED_BUCKET, &id.to_be_bytes(), &removed_value(*at))
                 .map_err(store_err)?;
         }
@@ -345,6 +347,23 @@ impl MemberSet {
         }
         *self = next;
         Ok(Applied::Changed)
+    }
+
+    /// The membership after forcing a new cluster of member `id` alone (etcd's
+    /// `--force-new-cluster`): every other member is recorded as removed at `index`; `id`
+    /// stays (as a voter), or `fallback` is used when it is not a member.
+    pub fn forced_single(&self, id: u64, index: u64, fallback: Member) -> MemberSet {
+        let mut next = MemberSet {
+            members: BTreeMap::new(),
+            removed: self.removed.clone(),
+        };
+        for (&other, _) in self.members.iter().filter(|(o, _)| **o != id) {
+            next.removed.insert(other, index);
+        }
+        let mut me = self.members.get(&id).cloned().unwrap_or(fallback);
+        me.is_learner = false;
+        next.members.insert(id, me);
+        next
     }
 
     /// Records that member `self_id` published its name and client URLs on start (etcd's
