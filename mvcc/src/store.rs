@@ -327,9 +327,15 @@ impl<B: Backend> Store<B> {
         crate::watch::watch(&self.inner, req)
     }
 
-    /// A new, empty [`WatchStream`]: many watchers behind one wake-up.
+    /// A new, empty [`WatchStream`]: many watchers behind one channel of
+    /// [`StoreOptions::watch_channel_capacity`] responses (etcd's per-stream `chanBufLen`).
     pub fn watch_stream(&self) -> WatchStream<B> {
-        WatchStream::new(&self.inner)
+        WatchStream::new(&self.inner, self.inner.options.watch_channel_capacity)
+    }
+
+    /// A new, empty [`WatchStream`] whose channel holds `capacity` responses (at least 1).
+    pub fn watch_stream_with_capacity(&self, capacity: usize) -> WatchStream<B> {
+        WatchStream::new(&self.inner, capacity)
     }
 
     /// The revision of the last write transaction that changed a key.

@@ -11,12 +11,13 @@
 //! once it has everything up to the last revision writers dispatched. Memory therefore stays
 //! bounded by the channels, whatever the consumers do.
 //!
-//! A [`WatchStream`] multiplexes many watchers onto one wake-up, like etcd's `watchStream`:
-//! each watcher keeps its own bounded channel (so flow control stays per watcher), and every
-//! response handed to one of them also queues the watcher's id on the stream's channel. A
-//! consumer of thousands of watchers then blocks on one channel instead of polling each.
-//! The id queue holds at most one entry per response waiting in a channel, so it is bounded
-//! by the watchers' channels too.
+//! A [`WatchStream`] multiplexes many watchers onto one bounded channel, like etcd's
+//! `watchStream` (its `chanBufLen` is our channel capacity): a consumer of thousands of
+//! watchers blocks on one channel instead of polling each, and the store keeps one channel
+//! per stream, not per watcher. When the shared channel is full, the watcher that could not
+//! deliver turns unsynced exactly like a lone watcher with a full channel, and the syncer
+//! catches it up once the consumer made room. Watchers ending (compaction) are queued beside
+//! the channel, so that news never waits for room.
 //!
 //! A watcher whose next revision falls below the compaction point receives
 //! [`MvccError::Compacted`] and ends (etcd's "required revision has been compacted").
@@ -124,9 +125,7 @@ struct WatcherState {
     key: Vec<u8>,
     bound: KeyBound,
     prev_kv: bool,
-    tx: Sender<Vec<Event>>,
-    /// The stream this watcher belongs to: told the watcher's id after every response.
-    stream: Option<Sender<u64>>,
+    tx: Target,
     end: Arc<WatchEnd>,
     /// First revision this watcher has not received (for a synced watcher: the lowest
     /// revision it may still receive).
@@ -135,19 +134,33 @@ struct WatcherState {
 }
 
 impl WatcherState {
-    /// Hands `out` to the watcher, then tells its stream (if any).
-    fn try_send(&self, id: u64, out: Vec<Event>) -> Result<(), TrySendError<Vec<Event>>> {
-        self.tx.try_send(out)?;
-        if let Some(s) = &self.stream {
-            let _ = s.send(id);
+    /// Hands `out` to the watcher's channel (its own or its stream's); on a full stream
+    /// channel the stream is marked lagging so its consumer wakes the syncer.
+    fn try_send(&self, id: u64, out: Vec<Event>) -> Result<(), TrySendError<()>> {
+        match &self.tx {
+            Target::Own(tx) => tx.try_send(out).map_err(|e| match e {
+                TrySendError::Full(_) => TrySendError::Full(()),
+                TrySendError::Disconnected(_) => TrySendError::Disconnected(()),
+            }),
+            Target::Stream(tx, shared) => tx.try_send((id, out)).map_err(|e| match e {
+                TrySendError::Full(_) => {
+                    shared.lagging.store(true, Ordering::Release);
+                    TrySendError::Full(())
+                }
+                TrySendError::Disconnected(_) => TrySendError::Disconnected(()),
+            }),
         }
-        Ok(())
     }
 
-    /// Tells the stream (if any) that the watcher ended.
-    fn ended(&self, id: u64) {
-        if let Some(s) = &self.stream {
-            let _ = s.send(id);
+    /// Records why the watcher ended: in its stream's queue, or for its own receiver.
+    fn ended(&self, id: u64, error: MvccError) {
+        match &self.tx {
+            Target::Stream(tx, shared) => {
+                shared.ended.lock().push((id, error));
+                // A wake-up for a blocked consumer; a full channel wakes it anyway.
+                let _ = tx.try_send((id, Vec::new()));
+            }
+            Target::Own(_) => *self.end.error.lock() = Some(error),
         }
     }
 
@@ -158,6 +171,25 @@ impl WatcherState {
             KeyBound::Unbounded => key >= self.key.as_slice(),
         }
     }
+}
+
+/// Where a watcher's responses go.
+#[derive(Clone)]
+enum Target {
+    /// A lone watcher's own channel.
+    Own(Sender<Vec<Event>>),
+    /// The channel of the watcher's stream, shared by all its watchers.
+    Stream(Sender<(u64, Vec<Event>)>, Arc<StreamShared>),
+}
+
+/// What the hub and a [`WatchStream`] share besides the channel.
+#[derive(Default)]
+struct StreamShared {
+    /// Watchers of the stream that ended, with why.
+    ended: Mutex<Vec<(u64, MvccError)>>,
+    /// Set when a watcher of the stream found the channel full: receiving then wakes the
+    /// syncer once the channel has room.
+    lagging: AtomicBool,
 }
 
 /// Why a watcher ended, read by its receiver once the channel is drained.
@@ -476,11 +508,11 @@ pub(crate) fn watch<B: Backend>(
     watch_in(inner, req, None)
 }
 
-/// Registers a watcher, reporting to `stream` when given.
+/// Registers a watcher; `stream` gives its stream's channel, or `None` for a lone watcher.
 fn watch_in<B: Backend>(
     inner: &Arc<Inner<B>>,
     req: WatchRequest,
-    stream: Option<Sender<u64>>,
+    stream: Option<Target>,
 ) -> Result<Watcher, MvccError> {
     check_range(&req.key, req.range_end.as_deref())?;
     let size = req.key.len() + req.range_end.as_ref().map_or(0, Vec::len);
@@ -496,7 +528,13 @@ fn watch_in<B: Backend>(
         Some([0]) => KeyBound::Unbounded,
         Some(e) => KeyBound::Until(e.to_vec()),
     };
-    let (tx, rx) = crossbeam_channel::bounded(hub.capacity);
+    let (tx, rx) = match stream {
+        Some(t) => (t, crossbeam_channel::never()),
+        None => {
+            let (tx, rx) = crossbeam_channel::bounded(hub.capacity);
+            (Target::Own(tx), rx)
+        }
+    };
     let end = Arc::new(WatchEnd::default());
     let id = hub.next_id.fetch_add(1, Ordering::Relaxed);
     // The write lock orders registration against commits: nothing is published meanwhile.
@@ -523,7 +561,6 @@ fn watch_in<B: Backend>(
             bound,
             prev_kv: req.prev_kv,
             tx,
-            stream,
             end: end.clone(),
             next_rev: start,
             synced: false,
@@ -603,11 +640,11 @@ fn sync_round<B: Backend>(inner: &Arc<Inner<B>>) -> Result<bool, MvccError> {
             if w.next_rev <= compacted {
                 if let Some(w) = st.remove(id) {
                     hub.shared.count.fetch_sub(1, Ordering::AcqRel);
-                    *w.end.error.lock() = Some(MvccError::Compacted {
+                    let error = MvccError::Compacted {
                         requested: w.next_rev,
                         compacted,
-                    });
-                    w.ended(id);
+                    };
+                    w.ended(id, error);
                 }
                 continue;
             }
@@ -619,7 +656,6 @@ fn sync_round<B: Backend>(inner: &Arc<Inner<B>>) -> Result<bool, MvccError> {
                     bound: w.bound.clone(),
                     prev_kv: w.prev_kv,
                     tx: w.tx.clone(),
-                    stream: w.stream.clone(),
                     end: w.end.clone(),
                     next_rev: w.next_rev,
                     synced: false,
@@ -752,12 +788,15 @@ pub enum StreamItem {
     },
 }
 
-/// Many watchers behind one wake-up (etcd's `watchStream`); see the module docs. Dropping
+/// Many watchers behind one channel (etcd's `watchStream`); see the module docs. Dropping
 /// the stream cancels its watchers.
 pub struct WatchStream<B: Backend> {
     inner: Weak<Inner<B>>,
-    tx: Option<Sender<u64>>,
-    rx: Receiver<u64>,
+    tx: Option<Sender<(u64, Vec<Event>)>>,
+    rx: Receiver<(u64, Vec<Event>)>,
+    shared: Arc<StreamShared>,
+    hub: Weak<HubShared>,
+    /// The stream's watchers; their handles carry no channel of their own.
     watchers: HashMap<u64, Watcher>,
 }
 
@@ -770,12 +809,14 @@ impl<B: Backend> std::fmt::Debug for WatchStream<B> {
 }
 
 impl<B: Backend> WatchStream<B> {
-    pub(crate) fn new(inner: &Arc<Inner<B>>) -> WatchStream<B> {
-        let (tx, rx) = crossbeam_channel::unbounded();
+    pub(crate) fn new(inner: &Arc<Inner<B>>, capacity: usize) -> WatchStream<B> {
+        let (tx, rx) = crossbeam_channel::bounded(capacity.max(1));
         WatchStream {
             inner: Arc::downgrade(inner),
             tx: Some(tx),
             rx,
+            shared: Arc::new(StreamShared::default()),
+            hub: Arc::downgrade(&inner.watch.shared),
             watchers: HashMap::new(),
         }
     }
@@ -790,13 +831,15 @@ impl<B: Backend> WatchStream<B> {
         if inner.watch.shared.closed.load(Ordering::Acquire) {
             return Err(MvccError::WatchClosed { id: 0 });
         }
-        let w = watch_in(&inner, req, Some(tx.clone()))?;
+        let target = Target::Stream(tx.clone(), self.shared.clone());
+        let w = watch_in(&inner, req, Some(target))?;
         let id = w.id();
         self.watchers.insert(id, w);
         Ok(id)
     }
 
-    /// Cancels one watcher of the stream; false if the stream has no such watcher.
+    /// Cancels one watcher of the stream; false if the stream has no such watcher. Responses
+    /// of it still in the channel are dropped.
     pub fn cancel(&mut self, id: u64) -> bool {
         self.watchers.remove(&id).is_some()
     }
@@ -811,26 +854,39 @@ impl<B: Backend> WatchStream<B> {
         self.watchers.is_empty()
     }
 
-    /// Turns a queued id into an item; `None` for a stale id (cancelled watcher).
-    fn take(&mut self, id: u64) -> Option<StreamItem> {
-        let w = self.watchers.get(&id)?;
-        match w.try_recv() {
-            Ok(Some(events)) => Some(StreamItem::Events { id, events }),
-            Ok(None) => None,
-            Err(error) => {
-                self.watchers.remove(&id);
-                Some(StreamItem::Ended { id, error })
+    /// The next ended watcher, if any.
+    fn next_ended(&mut self) -> Option<StreamItem> {
+        let mut ended = self.shared.ended.lock();
+        while let Some((id, error)) = (!ended.is_empty()).then(|| ended.remove(0)) {
+            if self.watchers.remove(&id).is_some() {
+                return Some(StreamItem::Ended { id, error });
             }
         }
+        None
+    }
+
+    /// Turns a received message into an item; `None` for a wake-up or a cancelled watcher.
+    fn take(&mut self, (id, events): (u64, Vec<Event>)) -> Option<StreamItem> {
+        if self.shared.lagging.load(Ordering::Acquire)
+            && self.rx.len() * 2 <= self.rx.capacity().unwrap_or(0)
+        {
+            self.shared.lagging.store(false, Ordering::Release);
+            if let Some(hub) = self.hub.upgrade() {
+                let _ = hub.wake.0.try_send(());
+            }
+        }
+        if events.is_empty() || !self.watchers.contains_key(&id) {
+            return self.next_ended();
+        }
+        Some(StreamItem::Events { id, events })
     }
 
     /// Waits for the next response of any watcher of the stream. Fails with
     /// [`MvccError::WatchClosed`] once the store is gone and everything was received.
     pub fn recv(&mut self) -> Result<StreamItem, MvccError> {
         loop {
-            match self.recv_timeout(Duration::from_millis(100))? {
-                Some(item) => return Ok(item),
-                None => continue,
+            if let Some(item) = self.recv_timeout(Duration::from_millis(100))? {
+                return Ok(item);
             }
         }
     }
@@ -839,61 +895,56 @@ impl<B: Backend> WatchStream<B> {
     pub fn recv_timeout(&mut self, timeout: Duration) -> Result<Option<StreamItem>, MvccError> {
         let deadline = std::time::Instant::now() + timeout;
         loop {
+            if let Some(item) = self.try_recv()? {
+                return Ok(Some(item));
+            }
             let left = deadline.saturating_duration_since(std::time::Instant::now());
-            match self.rx.recv_timeout(left) {
-                Ok(id) => {
-                    if let Some(item) = self.take(id) {
+            if left.is_zero() {
+                return Ok(None);
+            }
+            // Short waits so a closed store is noticed even with no message.
+            match self.rx.recv_timeout(left.min(Duration::from_millis(100))) {
+                Ok(msg) => {
+                    if let Some(item) = self.take(msg) {
                         return Ok(Some(item));
                     }
                 }
-                Err(RecvTimeoutError::Timeout) => {
-                    return if self.closed() {
-                        self.drain_closed()
-                    } else {
-                        Ok(None)
-                    };
-                }
-                Err(RecvTimeoutError::Disconnected) => return self.drain_closed(),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => return self.closed_out(),
             }
         }
     }
 
-    /// A response already delivered to some watcher of the stream, if any.
+    /// A response already delivered to the stream, if any.
     pub fn try_recv(&mut self) -> Result<Option<StreamItem>, MvccError> {
         loop {
             match self.rx.try_recv() {
-                Ok(id) => {
-                    if let Some(item) = self.take(id) {
+                Ok(msg) => {
+                    if let Some(item) = self.take(msg) {
                         return Ok(Some(item));
                     }
                 }
                 Err(TryRecvError::Empty) => {
-                    return if self.closed() {
-                        self.drain_closed()
-                    } else {
-                        Ok(None)
-                    };
+                    if let Some(item) = self.next_ended() {
+                        return Ok(Some(item));
+                    }
+                    if self
+                        .inner
+                        .upgrade()
+                        .is_none_or(|i| i.watch.shared.closed.load(Ordering::Acquire))
+                    {
+                        return self.closed_out();
+                    }
+                    return Ok(None);
                 }
-                Err(TryRecvError::Disconnected) => return self.drain_closed(),
+                Err(TryRecvError::Disconnected) => return self.closed_out(),
             }
         }
     }
 
-    fn closed(&self) -> bool {
-        self.inner
-            .upgrade()
-            .is_none_or(|i| i.watch.shared.closed.load(Ordering::Acquire))
-    }
-
-    /// After the store closed: whatever is still buffered, then [`MvccError::WatchClosed`].
-    fn drain_closed(&mut self) -> Result<Option<StreamItem>, MvccError> {
+    /// The store closed and the channel is drained.
+    fn closed_out(&mut self) -> Result<Option<StreamItem>, MvccError> {
         self.tx = None;
-        let ids: Vec<u64> = self.watchers.keys().copied().collect();
-        for id in ids {
-            if let Some(StreamItem::Events { id, events }) = self.take(id) {
-                return Ok(Some(StreamItem::Events { id, events }));
-            }
-        }
         self.watchers.clear();
         Err(MvccError::WatchClosed { id: 0 })
     }
