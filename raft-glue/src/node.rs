@@ -1598,13 +1598,7 @@ impl<B: Backend> Driver<B> {
             ));
         }
         let now = Instant::now();
-        if self.mopts.strict_reconfig_check {
-            let cs = raft.prs().conf().to_conf_state();
-            let voters: BTreeSet<u64> = cs.voters.iter().copied().collect();
-            let learners: BTreeSet<u64> = cs.learners.iter().copied().collect();
-            let active = self.activity.active(self.id, now, self.mopts.active_window);
-            strict_check(&voters, &learners, &active, change)?;
-        }
+        // etcd's order: a manual promote is first checked for being in sync.
         if let MemberOp::Promote {
             id,
             automatic: false,
@@ -1615,6 +1609,13 @@ impl<B: Backend> Driver<B> {
                 raft.raft_log.last_index(),
                 &self.mopts,
             )?;
+        }
+        if self.mopts.strict_reconfig_check {
+            let cs = raft.prs().conf().to_conf_state();
+            let voters: BTreeSet<u64> = cs.voters.iter().copied().collect();
+            let learners: BTreeSet<u64> = cs.learners.iter().copied().collect();
+            let active = self.activity.active(self.id, now, self.mopts.active_window);
+            strict_check(&voters, &learners, &active, change)?;
         }
         let (ty, id) = match change {
             ProposedChange::AddVoter(id) | ProposedChange::Promote(id) => {
@@ -1891,6 +1892,14 @@ impl<B: Backend> Driver<B> {
     /// keeping `snapshot_catch_up_entries` behind.
     fn maybe_snapshot_point(&mut self) -> Result<(), NodeError> {
         let applied = self.sm.applied();
+        let (first, _, _) = self.storage.bounds();
+        if first == 1 && applied >= 1 {
+            // The bootstrap configuration is in no entry: a member that joins must start
+            // from a snapshot (which carries it), never replay the log from index 1. With
+            // entry 1 compacted, raft-rs sends a new member a snapshot.
+            self.sm.store().force_commit().map_err(store_err)?;
+            self.storage.compact(1)?;
+        }
         let o = &self.shared.options;
         if applied < self.last_snapshot_point + o.snapshot_count {
             return Ok(());

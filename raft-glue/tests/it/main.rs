@@ -1,8 +1,10 @@
 //! Integration tests of the replicated node, one module per theme, all in one binary.
 
 mod bad_input;
+mod learner_scenarios;
 mod lease;
 mod linearizability;
+mod membership;
 mod replication;
 mod restart;
 mod snapshot;

@@ -1,0 +1,316 @@
+//! Membership operations with etcd's semantics and error texts: the error cases of etcd's
+//! runtime reconfiguration guide, forwarding from a follower, learners refusing what they
+//! must, removed members stopping for good, promotion only after the snapshot is applied,
+//! transfer progress in member status and paced snapshots.
+
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use keel_mvcc::RangeRequest;
+use keel_raft_glue::membership::MembershipOptions;
+use keel_raft_glue::testing::{Cluster, TestBackend, fast_options};
+use keel_raft_glue::{Node, NodeOptions, RateLimiter, ReadConsistency};
+
+const T: Duration = Duration::from_secs(10);
+
+type N = Arc<Node<TestBackend>>;
+
+fn options() -> NodeOptions {
+    NodeOptions {
+        snapshot_count: 100,
+        snapshot_catch_up_entries: 20,
+        snapshot_chunk_bytes: 8 * 1024,
+        ..fast_options()
+    }
+}
+
+fn manual() -> MembershipOptions {
+    MembershipOptions {
+        auto_promote: false,
+        active_window: Duration::from_millis(500),
+        ..MembershipOptions::default()
+    }
+}
+
+fn cluster(n: u64, m: MembershipOptions, seed: u64) -> (Cluster<TestBackend>, N) {
+    crate::init_tracing();
+    let c = Cluster::<TestBackend>::with_membership(n, options(), m, seed).expect("cluster");
+    let l = c.wait_leader(T).expect("leader");
+    let leader = c.node(l).expect("leader runs");
+    (c, leader)
+}
+
+fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + T;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn expect_err<T: std::fmt::Debug>(r: Result<T, keel_raft_glue::NodeError>, text: &str) {
+    let e = r.expect_err(text);
+    assert!(e.to_string().contains(text), "{e} does not say {text:?}");
+}
+
+fn follower_of(c: &Cluster<TestBackend>, leader: &N) -> N {
+    let id = c.ids().into_iter().find(|&i| i != leader.id()).expect("f");
+    c.node(id).expect("follower runs")
+}
+
+#[test]
+fn promote_errors_are_etcds() {
+    let (c, leader) = cluster(3, manual(), 1);
+    expect_err(leader.member_promote(99), "member not found");
+    let f = follower_of(&c, &leader);
+    expect_err(
+        leader.member_promote(f.id()),
+        "can only promote a learner member",
+    );
+    leader.add_learner(4).expect("learner");
+    // Never started: not in sync.
+    expect_err(
+        leader.member_promote(4),
+        "can only promote a learner member which is in sync with leader",
+    );
+    expect_err(leader.add_learner(5), "too many learner members in cluster");
+}
+
+#[test]
+fn add_errors_are_etcds() {
+    let (c, leader) = cluster(3, manual(), 2);
+    let f = follower_of(&c, &leader);
+    let m = leader
+        .member_add("infra3", vec!["http://10.0.1.13:2380".into()], false)
+        .expect("member add");
+    assert!(m.is_learner, "learner by default");
+    assert_ne!(m.id, 0);
+    let listed = leader.member_list();
+    assert!(listed.iter().any(|x| x.id == m.id && x.name == "infra3"));
+    // Update the peer URLs (from a follower: forwarded), then collide with them.
+    f.member_update_peer_urls(m.id, vec!["http://10.0.1.10:2380".into()])
+        .expect("update forwarded to the leader");
+    wait_until("update applied", || {
+        leader
+            .member_list()
+            .iter()
+            .any(|x| x.id == m.id && x.peer_urls == ["http://10.0.1.10:2380"])
+    });
+    leader.member_remove(m.id).expect("remove");
+    expect_err(
+        leader.member_add_member(keel_raft_glue::Member {
+            id: 77,
+            name: "dup".into(),
+            peer_urls: vec!["mem://1".into()],
+            client_urls: Vec::new(),
+            is_learner: true,
+        }),
+        "peerURL exists",
+    );
+    expect_err(
+        leader.member_add_member(keel_raft_glue::Member {
+            id: m.id,
+            name: "again".into(),
+            peer_urls: vec!["http://10.0.1.20:2380".into()],
+            client_urls: Vec::new(),
+            is_learner: true,
+        }),
+        "ID removed",
+    );
+}
+
+#[test]
+fn follower_forwards_member_requests_and_gets_refusals_back() {
+    let (c, leader) = cluster(3, manual(), 3);
+    let f = follower_of(&c, &leader);
+    let (voters, learners) = f.add_learner(4).expect("forwarded add");
+    assert_eq!(voters.len(), 3);
+    assert_eq!(learners, vec![4]);
+    expect_err(f.member_promote(99), "member not found");
+    expect_err(f.add_learner(5), "too many learner members in cluster");
+    f.remove_member(4).expect("forwarded remove");
+    wait_until("4 gone", || leader.status().learners.is_empty());
+}
+
+#[test]
+fn learner_serves_serializable_reads_only_and_is_promoted_after_applying_its_snapshot() {
+    let (mut c, leader) = cluster(3, manual(), 4);
+    for i in 0..300u32 {
+        leader
+            .put(format!("k{i:04}").as_bytes(), &[9u8; 200])
+            .expect("put");
+    }
+    assert!(leader.status().first_index > 1, "compacted");
+    c.add_dir(4);
+    leader.add_learner(4).expect("learner");
+    c.start(4).expect("start 4");
+    let n4 = c.node(4).expect("4");
+    wait_until("learner applied", || {
+        n4.status().applied >= leader.status().applied && n4.status().snapshots_installed >= 1
+    });
+    expect_err(n4.put(b"x", b"y"), "rpc not supported for learner");
+    expect_err(
+        n4.range(
+            &RangeRequest::key(b"k0001".to_vec()),
+            ReadConsistency::Linearizable,
+        ),
+        "rpc not supported for learner",
+    );
+    let r = n4
+        .range(
+            &RangeRequest::prefix(b"k".to_vec()),
+            ReadConsistency::Serializable,
+        )
+        .expect("serializable read on a learner");
+    assert_eq!(r.count, 300);
+    let st = leader.status();
+    let t = st
+        .transfers
+        .iter()
+        .find(|t| t.to == 4)
+        .expect("transfer in member status");
+    assert!(t.done && t.sent > 0, "{t:?}");
+    // The gate holds once the learner reported its applied index.
+    wait_until("promoted", || leader.member_promote(4).is_ok());
+    wait_until("4 votes", || leader.status().voters.contains(&4));
+    wait_until("4 knows it votes", || n4.status().voters.contains(&4));
+    n4.put(b"from-4", b"ok")
+        .expect("a promoted member takes writes");
+}
+
+#[test]
+fn learner_is_promoted_automatically() {
+    let m = MembershipOptions {
+        auto_promote_after: Duration::from_millis(100),
+        ..MembershipOptions::default()
+    };
+    let (mut c, leader) = cluster(3, m, 5);
+    for i in 0..150u32 {
+        leader.put(format!("a{i}").as_bytes(), b"v").expect("put");
+    }
+    c.add_dir(4);
+    let (_, learners) = leader
+        .add_voter(4)
+        .expect("add joins as learner by default");
+    assert_eq!(learners, vec![4]);
+    c.start(4).expect("start 4");
+    wait_until("automatic promotion", || {
+        leader.status().voters.contains(&4)
+    });
+    let n4 = c.node(4).expect("4");
+    assert!(n4.status().snapshots_installed >= 1);
+    // A manual promote racing the automatic one is refused as etcd would: not a learner.
+    expect_err(
+        leader.member_promote(4),
+        "can only promote a learner member",
+    );
+}
+
+#[test]
+fn removed_member_stops_and_never_runs_on_its_data_again() {
+    let (mut c, leader) = cluster(3, manual(), 6);
+    let f = follower_of(&c, &leader);
+    let id = f.id();
+    leader.put(b"before", b"1").expect("put");
+    leader.remove_member(id).expect("remove");
+    wait_until("removed member stops", || {
+        f.put(b"x", b"y").is_err() && f.status().applied > 0 && {
+            let e = f.put(b"x", b"y").expect_err("stopped");
+            e.to_string()
+                .contains("this member has been permanently removed from the cluster")
+        }
+    });
+    drop(f);
+    c.kill(id);
+    expect_err(
+        c.start(id),
+        "this member has been permanently removed from the cluster",
+    );
+    assert!(leader.put(b"after", b"2").is_ok(), "two voters left");
+}
+
+#[test]
+fn member_removed_while_down_is_told_on_restart() {
+    let (mut c, leader) = cluster(3, manual(), 7);
+    let id = c.ids().into_iter().find(|&i| i != leader.id()).expect("f");
+    c.kill(id);
+    thread::sleep(Duration::from_millis(600));
+    leader.remove_member(id).expect("remove the down member");
+    c.start(id).expect("its data still opens");
+    let n = c.node(id).expect("runs");
+    wait_until("told it was removed", || {
+        n.put(b"x", b"y").is_err_and(|e| {
+            e.to_string()
+                .contains("this member has been permanently removed from the cluster")
+        })
+    });
+    drop(n);
+    c.kill(id);
+    expect_err(c.start(id), "permanently removed");
+}
+
+#[test]
+fn start_configuration_must_match_the_cluster() {
+    let (mut c, _leader) = cluster(3, manual(), 8);
+    c.kill(3);
+    let three: Vec<(String, Vec<String>)> = (1..=3)
+        .map(|i| (format!("member-{i}"), vec![format!("mem://{i}")]))
+        .collect();
+    let mut two = three.clone();
+    two.pop();
+    let two2 = two.clone();
+    expect_err(
+        c.start_with(3, move |cfg| cfg.start_config = Some(two2.clone())),
+        "the member count is unequal",
+    );
+    let mut wrong = three.clone();
+    wrong[2].1 = vec!["mem://14".into()];
+    expect_err(
+        c.start_with(3, move |cfg| cfg.start_config = Some(wrong.clone())),
+        "unmatched member while checking PeerURLs",
+    );
+    c.start_with(3, move |cfg| cfg.start_config = Some(three.clone()))
+        .expect("matching configuration");
+}
+
+#[test]
+fn snapshots_are_paced_on_the_in_memory_network() {
+    let (mut c, leader) = cluster(3, manual(), 9);
+    for i in 0..300u32 {
+        leader
+            .put(format!("p{i:04}").as_bytes(), &[3u8; 1000])
+            .expect("put");
+    }
+    // Every member restarts with the limiter, so whoever leads paces its snapshots.
+    c.snapshot_limiter = Some(Arc::new(RateLimiter::new(2 << 20, 64 * 1024)));
+    drop(leader);
+    for id in c.ids() {
+        c.kill(id);
+    }
+    for id in c.ids() {
+        c.start(id).expect("restart with a limiter");
+    }
+    let lid = c.wait_leader(T).expect("leader");
+    let l = c.node(lid).expect("runs");
+    for i in 0..150u32 {
+        l.put(format!("q{i:04}").as_bytes(), &[4u8; 1000])
+            .expect("put");
+    }
+    c.add_dir(4);
+    l.add_learner(4).expect("learner");
+    let start = Instant::now();
+    c.start(4).expect("start 4");
+    wait_until("snapshot sent", || {
+        l.status().transfers.iter().any(|t| t.to == 4 && t.done)
+    });
+    let t = *l.status().transfers.iter().find(|t| t.to == 4).expect("t");
+    let secs = start.elapsed().as_secs_f64();
+    let floor = (t.sent.saturating_sub(64 * 1024)) as f64 / f64::from(2u32 << 20);
+    assert!(
+        secs >= floor * 0.9,
+        "{} bytes in {secs:.3} s at 2 MiB/s (floor {floor:.3} s)",
+        t.sent
+    );
+    assert!(t.rate() <= (2u64 << 20) * 3 / 2, "rate {}", t.rate());
+}
