@@ -565,11 +565,15 @@ fn figure9(flow: Flow) {
         }
         Flow::Learner => {
             assert!(commits);
-            leader.remove_member(4).expect("reversible");
-            leader
-                .remove_member(failed)
-                .expect("replace the failed member");
-            assert_eq!(voters_of(&leader).len(), 2);
+            // Reversible (retried only while another change is still being applied).
+            for id in [4, failed] {
+                wait_until("remove", || match leader.remove_member(id) {
+                    Ok(_) => true,
+                    Err(e) if e.to_string().contains("still being applied") => false,
+                    Err(e) => panic!("remove {id}: {e}"),
+                });
+            }
+            wait_until("2 voters", || voters_of(&leader).len() == 2);
         }
     }
 }
