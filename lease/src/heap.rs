@@ -1,14 +1,15 @@
-//! The expiry queue: a min-heap of near deadlines fed by a timing wheel of far ones.
+//! The expiry queue: a sorted run of near deadlines fed by a timing wheel of far ones.
 //!
-//! [`TimerHeap`] is a 4-ary min-heap of 16-byte timers ordered by deadline (four children
-//! are 64 contiguous bytes, so a sift-down reads about one cache line per level).
-//! [`TimerQueue`] puts it behind a timing wheel: a timer is filed, unsorted, in the slot of
-//! its deadline's bucket (granule [`GRANULE_NANOS`], about 17 s; 65 536 slots, so a slot
-//! comes round every 13 days and a longer timer is looked at once per turn), and only when
-//! time reaches a bucket are its timers moved into the heap. The heap thus holds the timers
-//! of the current granule rather than all n of them and stays in cache: the k earliest
-//! timers are popped in O(k log h) for h timers in the heap (h ≤ n), plus O(1) per timer
-//! moved off the wheel, where one heap of a million leases misses the cache on every level.
+//! [`TimerQueue`] files a timer, unsorted, in the wheel slot of its deadline's bucket
+//! (granule [`GRANULE_NANOS`], about 17 s; 65 536 slots, so a slot comes round every 13 days
+//! and a longer timer is looked at once per turn). Only when time reaches a bucket are its
+//! timers moved to the end of a run and sorted there: every timer of a newly opened bucket is
+//! due after every timer of an earlier one, so the run stays sorted and popping the earliest
+//! timer is reading the next element. A timer pushed into a bucket already opened (a short
+//! TTL) goes to a small [`TimerHeap`] of late arrivals, a 4-ary min-heap of 24-byte timers;
+//! a pop takes the earlier of the run's head and the heap's top. So the k earliest timers
+//! cost O(k) plus O(m log m) to sort the m timers of the buckets opened (about one
+//! granule's worth), where one heap of a million leases misses the cache on every level.
 //!
 //! Timers are never removed from the middle. A timer names a lease slot and a tag (the slot's
 //! generation when the timer was pushed); the lease table discards a popped timer whose tag no
@@ -19,6 +20,9 @@
 pub(crate) struct Timer {
     /// Deadline in nanoseconds of the lessor's clock.
     pub deadline: u64,
+    /// The lease, carried so that handing out an expired lease reads only the timer and the
+    /// dense generation array, never the lease's slot.
+    pub id: crate::LeaseId,
     /// Index of the lease slot.
     pub slot: u32,
     /// Generation of the slot when pushed; stale when it differs from the slot's.
@@ -134,15 +138,20 @@ pub(crate) const GRANULE_NANOS: u64 = 1 << 34;
 /// Buckets on the wheel: 65 536 × 17.2 s ≈ 13 days before a slot comes round again.
 const WHEEL_SLOTS: usize = 65_536;
 
-/// A timing wheel of far timers in front of a [`TimerHeap`] of near ones; see the module
-/// docs.
+/// A timing wheel of far timers in front of a sorted run of near ones and a [`TimerHeap`] of
+/// late arrivals; see the module docs.
 #[derive(Debug)]
 pub(crate) struct TimerQueue {
-    near: TimerHeap,
+    /// Timers of opened buckets, ascending by deadline from `head` on.
+    run: Vec<Timer>,
+    /// Position of the earliest timer of `run` not yet popped.
+    head: usize,
+    /// Timers pushed into an already opened bucket.
+    late: TimerHeap,
     /// Slot `b % WHEEL_SLOTS` holds the unopened timers of bucket `b` (deadline / granule),
     /// and those of buckets a whole number of turns later.
     wheel: Vec<Vec<Timer>>,
-    /// Buckets below this one have been opened: their timers go straight to the heap.
+    /// Buckets below this one have been opened: their timers go straight to `late`.
     opened: u64,
     far_len: usize,
 }
@@ -150,7 +159,9 @@ pub(crate) struct TimerQueue {
 impl Default for TimerQueue {
     fn default() -> TimerQueue {
         TimerQueue {
-            near: TimerHeap::default(),
+            run: Vec::new(),
+            head: 0,
+            late: TimerHeap::default(),
             wheel: (0..WHEEL_SLOTS).map(|_| Vec::new()).collect(),
             opened: 0,
             far_len: 0,
@@ -161,12 +172,13 @@ impl Default for TimerQueue {
 impl TimerQueue {
     /// Number of timers, stale ones included.
     pub fn len(&self) -> usize {
-        self.near.len() + self.far_len
+        self.run.len() - self.head + self.late.len() + self.far_len
     }
 
     /// Bytes allocated.
     pub fn allocated_bytes(&self) -> usize {
-        self.near.allocated_bytes()
+        self.run.capacity() * std::mem::size_of::<Timer>()
+            + self.late.allocated_bytes()
             + self.wheel.capacity() * std::mem::size_of::<Vec<Timer>>()
             + self
                 .wheel
@@ -175,12 +187,12 @@ impl TimerQueue {
                 .sum::<usize>()
     }
 
-    /// Files a timer: O(1) amortised on the wheel, O(log h) into the heap when its bucket is
-    /// already open.
+    /// Files a timer: O(1) amortised on the wheel, O(log h) into the heap of late arrivals
+    /// when its bucket is already open.
     pub fn push(&mut self, timer: Timer) {
         let bucket = timer.deadline / GRANULE_NANOS;
         if bucket < self.opened {
-            self.near.push(timer);
+            self.late.push(timer);
         } else {
             self.wheel[(bucket % WHEEL_SLOTS as u64) as usize].push(timer);
             self.far_len += 1;
@@ -190,9 +202,14 @@ impl TimerQueue {
     /// Removes and returns the earliest timer whose deadline is `<= now`, if any.
     pub fn pop_due(&mut self, now: u64) -> Option<Timer> {
         // Open every bucket up to the one holding `now`: afterwards every timer due by `now`
-        // is in the heap, since the wheel keeps only timers of later buckets.
+        // is in the run or the heap, since the wheel keeps only timers of later buckets.
         let due = now / GRANULE_NANOS;
         if due >= self.opened {
+            if self.head > 0 && self.head * 2 >= self.run.len() {
+                self.run.drain(..self.head);
+                self.head = 0;
+            }
+            let start = self.run.len();
             if due - self.opened >= WHEEL_SLOTS as u64 {
                 for slot in 0..WHEEL_SLOTS {
                     self.open(slot, due);
@@ -202,22 +219,33 @@ impl TimerQueue {
                     self.open((bucket % WHEEL_SLOTS as u64) as usize, due);
                 }
             }
+            // Every timer just opened is due no earlier than every timer already in the run
+            // (those are of earlier buckets), so sorting the new tail keeps the run sorted.
+            self.run[start..].sort_unstable_by_key(|t| t.deadline);
             self.opened = due + 1;
         }
-        match self.near.peek() {
-            Some(t) if t.deadline <= now => self.near.pop(),
-            _ => None,
+        let from_run = self.run.get(self.head).filter(|t| t.deadline <= now);
+        let from_late = self.late.peek().filter(|t| t.deadline <= now);
+        match (from_run, from_late) {
+            (Some(r), Some(l)) if l.deadline < r.deadline => self.late.pop(),
+            (Some(r), _) => {
+                let r = *r;
+                self.head += 1;
+                Some(r)
+            }
+            (None, Some(_)) => self.late.pop(),
+            (None, None) => None,
         }
     }
 
-    /// Moves the timers of wheel slot `slot` whose bucket is `<= due` into the heap.
+    /// Moves the timers of wheel slot `slot` whose bucket is `<= due` to the end of the run.
     fn open(&mut self, slot: usize, due: u64) {
-        let near = &mut self.near;
+        let run = &mut self.run;
         let bucket = &mut self.wheel[slot];
         let before = bucket.len();
         bucket.retain(|t| {
             if t.deadline / GRANULE_NANOS <= due {
-                near.push(*t);
+                run.push(*t);
                 false
             } else {
                 true
@@ -228,7 +256,9 @@ impl TimerQueue {
 
     /// Removes every timer.
     pub fn clear(&mut self) {
-        self.near.clear();
+        self.run = Vec::new();
+        self.head = 0;
+        self.late.clear();
         for bucket in &mut self.wheel {
             *bucket = Vec::new();
         }
@@ -237,7 +267,10 @@ impl TimerQueue {
 
     /// Keeps only the timers `keep` accepts: O(n).
     pub fn retain(&mut self, mut keep: impl FnMut(&Timer) -> bool) {
-        self.near.retain(&mut keep);
+        self.run.drain(..self.head);
+        self.head = 0;
+        self.run.retain(&mut keep);
+        self.late.retain(&mut keep);
         for bucket in &mut self.wheel {
             bucket.retain(&mut keep);
         }
@@ -249,97 +282,38 @@ impl TimerQueue {
 ///
 /// Retry deadlines are `now + retry interval` with a fixed interval, so the queue is a FIFO,
 /// already sorted. It holds at most the leases handed out during one retry interval (the
-/// expiry rate bounds that), so it stays small and in cache. Revoking a lease marks its entry
-/// dead through a small slot → position map, so a revoked lease costs nothing when its retry
-/// deadline comes (no read of its slot), which is the common case.
+/// expiry rate bounds that), so it stays small. Revoking a lease leaves its entry in place:
+/// the revoke bumped the slot's expiry generation, so the entry is discarded, like any stale
+/// timer, by a check of the dense generation array when its deadline comes (no read of the
+/// slot, and no bookkeeping on the revoke or the hand-out).
 #[derive(Debug, Default)]
 pub(crate) struct RetryQueue {
     queue: std::collections::VecDeque<Timer>,
-    /// Sequence number of the queue's front entry.
-    base: u64,
-    /// Slot → sequence number of its live entry.
-    live: std::collections::HashMap<u32, u64, std::hash::BuildHasherDefault<SlotHasher>>,
 }
-
-/// Hashes slot numbers, which are internal and dense (no client controls them), with one
-/// multiplication (Fibonacci hashing) instead of SipHash.
-#[derive(Default)]
-pub(crate) struct SlotHasher(u64);
-
-impl std::hash::Hasher for SlotHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        }
-    }
-
-    fn write_u32(&mut self, n: u32) {
-        self.0 = u64::from(n).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    }
-}
-
-/// Slot number of an entry whose lease was revoked.
-const DEAD: u32 = u32::MAX;
 
 impl RetryQueue {
     /// Queues `timer` (deadline = its retry time).
     pub fn push(&mut self, timer: Timer) {
-        let seq = self.base + self.queue.len() as u64;
-        if let Some(old) = self.live.insert(timer.slot, seq) {
-            self.kill(old);
-        }
         self.queue.push_back(timer);
     }
 
-    fn kill(&mut self, seq: u64) {
-        if let Some(entry) = seq
-            .checked_sub(self.base)
-            .and_then(|i| self.queue.get_mut(i as usize))
-        {
-            entry.slot = DEAD;
-        }
-    }
-
-    /// Forgets the entry of `slot` (its lease was revoked): O(1).
-    pub fn forget(&mut self, slot: u32) {
-        if let Some(seq) = self.live.remove(&slot) {
-            self.kill(seq);
-        }
-    }
-
-    /// Removes and returns the next live entry whose retry deadline is `<= now`.
+    /// Removes and returns the next entry whose retry deadline is `<= now`; the caller
+    /// checks its tag.
     pub fn pop_due(&mut self, now: u64) -> Option<Timer> {
-        while let Some(front) = self.queue.front() {
-            if front.deadline > now {
-                return None;
-            }
-            let entry = self.queue.pop_front()?;
-            let seq = self.base;
-            self.base += 1;
-            if entry.slot != DEAD {
-                if self.live.get(&entry.slot) == Some(&seq) {
-                    self.live.remove(&entry.slot);
-                }
-                return Some(entry);
-            }
+        match self.queue.front() {
+            Some(t) if t.deadline <= now => self.queue.pop_front(),
+            _ => None,
         }
-        None
     }
 
     /// Removes every entry.
     pub fn clear(&mut self) {
-        self.base += self.queue.len() as u64;
         self.queue.clear();
-        self.live.clear();
     }
 
-    /// Bytes allocated, approximately.
+    /// Bytes allocated.
     pub fn allocated_bytes(&self) -> usize {
-        self.queue.capacity() * std::mem::size_of::<Timer>() + self.live.capacity() * 13
+        self.queue.capacity() * std::mem::size_of::<Timer>()
     }
 }
 
@@ -351,6 +325,7 @@ mod tests {
     fn timer(deadline: u64) -> Timer {
         Timer {
             deadline,
+            id: deadline as i64 + 1,
             slot: deadline as u32,
             tag: 0,
         }
@@ -424,33 +399,24 @@ mod tests {
     }
 
     #[test]
-    fn retry_queue_skips_forgotten_entries() {
+    fn retry_queue_pops_in_deadline_order_up_to_now() {
         let mut q = RetryQueue::default();
         for slot in 0..10u32 {
             q.push(Timer {
                 deadline: u64::from(slot),
+                id: i64::from(slot) + 1,
                 slot,
                 tag: 0,
             });
         }
-        q.forget(3);
-        q.forget(7);
-        q.forget(42);
-        // Re-queuing a slot kills its older entry.
-        q.push(Timer {
-            deadline: 20,
-            slot: 5,
-            tag: 1,
-        });
         let mut popped = Vec::new();
-        while let Some(t) = q.pop_due(9) {
+        while let Some(t) = q.pop_due(6) {
             popped.push(t.slot);
         }
-        assert_eq!(popped, vec![0, 1, 2, 4, 6, 8, 9]);
-        assert_eq!(q.pop_due(19), None);
-        assert_eq!(q.pop_due(20).map(|t| (t.slot, t.tag)), Some((5, 1)));
-        assert!(q.queue.is_empty());
-        q.forget(5);
+        assert_eq!(popped, vec![0, 1, 2, 3, 4, 5, 6]);
+        assert_eq!(q.pop_due(6), None);
+        assert_eq!(q.pop_due(9).map(|t| t.id), Some(8));
+        q.clear();
         assert_eq!(q.pop_due(u64::MAX), None);
     }
 
