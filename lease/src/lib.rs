@@ -4,8 +4,8 @@
 //! - [`Clock`] is where time comes from: [`SystemClock`] in production, [`ManualClock`] in
 //!   tests, so no test sleeps.
 //! - [`LeaseTable`] is the in-memory state machine: leases, attached keys, the primary /
-//!   non-primary role, the expiry min-heap with rate-limited hand-out of expired leases, and
-//!   the checkpoint schedule.
+//!   non-primary role, the expiry queue (a timing wheel feeding a sorted run, in `heap`)
+//!   with rate-limited hand-out of expired leases, and the checkpoint schedule (`schedule`).
 //! - [`Lessor`] puts the table over a [`keel_mvcc::Store`]: grants and checkpoints are
 //!   persisted as records in the `lease` bucket (format in [`record`]), a revoke deletes
 //!   every attached key and the record in one MVCC write, and opening a lessor rebuilds the
@@ -28,6 +28,7 @@ mod keys;
 mod lessor;
 mod options;
 pub mod record;
+mod schedule;
 mod table;
 
 pub use clock::{Clock, ManualClock, SystemClock};

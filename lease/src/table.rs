@@ -7,8 +7,8 @@
 //! Layout: leases live in a slab of 56-byte slots (freed slots are reused); an [`IdIndex`]
 //! maps ids to slots; the expiry queue ([`TimerQueue`]: a min-heap behind a timing wheel),
 //! and the retry queue of leases handed out as expired ([`RetryQueue`]) hold 24-byte timers
-//! naming a lease, its slot and the slot's expiry generation; the checkpoint queue holds
-//! 16-byte entries naming a slot and its incarnation. Both generations live in dense arrays
+//! naming a lease, its slot and the slot's expiry generation; the checkpoint queue
+//! ([`CheckpointQueue`]) holds 8-byte entries naming a slot and its incarnation. Both generations live in dense arrays
 //! beside the slots (4 bytes a slot each), so handing out expired leases reads the timers and
 //! that array and never a slot. A renew pushes a new timer and bumps the slot's expiry
 //! generation; a revoke frees the slot and bumps both generations; stale timers are skipped
@@ -20,9 +20,9 @@
 //!
 //! Checkpoints are scheduled every checkpoint interval for each lease whose remaining TTL is
 //! longer than the interval. Since the schedule time is always `now + interval` and time
-//! never goes backwards, the schedule is a FIFO queue, already sorted.
+//! never goes backwards, the schedule is a FIFO queue, already sorted ([`CheckpointQueue`],
+//! which rounds deadlines up to a whole second).
 
-use std::collections::VecDeque;
 use std::time::Duration;
 
 use crate::LeaseId;
@@ -31,6 +31,7 @@ use crate::heap::{RetryQueue, Timer, TimerQueue};
 use crate::index::IdIndex;
 use crate::keys::KeySet;
 use crate::options::LessorOptions;
+use crate::schedule::{CheckpointQueue, Scheduled};
 
 const NANOS_PER_SEC: u64 = 1_000_000_000;
 /// Expiry of every lease on a non-primary.
@@ -89,16 +90,6 @@ pub struct LeaseStatus {
     pub keys: usize,
 }
 
-/// A checkpoint due for a slot: 16 bytes, the lease id is read from the slot when due.
-#[derive(Clone, Copy, Debug)]
-struct Scheduled {
-    /// Nanoseconds on the lessor's clock.
-    deadline: u64,
-    slot: u32,
-    /// The slot's incarnation when scheduled.
-    tag: u32,
-}
-
 #[derive(Debug)]
 struct Slot {
     /// 0 when the slot is free.
@@ -133,7 +124,7 @@ pub struct LeaseTable {
     live: usize,
     expiries: TimerQueue,
     retries: RetryQueue,
-    checkpoints: VecDeque<Scheduled>,
+    checkpoints: CheckpointQueue,
     primary: bool,
     tokens: f64,
     refilled_at: u64,
@@ -171,7 +162,7 @@ impl LeaseTable {
             live: 0,
             expiries: TimerQueue::default(),
             retries: RetryQueue::default(),
-            checkpoints: VecDeque::new(),
+            checkpoints: CheckpointQueue::default(),
             primary: false,
             tokens: 0.0,
             refilled_at: 0,
@@ -308,11 +299,13 @@ impl LeaseTable {
                 tag: self.gens[slot as usize],
             });
             if base > self.interval {
-                self.checkpoints.push_back(Scheduled {
-                    deadline: now.saturating_add(self.interval),
-                    slot,
-                    tag: self.incarnations[slot as usize],
-                });
+                self.checkpoints.push(
+                    now.saturating_add(self.interval),
+                    Scheduled {
+                        slot,
+                        tag: self.incarnations[slot as usize],
+                    },
+                );
             }
         }
     }
@@ -459,11 +452,13 @@ impl LeaseTable {
                 tag: *generation,
             });
             if base > self.interval {
-                self.checkpoints.push_back(Scheduled {
-                    deadline: now.saturating_add(self.interval),
-                    slot: i as u32,
-                    tag: self.incarnations[i],
-                });
+                self.checkpoints.push(
+                    now.saturating_add(self.interval),
+                    Scheduled {
+                        slot: i as u32,
+                        tag: self.incarnations[i],
+                    },
+                );
             }
         }
         self.primary = true;
@@ -552,11 +547,11 @@ impl LeaseTable {
         let limit = self.options.checkpoint_batch_limit;
         let mut out = Vec::new();
         while out.len() < limit {
-            match self.checkpoints.front() {
-                Some(t) if t.deadline <= now => {}
+            match self.checkpoints.front_deadline() {
+                Some(deadline) if deadline <= now => {}
                 _ => break,
             }
-            let Some(t) = self.checkpoints.pop_front() else {
+            let Some((_, t)) = self.checkpoints.pop_front() else {
                 break;
             };
             let s = &self.slots[t.slot as usize];
@@ -572,10 +567,7 @@ impl LeaseTable {
                 });
             }
             if left > self.interval {
-                self.checkpoints.push_back(Scheduled {
-                    deadline: now.saturating_add(self.interval),
-                    ..t
-                });
+                self.checkpoints.push(now.saturating_add(self.interval), t);
             }
         }
         out
@@ -615,7 +607,7 @@ impl LeaseTable {
                 + self.expiries.allocated_bytes()
                 + self.retries.allocated_bytes()
                 + self.incarnations.capacity() * std::mem::size_of::<u32>()
-                + self.checkpoints.capacity() * std::mem::size_of::<Scheduled>(),
+                + self.checkpoints.allocated_bytes(),
             keys,
         }
     }
@@ -640,9 +632,9 @@ impl LeaseTable {
 #[cfg(test)]
 mod tests {
     #[test]
-    fn a_slot_is_56_bytes_and_a_checkpoint_16() {
+    fn a_slot_is_56_bytes_and_a_scheduled_checkpoint_8() {
         assert_eq!(std::mem::size_of::<super::Slot>(), 56);
-        assert_eq!(std::mem::size_of::<super::Scheduled>(), 16);
+        assert_eq!(std::mem::size_of::<super::Scheduled>(), 8);
     }
 }
 
