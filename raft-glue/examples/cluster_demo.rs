@@ -222,7 +222,7 @@ fn run() -> Result<bool, Box<dyn std::error::Error>> {
             "a voter"
         }
     );
-    let (t4, mb4) = TcpTransport::bind(m4.id, &addr4.to_string(), TcpOptions::default())?;
+    let (t4, mb4) = TcpTransport::bind(m4.id, addr4.to_string(), TcpOptions::default())?;
     for m in &members {
         t4.add_peer(
             m.id,
