@@ -310,6 +310,24 @@ impl KeyIndex {
         self.map.get(key)?.get(at)
     }
 
+    /// [`get`](Self::get) at `at`, then [`put`](Self::put) of `rev`, in one lookup for an
+    /// existing key (two for a new one).
+    pub fn get_and_put(&mut self, key: &[u8], at: u64, rev: Revision) -> Option<KeyAt> {
+        match self.map.get_mut(key) {
+            Some(e) => {
+                let prev = e.get(at);
+                e.put(rev);
+                prev
+            }
+            None => {
+                let mut e = KeyEntry::default();
+                e.put(rev);
+                self.map.insert(key.into(), e);
+                None
+            }
+        }
+    }
+
     /// Records a put of `key` at `rev`.
     pub fn put(&mut self, key: &[u8], rev: Revision) {
         match self.map.get_mut(key) {

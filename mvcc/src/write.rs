@@ -145,9 +145,12 @@ impl<'a, B: Backend> WriteTxn<'a, B> {
             self.inner.index.write().keys.put(key, rev);
             (prev, prev_kv)
         } else {
-            let mut idx = self.inner.index.write();
-            let prev = idx.keys.get(key, rev.main);
-            idx.keys.put(key, rev);
+            let prev = self
+                .inner
+                .index
+                .write()
+                .keys
+                .get_and_put(key, rev.main, rev);
             (prev, None)
         };
         let (create_revision, version) = match prev {
