@@ -1,0 +1,413 @@
+//! Learner catch-up over TCP on loopback, each figure beside its reference in the same run:
+//!
+//! - snapshot transfer throughput to a new learner (leader's consistent backend copy,
+//!   streamed in checksummed chunks on the snapshot connection, written to a temporary file,
+//!   verified, fsynced, renamed and prepared as the learner's backend, until the learner's
+//!   acknowledgement) against a raw loopback TCP copy of the same bytes written to a file
+//!   and fsynced (goal ≥ 0.7×);
+//! - time from the new member's start until the leader accepts its promotion (gate: snapshot
+//!   installed and applied, recently active, in sync), reported;
+//! - the leader's put p99 latency while the transfer runs against the p99 just before it,
+//!   with one client writing (goal ≤ 2×).
+//!
+//! Data: `KEEL_LEARNER_BENCH_KEYS` keys of 1 KiB, default 50 000 (~51 MB) so the suite takes
+//! about a minute; the figure is 200 MB:
+//! `KEEL_LEARNER_BENCH_KEYS=200000 cargo bench -p keel-benches --bench learner`.
+//!
+//! Run: `cargo bench -p keel-benches --bench learner`; smoke: `... -- --test`.
+
+// criterion_group! generates an undocumented public function.
+#![allow(missing_docs)]
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use keel_benches::{Better, Recorder};
+use keel_mvcc::{PutRequest, TxnOp, TxnRequest};
+use keel_raft_glue::membership::MembershipOptions;
+use keel_raft_glue::{Member, Node, NodeConfig, NodeOptions, TcpOptions, TcpTransport};
+use parking_lot::Mutex;
+
+type B = keel_backend_file::FileBackend;
+type N = Arc<Node<B>>;
+
+fn keys() -> usize {
+    std::env::var("KEEL_LEARNER_BENCH_KEYS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(50_000)
+}
+
+fn options() -> NodeOptions {
+    NodeOptions {
+        snapshot_count: 20_000,
+        snapshot_catch_up_entries: 5_000,
+        request_timeout: Duration::from_secs(30),
+        snapshot_timeout: Duration::from_secs(120),
+        ..NodeOptions::default()
+    }
+}
+
+fn membership() -> MembershipOptions {
+    MembershipOptions {
+        auto_promote: false,
+        ..MembershipOptions::default()
+    }
+}
+
+fn config(id: u64, peers: Vec<u64>, dir: PathBuf, members: Vec<Member>) -> NodeConfig<B> {
+    let mut c = NodeConfig::<B>::new(id, peers, dir);
+    c.options = options();
+    c.membership = membership();
+    c.members = members;
+    c
+}
+
+struct Setup {
+    root: tempfile::TempDir,
+    members: Vec<Member>,
+    nodes: Vec<N>,
+    leader: N,
+}
+
+fn setup(keys: usize) -> Setup {
+    let root = tempfile::tempdir().expect("tempdir");
+    let eps: Vec<_> = (1..=3u64)
+        .map(|id| {
+            let (t, m) =
+                TcpTransport::bind(id, "127.0.0.1:0", TcpOptions::default()).expect("bind");
+            (id, t, m)
+        })
+        .collect();
+    let members: Vec<Member> = eps
+        .iter()
+        .map(|(id, t, _)| Member {
+            id: *id,
+            name: format!("member-{id}"),
+            peer_urls: vec![format!("http://{}", t.local_addr())],
+            client_urls: Vec::new(),
+            is_learner: false,
+        })
+        .collect();
+    let nodes: Vec<N> = eps
+        .into_iter()
+        .map(|(id, t, m)| {
+            let cfg = config(
+                id,
+                vec![1, 2, 3],
+                root.path().join(format!("member-{id}")),
+                members.clone(),
+            );
+            Arc::new(Node::start(cfg, Arc::new(t), m).expect("start"))
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let leader = loop {
+        if let Some(l) = nodes.iter().find(|n| n.status().leader == Some(n.id())) {
+            break l.clone();
+        }
+        assert!(Instant::now() < deadline, "no leader");
+        thread::sleep(Duration::from_millis(20));
+    };
+    let value = vec![b'v'; 1024];
+    thread::scope(|s| {
+        let per = keys.div_ceil(4);
+        for l in 0..4 {
+            let (leader, value) = (leader.clone(), value.clone());
+            s.spawn(move || {
+                let mut k = l * per;
+                let to = ((l + 1) * per).min(keys);
+                while k < to {
+                    let end = (k + 128).min(to);
+                    let success = (k..end)
+                        .map(|j| {
+                            TxnOp::Put(PutRequest::new(
+                                format!("key-{j:08}").into_bytes(),
+                                value.clone(),
+                            ))
+                        })
+                        .collect();
+                    leader
+                        .txn(TxnRequest {
+                            compare: Vec::new(),
+                            success,
+                            failure: Vec::new(),
+                        })
+                        .expect("load");
+                    k = end;
+                }
+            });
+        }
+    });
+    Setup {
+        root,
+        members,
+        nodes,
+        leader,
+    }
+}
+
+/// One client writing to the leader, recording `(start, latency)` of every put.
+struct Client {
+    stop: Arc<AtomicBool>,
+    lat: Arc<Mutex<Vec<(Instant, Duration)>>>,
+    handle: Option<thread::JoinHandle<()>>,
+}
+
+impl Client {
+    fn start(leader: N) -> Client {
+        let stop = Arc::new(AtomicBool::new(false));
+        let lat = Arc::new(Mutex::new(Vec::new()));
+        let (s, l) = (stop.clone(), lat.clone());
+        let handle = thread::spawn(move || {
+            let mut i = 0u64;
+            while !s.load(Ordering::Relaxed) {
+                i += 1;
+                let t = Instant::now();
+                if leader
+                    .put(format!("client-{}", i % 1000).as_bytes(), &[1u8; 128])
+                    .is_ok()
+                {
+                    l.lock().push((t, t.elapsed()));
+                }
+                thread::sleep(Duration::from_millis(1));
+            }
+        });
+        Client {
+            stop,
+            lat,
+            handle: Some(handle),
+        }
+    }
+
+    fn p99(&self, from: Instant, to: Instant) -> Option<Duration> {
+        let mut v: Vec<Duration> = self
+            .lat
+            .lock()
+            .iter()
+            .filter(|(t, _)| *t >= from && *t < to)
+            .map(|(_, d)| *d)
+            .collect();
+        if v.len() < 10 {
+            return None;
+        }
+        v.sort();
+        Some(v[(v.len() * 99 / 100).min(v.len() - 1)])
+    }
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+struct Join {
+    bytes: u64,
+    transfer: Duration,
+    to_promotable: Duration,
+    p99_during: Option<Duration>,
+    p99_before: Option<Duration>,
+}
+
+/// Adds a learner, starts it, waits for the transfer and the promotion gate, then removes
+/// it again (so the next join starts from the same cluster).
+fn join(s: &Setup, client: &Client, n: u64) -> Join {
+    let leader = &s.leader;
+    let addr = {
+        let l = TcpListener::bind("127.0.0.1:0").expect("port");
+        l.local_addr().expect("addr")
+    };
+    let before_from = Instant::now();
+    thread::sleep(Duration::from_millis(500));
+    let m = leader
+        .member_add(
+            &format!("learner-{n}"),
+            vec![format!("http://{addr}")],
+            true,
+        )
+        .expect("member add");
+    let (t, mb) = TcpTransport::bind(m.id, addr, TcpOptions::default()).expect("bind learner");
+    for p in &s.members {
+        t.add_peer(
+            p.id,
+            keel_raft_glue::tcp::resolve_peer_url(&p.peer_urls[0]).expect("url"),
+        )
+        .expect("peer");
+    }
+    let dir = s.root.path().join(format!("learner-{n}"));
+    let start = Instant::now();
+    let learner = Node::start(
+        config(m.id, Vec::new(), dir.clone(), Vec::new()),
+        Arc::new(t),
+        mb,
+    )
+    .expect("start learner");
+    let deadline = start + Duration::from_secs(300);
+    let progress = loop {
+        if let Some(p) = leader
+            .status()
+            .transfers
+            .iter()
+            .find(|p| p.to == m.id && p.done)
+        {
+            break *p;
+        }
+        assert!(Instant::now() < deadline, "transfer did not finish");
+        thread::sleep(Duration::from_millis(1));
+    };
+    let transfer_end = Instant::now();
+    let promotable = loop {
+        match leader.member_promote(m.id) {
+            Ok(_) => break Instant::now(),
+            Err(e) if e.to_string().contains("in sync") => {
+                assert!(Instant::now() < deadline, "never promotable: {e}");
+                thread::sleep(Duration::from_millis(1));
+            }
+            Err(e) => panic!("promote: {e}"),
+        }
+    };
+    let j = Join {
+        bytes: progress.sent,
+        transfer: progress.last.duration_since(progress.started),
+        to_promotable: promotable.duration_since(start),
+        p99_during: client.p99(start, transfer_end),
+        p99_before: client.p99(before_from, start),
+    };
+    leader.member_remove(m.id).expect("remove");
+    learner.stop();
+    drop(learner);
+    let _ = std::fs::remove_dir_all(&dir);
+    j
+}
+
+/// The reference: `bytes` over a fresh loopback TCP connection in 1 MiB writes, written to a
+/// file by the receiver, fsynced and renamed.
+fn raw_copy(dir: &Path, bytes: u64) -> Duration {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let tmp = dir.join("raw.tmp");
+    let fin = dir.join("raw.snap");
+    let start = Instant::now();
+    let receiver = thread::spawn(move || {
+        let (mut s, _) = listener.accept().expect("accept");
+        let mut f = File::create(&tmp).expect("create");
+        let mut buf = vec![0u8; 1 << 20];
+        loop {
+            let n = s.read(&mut buf).expect("read");
+            if n == 0 {
+                break;
+            }
+            f.write_all(&buf[..n]).expect("write");
+        }
+        f.sync_all().expect("fsync");
+        std::fs::rename(&tmp, &fin).expect("rename");
+    });
+    let mut s = TcpStream::connect(addr).expect("connect");
+    let chunk = vec![0x5au8; 1 << 20];
+    let mut left = bytes;
+    while left > 0 {
+        let n = left.min(chunk.len() as u64) as usize;
+        s.write_all(&chunk[..n]).expect("send");
+        left -= n as u64;
+    }
+    drop(s);
+    receiver.join().expect("receiver");
+    let d = start.elapsed();
+    let _ = std::fs::remove_file(dir.join("raw.snap"));
+    d
+}
+
+fn bench_learner(c: &mut Criterion, rec: &Recorder) {
+    let keys = keys();
+    let s = setup(keys);
+    let client = Client::start(s.leader.clone());
+    let mut n = 0u64;
+    let last_bytes = Mutex::new(0u64);
+    let mut g = c.benchmark_group("learner");
+    g.sample_size(10)
+        .warm_up_time(Duration::from_millis(100))
+        .measurement_time(Duration::from_secs(1));
+    g.bench_function(format!("join {keys} keys"), |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                n += 1;
+                let j = join(&s, &client, n);
+                rec.record("keel learner snapshot transfer", j.transfer, j.bytes.max(1));
+                rec.record("start to promotable", j.to_promotable, 1);
+                if let (Some(d), Some(b)) = (j.p99_during, j.p99_before) {
+                    rec.record("put p99 during transfer", d, 1);
+                    rec.record("put p99 without transfer", b, 1);
+                }
+                *last_bytes.lock() = j.bytes;
+                total += j.transfer;
+            }
+            total
+        })
+    });
+    let bytes = *last_bytes.lock();
+    let ref_dir = s.root.path().join("raw");
+    std::fs::create_dir_all(&ref_dir).expect("dir");
+    g.bench_function(format!("raw loopback copy + fsync {bytes} bytes"), |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                let d = raw_copy(&ref_dir, bytes);
+                rec.record("raw tcp copy + disk write", d, bytes.max(1));
+                total += d;
+            }
+            total
+        })
+    });
+    g.finish();
+    rec.ratio(
+        &format!("learner snapshot transfer of {:.1} MB", bytes as f64 / 1e6),
+        "keel learner snapshot transfer",
+        "raw tcp copy + disk write",
+        Better::Faster,
+        Some(0.7),
+    );
+    if let (Some(k), Some(r)) = (
+        rec.median("keel learner snapshot transfer"),
+        rec.median("raw tcp copy + disk write"),
+    ) {
+        println!(
+            "THROUGHPUT keel transfer {:.1} MB/s, raw copy + write {:.1} MB/s",
+            1.0 / k / 1e6,
+            1.0 / r / 1e6
+        );
+    }
+    if let Some(p) = rec.median("start to promotable") {
+        println!("REPORT new member start to promotable: median {:.3} s", p);
+    }
+    rec.ratio(
+        "leader put p99 during a learner's snapshot transfer",
+        "put p99 during transfer",
+        "put p99 without transfer",
+        Better::LowerTime,
+        Some(2.0),
+    );
+    drop(client);
+    for node in &s.nodes {
+        node.stop();
+    }
+}
+
+fn benches(c: &mut Criterion) {
+    let rec = Recorder::new();
+    bench_learner(c, &rec);
+}
+
+criterion_group!(learner, benches);
+criterion_main!(learner);
