@@ -1308,10 +1308,12 @@ impl<B: Backend> Driver<B> {
         let id = self.id;
         let limiter = self.limiter.clone();
         let shared = self.shared.clone();
+        // The stream is about as long as the live data: the estimate behind the ETA.
+        let expected = store.backend().size().ok().map(|s| s.in_use);
         shared
             .transfers
             .lock()
-            .insert(to, TransferProgress::new(to, None, Instant::now()));
+            .insert(to, TransferProgress::new(to, expected, Instant::now()));
         let spawned = spawn(&format!("keel-snap-send-{id}-{to}"), move || {
             let progress = |n: u64| {
                 if let Some(p) = shared.transfers.lock().get_mut(&to) {
