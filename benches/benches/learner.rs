@@ -14,6 +14,8 @@
 //! about a minute; the figure is 200 MB:
 //! `KEEL_LEARNER_BENCH_KEYS=200000 cargo bench -p keel-benches --bench learner`.
 //!
+//! `KEEL_LEARNER_BENCH_RATE_MB=<n>` paces snapshots at n MB/s (default: unlimited).
+//!
 //! Run: `cargo bench -p keel-benches --bench learner`; smoke: `... -- --test`.
 
 // criterion_group! generates an undocumented public function.
@@ -43,6 +45,19 @@ fn keys() -> usize {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(50_000)
+}
+
+/// Snapshot pacing of the members' transports, `KEEL_LEARNER_BENCH_RATE_MB` MB/s; default
+/// unlimited.
+fn tcp_options() -> TcpOptions {
+    let rate = std::env::var("KEEL_LEARNER_BENCH_RATE_MB")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(0);
+    TcpOptions {
+        snapshot_rate: rate * 1_000_000,
+        ..TcpOptions::default()
+    }
 }
 
 fn options() -> NodeOptions {
@@ -81,8 +96,7 @@ fn setup(keys: usize) -> Setup {
     let root = tempfile::tempdir().expect("tempdir");
     let eps: Vec<_> = (1..=3u64)
         .map(|id| {
-            let (t, m) =
-                TcpTransport::bind(id, "127.0.0.1:0", TcpOptions::default()).expect("bind");
+            let (t, m) = TcpTransport::bind(id, "127.0.0.1:0", tcp_options()).expect("bind");
             (id, t, m)
         })
         .collect();
