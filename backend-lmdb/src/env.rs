@@ -333,7 +333,7 @@ impl Drop for Generation {
 /// touching memory outside the mapping. heed's `WithoutTls` mode opens with `MDB_NOTLS`, so a
 /// read transaction is tied to its object rather than to a thread and may move between
 /// threads (heed then implements `Send` for it).
-unsafe fn open_env(
+pub(crate) unsafe fn open_env(
     dir: &Path,
     map_size: usize,
     options: &LmdbOptions,

@@ -18,6 +18,8 @@
 //! - `txn`: [`LmdbReadTxn`], a `Send` snapshot that may outlive the backend handle, checked
 //!   against the commit stamp when it opens.
 //! - `options`: [`LmdbOptions`] and their defaults.
+//! - `reference`: [`RawLmdb`], raw LMDB opened the way the backend opens it, the reference
+//!   benchmarks measure keel against.
 //!
 //! On-disk layout of a store at `path`:
 //!
@@ -39,9 +41,11 @@ mod env;
 mod error;
 mod keys;
 mod options;
+mod reference;
 mod txn;
 
 pub use backend::LmdbBackend;
 pub use error::LmdbError;
 pub use options::{LmdbOptions, MAP_SIZE_UNIT};
+pub use reference::RawLmdb;
 pub use txn::{LmdbRange, LmdbReadTxn};

@@ -21,8 +21,9 @@ use std::time::Duration;
 
 use criterion::Criterion;
 use heed::types::Bytes;
-use heed::{Database, Env, EnvOpenOptions};
+use heed::{Database, Env, WithoutTls};
 use keel_backend_file::{FileBackend, FileOptions};
+use keel_backend_lmdb::{LmdbOptions, RawLmdb};
 use keel_benches::{Better, Recorder};
 use keel_mvcc::{Backend, Bucket, ReadTxn, WriteBatch};
 use rand::rngs::StdRng;
@@ -40,24 +41,25 @@ fn read_keys() -> usize {
     if smoke() { 20_000 } else { 1_000_000 }
 }
 
+/// Raw LMDB through heed, opened the way keel's LMDB backend opens it.
 struct Lmdb {
-    env: Env,
+    env: Env<WithoutTls>,
     db: Database<Bytes, Bytes>,
+    _raw: RawLmdb,
 }
 
 impl Lmdb {
     fn open(dir: &Path) -> Lmdb {
-        let mut opts = EnvOpenOptions::new();
-        opts.map_size(64 << 30).max_dbs(4);
-        // SAFETY: the directory is a fresh temporary directory that only this process opens,
-        // once, and no other mapping of it exists.
-        let env = unsafe { opts.open(dir) }.expect("open lmdb");
-        let mut wtxn = env.write_txn().expect("write txn");
-        let db = env
-            .create_database(&mut wtxn, Some("key"))
-            .expect("create db");
-        wtxn.commit().expect("commit");
-        Lmdb { env, db }
+        let options = LmdbOptions {
+            map_size: 64 << 30,
+            ..LmdbOptions::default()
+        };
+        let raw = RawLmdb::open(dir, &options).expect("open raw LMDB");
+        Lmdb {
+            env: raw.env.clone(),
+            db: raw.db,
+            _raw: raw,
+        }
     }
 
     fn commit(&self, pairs: &[(Vec<u8>, Vec<u8>)]) {

@@ -18,9 +18,7 @@ use std::sync::LazyLock;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput};
-use heed::types::Bytes;
-use heed::{Database, Env, EnvFlags, EnvOpenOptions, WithoutTls};
-use keel_backend_lmdb::{LmdbBackend, LmdbOptions};
+use keel_backend_lmdb::{LmdbBackend, LmdbOptions, RawLmdb};
 use keel_benches::{Better, Recorder};
 use keel_mvcc::{Backend, Bucket, ReadTxn, WriteBatch};
 
@@ -43,24 +41,13 @@ fn value(i: u64) -> [u8; 150] {
     [(i % 251) as u8; 150]
 }
 
-/// Raw LMDB configured as the backend configures it: `MDB_NOTLS`, the same map size, and
-/// `MDB_NOSYNC` exactly when the backend skips fsync.
-fn raw_env(dir: &Path, sync: bool) -> (Env<WithoutTls>, Database<Bytes, Bytes>) {
-    let mut options = EnvOpenOptions::new().read_txn_without_tls();
-    options.map_size(MAP_SIZE).max_readers(1024);
-    // SAFETY: `dir` is a fresh temporary directory that only this benchmark opens, once, on a
-    // local file system, and nothing else writes its files; `NO_SYNC` only weakens
-    // durability, which a benchmark does not rely on.
-    let env = unsafe {
-        if !sync {
-            options.flags(EnvFlags::NO_SYNC);
-        }
-        options.open(dir).expect("open raw LMDB")
+fn raw_env(dir: &Path, sync: bool) -> RawLmdb {
+    let options = LmdbOptions {
+        map_size: MAP_SIZE as u64,
+        sync_on_commit: sync,
+        ..LmdbOptions::default()
     };
-    let mut wtxn = env.write_txn().expect("write txn");
-    let db = env.create_database(&mut wtxn, None).expect("main db");
-    wtxn.commit().expect("commit");
-    (env, db)
+    RawLmdb::open(dir, &options).expect("open raw LMDB")
 }
 
 fn backend(dir: &Path, sync: bool) -> LmdbBackend {
@@ -106,7 +93,8 @@ fn commit(c: &mut Criterion) {
         drop(store);
 
         let dir = tempfile::tempdir().unwrap();
-        let (env, db) = raw_env(dir.path(), sync);
+        let reference = raw_env(dir.path(), sync);
+        let (env, db) = (reference.env.clone(), reference.db);
         let mut next = 0u64;
         group.bench_function("raw heed", |b| {
             b.iter_custom(|iters| {
@@ -145,7 +133,8 @@ fn reads(c: &mut Criterion) {
     let ours_dir = tempfile::tempdir().unwrap();
     let store = backend(ours_dir.path(), false);
     let raw_dir = tempfile::tempdir().unwrap();
-    let (env, db) = raw_env(raw_dir.path(), false);
+    let reference = raw_env(raw_dir.path(), false);
+    let (env, db) = (reference.env.clone(), reference.db);
     let mut batch = WriteBatch::new();
     let mut wtxn = env.write_txn().expect("write txn");
     for i in 0..RANGE_KEYS {

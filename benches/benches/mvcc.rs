@@ -26,9 +26,7 @@ use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput};
-use heed::types::Bytes;
-use heed::{Database, Env, EnvFlags, EnvOpenOptions, WithoutTls};
-use keel_backend_lmdb::{LmdbBackend, LmdbOptions};
+use keel_backend_lmdb::{LmdbBackend, LmdbOptions, RawLmdb};
 use keel_benches::{Better, Recorder};
 use keel_mvcc::{Backend, RangeRequest, Store, StoreOptions, StreamItem, WatchRequest};
 
@@ -45,22 +43,13 @@ fn key(i: u64) -> Vec<u8> {
     format!("key-{i:020}").into_bytes()
 }
 
-fn raw_env(dir: &Path, sync: bool) -> (Env<WithoutTls>, Database<Bytes, Bytes>) {
-    let mut options = EnvOpenOptions::new().read_txn_without_tls();
-    options.map_size(MAP_SIZE).max_readers(1024);
-    // SAFETY: `dir` is a fresh temporary directory that only this benchmark opens, once, on a
-    // local file system, and nothing else writes its files; `NO_SYNC` only weakens
-    // durability, which a benchmark does not rely on.
-    let env = unsafe {
-        if !sync {
-            options.flags(EnvFlags::NO_SYNC);
-        }
-        options.open(dir).expect("open raw LMDB")
+fn raw_env(dir: &Path, sync: bool) -> RawLmdb {
+    let options = LmdbOptions {
+        map_size: MAP_SIZE as u64,
+        sync_on_commit: sync,
+        ..LmdbOptions::default()
     };
-    let mut wtxn = env.write_txn().expect("write txn");
-    let db = env.create_database(&mut wtxn, None).expect("main db");
-    wtxn.commit().expect("commit");
-    (env, db)
+    RawLmdb::open(dir, &options).expect("open raw LMDB")
 }
 
 fn store(dir: &Path, sync: bool, options: StoreOptions) -> Store<LmdbBackend> {
@@ -113,7 +102,8 @@ fn put_throughput(c: &mut Criterion) {
         drop(s);
 
         let dir = tempfile::tempdir().unwrap();
-        let (env, db) = raw_env(dir.path(), sync);
+        let reference = raw_env(dir.path(), sync);
+        let (env, db) = (reference.env.clone(), reference.db);
         let mut next = 0u64;
         group.bench_function("raw heed", |b| {
             RECORDER.iter(b, &raw, |_| {
@@ -303,7 +293,8 @@ fn range_10k(c: &mut Criterion) {
     t.commit().expect("commit");
     s.force_commit().expect("commit");
     let raw_dir = tempfile::tempdir().unwrap();
-    let (env, db) = raw_env(raw_dir.path(), false);
+    let reference = raw_env(raw_dir.path(), false);
+    let (env, db) = (reference.env.clone(), reference.db);
     let mut wtxn = env.write_txn().expect("write txn");
     for i in 0..N {
         db.put(&mut wtxn, &key(i), &value).expect("put");
