@@ -9,18 +9,16 @@
 //!   Goal: >= 1.0x.
 //! - `replay`: opening (reading and checking every record of) a log of
 //!   `KEEL_WAL_REPLAY_MIB` MiB (default 1024) against a raw sequential read + crc32 of the
-//!   same bytes. Goal: >= 0.8x. Also prints the peak heap growth of streaming the log from
+//!   same bytes. Goal: >= 0.8x. Also prints the peak resident-memory growth of streaming the log from
 //!   its middle.
 //!
 //! Run: `cargo bench -p keel-benches --bench wal` (add `--features peers` for raft-engine).
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::fs::File;
 use std::ops::ControlFlow;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, SamplingMode, Throughput};
@@ -28,55 +26,37 @@ use keel_benches::{Better, Recorder};
 use keel_wal::{Entry, Wal, WalOptions};
 use parking_lot::Mutex;
 
-/// Counts live heap bytes and their peak, to report replay memory.
-struct Counting;
-
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-fn grew(n: usize) {
-    let now = LIVE.fetch_add(n, Ordering::Relaxed) + n;
-    PEAK.fetch_max(now, Ordering::Relaxed);
+/// Resident memory of this process in bytes: `VmRSS` (now) or `VmHWM` (peak since the last
+/// [`reset_peak_rss`]), from `/proc/self/status`.
+fn rss(field: &str) -> Option<usize> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with(field))?;
+    let kib: usize = line[field.len()..]
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kib << 10)
 }
 
-// SAFETY: every method forwards to `System` with the caller's arguments unchanged, so the
-// `GlobalAlloc` contract holds exactly as it does for `System`; the counters are only
-// bookkeeping.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: the caller upholds `alloc`'s contract (non-zero size layout).
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            grew(layout.size());
-        }
-        p
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: `ptr` was allocated by this allocator (hence `System`) with `layout`.
-        unsafe { System.dealloc(ptr, layout) };
-        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
-    }
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: as for `alloc`.
-        let p = unsafe { System.alloc_zeroed(layout) };
-        if !p.is_null() {
-            grew(layout.size());
-        }
-        p
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        // SAFETY: `ptr` came from this allocator with `layout`; the caller upholds the rest.
-        let p = unsafe { System.realloc(ptr, layout, new_size) };
-        if !p.is_null() {
-            LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
-            grew(new_size);
-        }
-        p
-    }
+/// Starts a new peak-RSS window (Linux: writing 5 to `/proc/self/clear_refs` resets `VmHWM`).
+fn reset_peak_rss() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
 }
 
-#[global_allocator]
-static ALLOC: Counting = Counting;
+/// Runs `f` and returns how far the process's resident memory peaked above where it started.
+fn peak_rss_growth<T>(f: impl FnOnce() -> T) -> (T, Option<usize>) {
+    let base = rss("VmRSS:");
+    let reset = reset_peak_rss();
+    let out = f();
+    let peak = rss("VmHWM:");
+    let growth = match (reset, base, peak) {
+        (true, Some(base), Some(peak)) => Some(peak.saturating_sub(base)),
+        _ => None,
+    };
+    (out, growth)
+}
 
 const ENTRY: usize = 1024;
 const RAW_FILE: u64 = 64 << 20;
@@ -463,43 +443,46 @@ fn replay(c: &mut Criterion, rec: &Recorder) {
     // Peak heap of streaming from the middle, beyond what the open log already holds.
     let wal = Wal::open(&path, read_opts()).unwrap();
     let mid = (wal.first_index() + wal.last_index()) / 2;
-    let base = LIVE.load(Ordering::Relaxed);
-    PEAK.store(base, Ordering::Relaxed);
-    let mut n = 0u64;
-    wal.replay(mid, |e| {
-        n += 1;
-        std::hint::black_box(e.data);
-        ControlFlow::Continue(())
-    })
-    .unwrap();
-    let peak = PEAK.load(Ordering::Relaxed) - base;
+    let (n, peak) = peak_rss_growth(|| {
+        let mut n = 0u64;
+        wal.replay(mid, |e| {
+            n += 1;
+            std::hint::black_box(e.data);
+            ControlFlow::Continue(())
+        })
+        .unwrap();
+        n
+    });
     let seg = WalOptions::default().segment_size as usize;
-    println!(
-        "MEMORY wal replay from index {mid} ({n} entries streamed, none kept): peak heap +{:.1} MiB; \
-         bound: one segment ({} MiB) + entries returned (0) -> {}",
-        peak as f64 / (1 << 20) as f64,
-        seg >> 20,
-        if peak <= seg { "within" } else { "EXCEEDED" }
-    );
-    let base = LIVE.load(Ordering::Relaxed);
-    PEAK.store(base, Ordering::Relaxed);
+    match peak {
+        Some(peak) => println!(
+            "MEMORY wal replay from index {mid} ({n} entries streamed, none kept): peak RSS +{:.1} MiB; \
+             bound: one segment ({} MiB) + entries returned (0) -> {}",
+            peak as f64 / (1 << 20) as f64,
+            seg >> 20,
+            if peak <= seg { "within" } else { "EXCEEDED" }
+        ),
+        None => println!("MEMORY wal replay: peak RSS unavailable on this system"),
+    }
     let hi = (mid + 10_000).min(wal.last_index() + 1);
-    let got = wal.entries(mid, hi, None).unwrap();
+    let (got, peak) = peak_rss_growth(|| wal.entries(mid, hi, None).unwrap());
     let returned: usize = got.iter().map(|e| e.data.len() + size_of::<Entry>()).sum();
-    let peak = PEAK.load(Ordering::Relaxed) - base;
-    println!(
-        "MEMORY wal entries(mid, mid + {}): peak heap +{:.1} MiB; bound: one segment ({} MiB) + \
-         entries returned ({:.1} MiB) -> {}",
-        hi - mid,
-        peak as f64 / (1 << 20) as f64,
-        seg >> 20,
-        returned as f64 / (1 << 20) as f64,
-        if peak <= seg + returned {
-            "within"
-        } else {
-            "EXCEEDED"
-        }
-    );
+    match peak {
+        Some(peak) => println!(
+            "MEMORY wal entries(mid, mid + {}): peak RSS +{:.1} MiB; bound: one segment ({} MiB) + \
+             entries returned ({:.1} MiB) -> {}",
+            hi - mid,
+            peak as f64 / (1 << 20) as f64,
+            seg >> 20,
+            returned as f64 / (1 << 20) as f64,
+            if peak <= seg + returned {
+                "within"
+            } else {
+                "EXCEEDED"
+            }
+        ),
+        None => println!("MEMORY wal entries: peak RSS unavailable on this system"),
+    }
 }
 
 fn main() {
