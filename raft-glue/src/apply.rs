@@ -167,18 +167,12 @@ pub(crate) fn open_store<B: Backend>(
     Store::open(backend, store_options.clone()).map_err(|e| NodeError::Store(e.to_string()))
 }
 
-/// Restores the snapshot stream in `file` into a fresh backend at `<dir>/backend.tmp`,
-/// checks that it holds exactly `index`, records `(index, term)` and `conf_state` in it, and
-/// renames it to `<dir>/backend.new`. The current backend is untouched.
-pub(crate) fn prepare_snapshot<B: Backend>(
+/// Removes leftovers of earlier restores and opens a fresh, empty backend at
+/// `<dir>/backend.tmp` to restore a snapshot stream into. The current backend is untouched.
+pub(crate) fn begin_restore<B: Backend>(
     dir: &Path,
     backend_options: &B::Options,
-    store_options: &StoreOptions,
-    file: &Path,
-    index: u64,
-    term: u64,
-    conf_state: &ConfState,
-) -> Result<(), NodeError> {
+) -> Result<B, NodeError> {
     let tmp = dir.join(BACKEND_TMP);
     let new = dir.join(BACKEND_NEW);
     for p in [&tmp, &new] {
@@ -186,14 +180,24 @@ pub(crate) fn prepare_snapshot<B: Backend>(
             fs::remove_dir_all(p).map_err(|e| NodeError::io(p, "remove", e))?;
         }
     }
+    B::open(&tmp, backend_options)
+        .map_err(|e| NodeError::Store(format!("opening {}: {e}", tmp.display())))
+}
+
+/// Completes a restore begun by [`begin_restore`] once the whole stream is verified and
+/// loaded into `backend`: checks that it holds exactly `index`, records `(index, term)` and
+/// `conf_state` in it, syncs it and renames `<dir>/backend.tmp` to `<dir>/backend.new`.
+pub(crate) fn finish_restore<B: Backend>(
+    dir: &Path,
+    backend: B,
+    store_options: &StoreOptions,
+    index: u64,
+    term: u64,
+    conf_state: &ConfState,
+) -> Result<(), NodeError> {
+    let tmp = dir.join(BACKEND_TMP);
+    let new = dir.join(BACKEND_NEW);
     {
-        let backend = B::open(&tmp, backend_options)
-            .map_err(|e| NodeError::Store(format!("opening {}: {e}", tmp.display())))?;
-        let mut input = std::io::BufReader::new(
-            fs::File::open(file).map_err(|e| NodeError::io(file, "open", e))?,
-        );
-        keel_mvcc::backend::snapshot::restore(&backend, &mut input)
-            .map_err(|e| NodeError::Store(format!("restoring snapshot: {e}")))?;
         let store = Store::open(backend, store_options.clone())
             .map_err(|e| NodeError::Store(e.to_string()))?;
         let held = store.consistent_index();
@@ -214,6 +218,25 @@ pub(crate) fn prepare_snapshot<B: Backend>(
     }
     fs::rename(&tmp, &new).map_err(|e| NodeError::io(&tmp, "rename", e))?;
     fsync_dir(dir)
+}
+
+/// Restores the snapshot stream in `file` into a fresh backend at `<dir>/backend.tmp` and
+/// completes it with [`finish_restore`]. The current backend is untouched.
+pub(crate) fn prepare_snapshot<B: Backend>(
+    dir: &Path,
+    backend_options: &B::Options,
+    store_options: &StoreOptions,
+    file: &Path,
+    index: u64,
+    term: u64,
+    conf_state: &ConfState,
+) -> Result<(), NodeError> {
+    let backend = begin_restore::<B>(dir, backend_options)?;
+    let mut input =
+        std::io::BufReader::new(fs::File::open(file).map_err(|e| NodeError::io(file, "open", e))?);
+    keel_mvcc::backend::snapshot::restore(&backend, &mut input)
+        .map_err(|e| NodeError::Store(format!("restoring snapshot: {e}")))?;
+    finish_restore(dir, backend, store_options, index, term, conf_state)
 }
 
 /// Removes a prepared snapshot that raft-rs did not take.

@@ -903,6 +903,8 @@ fn receive_loop<B: Backend>(
     store_options: StoreOptions,
 ) {
     let id = shared.id;
+    // The transfer being restored while it arrives, if any.
+    let mut live: Option<snapshot::LiveRestore<B>> = None;
     loop {
         let frame = match rx.recv_timeout(Duration::from_millis(100)) {
             Ok(f) => f,
@@ -922,20 +924,55 @@ fn receive_loop<B: Backend>(
             SnapshotFrame::Chunk(c) => c,
         };
         let (from, transfer) = (chunk.from, chunk.transfer);
-        let outcome = assembler.chunk(chunk).and_then(|done| {
+        let key = (from, transfer);
+        if chunk.seq == 0 {
+            // One restore at a time: a new transfer replaces the one in progress, which
+            // then completes (if ever) through the stored file. The old restore ends
+            // before the new one reuses its directory.
+            drop(live.take());
+            live = match snapshot::LiveRestore::<B>::start(key, &dir, &backend_options) {
+                Ok(l) => Some(l),
+                Err(e) => {
+                    tracing::warn!(member = id, from, error = %e, "snapshot restore not started; restoring from the file at the end");
+                    None
+                }
+            };
+        }
+        let accepted = assembler.chunk(&chunk);
+        match (&accepted, live.as_ref()) {
+            (Ok(_), Some(l)) if l.key == key => l.feed(chunk.data),
+            (Err(_), Some(l)) if l.key == key => live = None,
+            _ => {}
+        }
+        let outcome = accepted.and_then(|done| {
             let Some(received) = done else {
                 return Ok(false);
             };
             let meta = received.message.get_snapshot().get_metadata().clone();
-            let prepared = apply::prepare_snapshot::<B>(
-                &dir,
-                &backend_options,
-                &store_options,
-                &received.path,
-                meta.index,
-                meta.term,
-                meta.get_conf_state(),
-            );
+            let prepared = match live.take() {
+                Some(l) if l.key == key => l.finish().and_then(|backend| {
+                    apply::finish_restore(
+                        &dir,
+                        backend,
+                        &store_options,
+                        meta.index,
+                        meta.term,
+                        meta.get_conf_state(),
+                    )
+                }),
+                other => {
+                    drop(other);
+                    apply::prepare_snapshot::<B>(
+                        &dir,
+                        &backend_options,
+                        &store_options,
+                        &received.path,
+                        meta.index,
+                        meta.term,
+                        meta.get_conf_state(),
+                    )
+                }
+            };
             let _ = fs::remove_file(&received.path);
             prepared?;
             let (done_tx, done_rx) = bounded(1);

@@ -19,8 +19,14 @@
 //! failing its CRC, or a stream whose length or CRC differs from the end marker aborts the
 //! transfer: the temporary file is deleted and a negative ack sent, nothing is installed. A
 //! complete stream is fsynced and renamed to `<dir>/snap/<index>-<term>.snap` (directory
-//! fsynced), restored into a fresh backend directory (see [`crate::apply`]), and only then
-//! is the `MsgSnapshot` handed to raft-rs, which makes the node swap the prepared backend in.
+//! fsynced). Each accepted chunk is also fed, as it arrives, to a [`LiveRestore`] that
+//! rebuilds a fresh backend directory (`<dir>/backend.tmp`, see [`crate::apply`]) on its own
+//! thread, so the backend is ready soon after the stream ends; a transfer without one (it
+//! was displaced by another) is restored from the stored file instead. Only once the whole
+//! stream is verified is the restored backend completed and renamed to `backend.new`, and
+//! only then is the `MsgSnapshot` handed to raft-rs, which makes the node swap the prepared
+//! backend in. An aborted transfer drops its restore; the partial directory is never
+//! installed and is removed by the next restore or at open.
 
 use std::collections::HashMap;
 use std::fs::{self, File};
@@ -202,14 +208,14 @@ impl Assembler {
     /// Takes one chunk. Returns `Ok(Some(_))` when a transfer completed and verified,
     /// `Ok(None)` when more chunks are expected, `Err` when the transfer is aborted (its
     /// temporary file is gone).
-    pub fn chunk(&mut self, c: SnapshotChunk) -> Result<Option<Received>, NodeError> {
+    pub fn chunk(&mut self, c: &SnapshotChunk) -> Result<Option<Received>, NodeError> {
         let key = (c.from, c.transfer);
         let fail = |reason: String| NodeError::Snapshot {
             from: c.from,
             to: c.to,
             reason,
         };
-        let res = self.take(key, &c, &fail);
+        let res = self.take(key, c, &fail);
         if res.is_err()
             && let Some(inc) = self.incoming.remove(&key)
         {
@@ -299,6 +305,108 @@ impl Assembler {
     }
 }
 
+/// Chunks queued for a [`LiveRestore`] before the receiver waits for it.
+const LIVE_QUEUE: usize = 16;
+
+/// Reads the chunks of one transfer as one stream, in order; ends when the sender is gone.
+struct ChunkReader {
+    rx: Receiver<Vec<u8>>,
+    buf: Vec<u8>,
+    pos: usize,
+}
+
+impl io::Read for ChunkReader {
+    fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+        while self.pos == self.buf.len() {
+            match self.rx.recv() {
+                Ok(next) => {
+                    self.buf = next;
+                    self.pos = 0;
+                }
+                Err(_) => return Ok(0),
+            }
+        }
+        let n = out.len().min(self.buf.len() - self.pos);
+        out[..n].copy_from_slice(&self.buf[self.pos..self.pos + n]);
+        self.pos += n;
+        Ok(n)
+    }
+}
+
+/// Restores one incoming transfer into a fresh backend at `<dir>/backend.tmp` while its
+/// chunks arrive, on a thread of its own, so that the backend is rebuilt by the time the
+/// stream ends. Only chunks the [`Assembler`] accepted are fed to it; the result is handed
+/// on ([`finish`](Self::finish)) only once the whole stream is verified, and installing it
+/// still goes through [`crate::apply::finish_restore`]. Dropping it abandons the restore
+/// (the partial directory is removed by the next restore or at open).
+pub(crate) struct LiveRestore<B: keel_mvcc::Backend> {
+    /// `(from, transfer)` of the transfer being restored.
+    pub key: (u64, u64),
+    tx: Option<Sender<Vec<u8>>>,
+    handle: Option<std::thread::JoinHandle<Result<B, NodeError>>>,
+}
+
+impl<B: keel_mvcc::Backend> LiveRestore<B> {
+    /// Opens a fresh backend in `dir` and starts restoring transfer `key` into it.
+    pub fn start(
+        key: (u64, u64),
+        dir: &Path,
+        backend_options: &B::Options,
+    ) -> Result<LiveRestore<B>, NodeError> {
+        let (tx, rx) = bounded(LIVE_QUEUE);
+        let dir = dir.to_path_buf();
+        let options = backend_options.clone();
+        let handle = std::thread::Builder::new()
+            .name(format!("keel-snap-restore-{}", key.0))
+            .spawn(move || {
+                let backend = crate::apply::begin_restore::<B>(&dir, &options)?;
+                let mut input = ChunkReader {
+                    rx,
+                    buf: Vec::new(),
+                    pos: 0,
+                };
+                keel_mvcc::backend::snapshot::restore(&backend, &mut input)
+                    .map_err(|e| NodeError::Store(format!("restoring snapshot: {e}")))?;
+                Ok(backend)
+            })
+            .map_err(|e| NodeError::io(PathBuf::from("keel-snap-restore"), "spawn thread", e))?;
+        Ok(LiveRestore {
+            key,
+            tx: Some(tx),
+            handle: Some(handle),
+        })
+    }
+
+    /// Hands on the data of one accepted chunk. A restore that already failed ignores it;
+    /// [`finish`](Self::finish) reports the failure.
+    pub fn feed(&self, data: Vec<u8>) {
+        if let Some(tx) = &self.tx {
+            let _ = tx.send(data);
+        }
+    }
+
+    /// Ends the stream and waits for the restore: the backend holding the whole stream,
+    /// checked against its own end frame and checksum.
+    pub fn finish(mut self) -> Result<B, NodeError> {
+        self.tx = None;
+        match self.handle.take().map(|h| h.join()) {
+            Some(Ok(result)) => result,
+            _ => Err(NodeError::Store(
+                "the snapshot restore thread did not complete".into(),
+            )),
+        }
+    }
+}
+
+impl<B: keel_mvcc::Backend> Drop for LiveRestore<B> {
+    fn drop(&mut self) {
+        self.tx = None;
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
 /// Routes an ack to the sender waiting for it.
 pub(crate) fn route_ack(acks: &AckWaiters, ack: SnapshotAck) {
     if let Some(tx) = acks.lock().get(&ack.transfer) {
@@ -340,9 +448,9 @@ mod tests {
         let mut a = Assembler::new(dir.path().join("snap")).expect("assembler");
         let all = b"hello world".to_vec();
         let end = Some((all.len() as u64, crc32fast::hash(&all)));
-        assert!(a.chunk(chunk(0, &all[..5], None)).expect("ok").is_none());
+        assert!(a.chunk(&chunk(0, &all[..5], None)).expect("ok").is_none());
         let got = a
-            .chunk(chunk(1, &all[5..], end))
+            .chunk(&chunk(1, &all[5..], end))
             .expect("ok")
             .expect("done");
         assert_eq!(fs::read(&got.path).expect("read"), all);
@@ -351,17 +459,17 @@ mod tests {
         // A corrupted chunk aborts and leaves no temporary file.
         let mut bad = chunk(0, &all[..5], None);
         bad.data[0] ^= 1;
-        assert!(a.chunk(bad).is_err());
+        assert!(a.chunk(&bad).is_err());
         assert!(
-            a.chunk(chunk(1, &all[5..], end)).is_err(),
+            a.chunk(&chunk(1, &all[5..], end)).is_err(),
             "unknown transfer"
         );
         // A missing chunk aborts.
-        assert!(a.chunk(chunk(0, &all[..5], None)).expect("ok").is_none());
-        assert!(a.chunk(chunk(2, &all[5..], end)).is_err());
+        assert!(a.chunk(&chunk(0, &all[..5], None)).expect("ok").is_none());
+        assert!(a.chunk(&chunk(2, &all[5..], end)).is_err());
         // A wrong end marker aborts.
-        assert!(a.chunk(chunk(0, &all[..5], None)).expect("ok").is_none());
-        assert!(a.chunk(chunk(1, &all[5..], Some((11, 0)))).is_err());
+        assert!(a.chunk(&chunk(0, &all[..5], None)).expect("ok").is_none());
+        assert!(a.chunk(&chunk(1, &all[5..], Some((11, 0)))).is_err());
         let tmp: Vec<_> = fs::read_dir(dir.path().join("snap"))
             .expect("dir")
             .flatten()

@@ -164,13 +164,15 @@ fn learner_serves_serializable_reads_only_and_is_promoted_after_applying_its_sna
         )
         .expect("serializable read on a learner");
     assert_eq!(r.count, 300);
-    let st = leader.status();
-    let t = st
-        .transfers
-        .iter()
-        .find(|t| t.to == 4)
-        .expect("transfer in member status");
-    assert!(t.done && t.sent > 0, "{t:?}");
+    // The learner serves reads once installed; its acknowledgement reaches the leader
+    // just after.
+    wait_until("transfer done in member status", || {
+        leader
+            .status()
+            .transfers
+            .iter()
+            .any(|t| t.to == 4 && t.done && t.sent > 0)
+    });
     // The gate holds once the learner reported its applied index.
     wait_until("promoted", || leader.member_promote(4).is_ok());
     wait_until("4 votes", || leader.status().voters.contains(&4));
