@@ -1,7 +1,7 @@
 //! The replicated state machine: committed entries applied to the MVCC store (and the lessor)
 //! exactly once.
 //!
-//! Every entry is applied in one [`WriteTxn`](keel_mvcc::WriteTxn) that also records the
+//! Every entry is applied in one [`WriteTxn`] that also records the
 //! entry's index as the store's consistent index, so the effects and the index reach the
 //! backend in the same atomic batch. An entry at or below the consistent index is skipped:
 //! after a restart the node re-applies only what the backend lacks, and an entry can never be

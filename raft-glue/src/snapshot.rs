@@ -19,7 +19,7 @@
 //! failing its CRC, or a stream whose length or CRC differs from the end marker aborts the
 //! transfer: the temporary file is deleted and a negative ack sent, nothing is installed. A
 //! complete stream is fsynced and renamed to `<dir>/snap/<index>-<term>.snap` (directory
-//! fsynced). Each accepted chunk is also fed, as it arrives, to a [`LiveRestore`] that
+//! fsynced). Each accepted chunk is also fed, as it arrives, to a `LiveRestore` that
 //! rebuilds a fresh backend directory (`<dir>/backend.tmp`, see [`crate::apply`]) on its own
 //! thread, so the backend is ready soon after the stream ends; a transfer without one (it
 //! was displaced by another) is restored from the stored file instead. Only once the whole
