@@ -938,7 +938,9 @@ fn receive_loop<B: Backend>(
                 }
             };
         }
-        let accepted = assembler.chunk(&chunk);
+        // A transfer restored while it arrives is not stored in a file as well.
+        let store = live.as_ref().is_none_or(|l| l.key != key);
+        let accepted = assembler.chunk(&chunk, store);
         match (&accepted, live.as_ref()) {
             (Ok(_), Some(l)) if l.key == key => l.feed(chunk.data),
             (Err(_), Some(l)) if l.key == key => live = None,
@@ -962,18 +964,27 @@ fn receive_loop<B: Backend>(
                 }),
                 other => {
                     drop(other);
-                    apply::prepare_snapshot::<B>(
-                        &dir,
-                        &backend_options,
-                        &store_options,
-                        &received.path,
-                        meta.index,
-                        meta.term,
-                        meta.get_conf_state(),
-                    )
+                    match &received.path {
+                        Some(path) => apply::prepare_snapshot::<B>(
+                            &dir,
+                            &backend_options,
+                            &store_options,
+                            path,
+                            meta.index,
+                            meta.term,
+                            meta.get_conf_state(),
+                        ),
+                        None => Err(NodeError::Snapshot {
+                            from,
+                            to: id,
+                            reason: "its restore was displaced by a newer transfer".into(),
+                        }),
+                    }
                 }
             };
-            let _ = fs::remove_file(&received.path);
+            if let Some(path) = &received.path {
+                let _ = fs::remove_file(path);
+            }
             prepared?;
             let (done_tx, done_rx) = bounded(1);
             events

@@ -19,10 +19,12 @@
 //! failing its CRC, or a stream whose length or CRC differs from the end marker aborts the
 //! transfer: the temporary file is deleted and a negative ack sent, nothing is installed. A
 //! complete stream is fsynced and renamed to `<dir>/snap/<index>-<term>.snap` (directory
-//! fsynced). Each accepted chunk is also fed, as it arrives, to a `LiveRestore` that
-//! rebuilds a fresh backend directory (`<dir>/backend.tmp`, see [`crate::apply`]) on its own
-//! thread, so the backend is ready soon after the stream ends; a transfer without one (it
-//! was displaced by another) is restored from the stored file instead. Only once the whole
+//! fsynced). Normally, though, each accepted chunk is fed, as it arrives, to a
+//! `LiveRestore` that rebuilds a fresh backend directory (`<dir>/backend.tmp`, see
+//! [`crate::apply`]) on its own thread, so the backend is ready soon after the stream ends;
+//! such a transfer is not stored in a file at all (the restored backend is its durable
+//! copy). The file is used only when no restore could be started; a transfer whose restore
+//! was displaced by a newer transfer is refused, and the leader sends it again. Only once the whole
 //! stream is verified is the restored backend completed and renamed to `backend.new`, and
 //! only then is the `MsgSnapshot` handed to raft-rs, which makes the node swap the prepared
 //! backend in. An aborted transfer drops its restore; the partial directory is never
@@ -163,12 +165,14 @@ pub(crate) fn send<T: keel_mvcc::ReadTxn>(
 pub(crate) struct Received {
     /// The `MsgSnapshot` to step into raft once the backend is prepared.
     pub message: Message,
-    /// The stored stream.
-    pub path: PathBuf,
+    /// The stored stream; `None` when the transfer was taken without a file (it was
+    /// restored while it arrived).
+    pub path: Option<PathBuf>,
 }
 
 struct Incoming {
-    file: File,
+    /// `None` when the stream is not stored (it is restored while it arrives).
+    file: Option<File>,
     path: PathBuf,
     next: u32,
     len: u64,
@@ -207,15 +211,16 @@ impl Assembler {
 
     /// Takes one chunk. Returns `Ok(Some(_))` when a transfer completed and verified,
     /// `Ok(None)` when more chunks are expected, `Err` when the transfer is aborted (its
-    /// temporary file is gone).
-    pub fn chunk(&mut self, c: &SnapshotChunk) -> Result<Option<Received>, NodeError> {
+    /// temporary file is gone). `store` (read on a transfer's first chunk) says whether the
+    /// stream is kept in a file; without one only its order and checksums are checked.
+    pub fn chunk(&mut self, c: &SnapshotChunk, store: bool) -> Result<Option<Received>, NodeError> {
         let key = (c.from, c.transfer);
         let fail = |reason: String| NodeError::Snapshot {
             from: c.from,
             to: c.to,
             reason,
         };
-        let res = self.take(key, c, &fail);
+        let res = self.take(key, c, store, &fail);
         if res.is_err()
             && let Some(inc) = self.incoming.remove(&key)
         {
@@ -228,6 +233,7 @@ impl Assembler {
         &mut self,
         key: (u64, u64),
         c: &SnapshotChunk,
+        store: bool,
         fail: &dyn Fn(String) -> NodeError,
     ) -> Result<Option<Received>, NodeError> {
         if c.seq == 0 {
@@ -235,7 +241,11 @@ impl Assembler {
                 let _ = fs::remove_file(&old.path);
             }
             let path = self.dir.join(format!("{}-{}.tmp", c.from, c.transfer));
-            let file = File::create(&path).map_err(|e| NodeError::io(&path, "create", e))?;
+            let file = if store {
+                Some(File::create(&path).map_err(|e| NodeError::io(&path, "create", e))?)
+            } else {
+                None
+            };
             let message = c
                 .message
                 .as_deref()
@@ -266,9 +276,10 @@ impl Assembler {
         if crc32fast::hash(&c.data) != c.crc {
             return Err(fail(format!("chunk {} fails its checksum", c.seq)));
         }
-        inc.file
-            .write_all(&c.data)
-            .map_err(|e| NodeError::io(&inc.path, "write", e))?;
+        if let Some(file) = &mut inc.file {
+            file.write_all(&c.data)
+                .map_err(|e| NodeError::io(&inc.path, "write", e))?;
+        }
         inc.hasher.update(&c.data);
         inc.len += c.data.len() as u64;
         inc.next += 1;
@@ -286,9 +297,10 @@ impl Assembler {
                 }
             )));
         }
-        inc.file
-            .sync_all()
-            .map_err(|e| NodeError::io(&inc.path, "fsync", e))?;
+        if let Some(file) = &inc.file {
+            file.sync_all()
+                .map_err(|e| NodeError::io(&inc.path, "fsync", e))?;
+        }
         let message = inc
             .message
             .take()
@@ -299,9 +311,18 @@ impl Assembler {
             .incoming
             .remove(&key)
             .ok_or_else(|| fail("transfer vanished".into()))?;
+        if inc.file.is_none() {
+            return Ok(Some(Received {
+                message,
+                path: None,
+            }));
+        }
         fs::rename(&inc.path, &path).map_err(|e| NodeError::io(&inc.path, "rename", e))?;
         fsync_dir(&self.dir)?;
-        Ok(Some(Received { message, path }))
+        Ok(Some(Received {
+            message,
+            path: Some(path),
+        }))
     }
 }
 
@@ -448,33 +469,70 @@ mod tests {
         let mut a = Assembler::new(dir.path().join("snap")).expect("assembler");
         let all = b"hello world".to_vec();
         let end = Some((all.len() as u64, crc32fast::hash(&all)));
-        assert!(a.chunk(&chunk(0, &all[..5], None)).expect("ok").is_none());
+        assert!(
+            a.chunk(&chunk(0, &all[..5], None), true)
+                .expect("ok")
+                .is_none()
+        );
         let got = a
-            .chunk(&chunk(1, &all[5..], end))
+            .chunk(&chunk(1, &all[5..], end), true)
             .expect("ok")
             .expect("done");
-        assert_eq!(fs::read(&got.path).expect("read"), all);
-        assert!(got.path.ends_with("10-2.snap"));
+        let path = got.path.expect("stored");
+        assert_eq!(fs::read(&path).expect("read"), all);
+        assert!(path.ends_with("10-2.snap"));
 
         // A corrupted chunk aborts and leaves no temporary file.
         let mut bad = chunk(0, &all[..5], None);
         bad.data[0] ^= 1;
-        assert!(a.chunk(&bad).is_err());
+        assert!(a.chunk(&bad, true).is_err());
         assert!(
-            a.chunk(&chunk(1, &all[5..], end)).is_err(),
+            a.chunk(&chunk(1, &all[5..], end), true).is_err(),
             "unknown transfer"
         );
         // A missing chunk aborts.
-        assert!(a.chunk(&chunk(0, &all[..5], None)).expect("ok").is_none());
-        assert!(a.chunk(&chunk(2, &all[5..], end)).is_err());
+        assert!(
+            a.chunk(&chunk(0, &all[..5], None), true)
+                .expect("ok")
+                .is_none()
+        );
+        assert!(a.chunk(&chunk(2, &all[5..], end), true).is_err());
         // A wrong end marker aborts.
-        assert!(a.chunk(&chunk(0, &all[..5], None)).expect("ok").is_none());
-        assert!(a.chunk(&chunk(1, &all[5..], Some((11, 0)))).is_err());
+        assert!(
+            a.chunk(&chunk(0, &all[..5], None), true)
+                .expect("ok")
+                .is_none()
+        );
+        assert!(a.chunk(&chunk(1, &all[5..], Some((11, 0))), true).is_err());
         let tmp: Vec<_> = fs::read_dir(dir.path().join("snap"))
             .expect("dir")
             .flatten()
             .filter(|e| e.path().extension().is_some_and(|x| x == "tmp"))
             .collect();
         assert!(tmp.is_empty(), "aborted transfers leave nothing behind");
+
+        // Without a file, a transfer is still checked chunk by chunk and at its end.
+        fs::remove_file(&path).expect("remove");
+        assert!(
+            a.chunk(&chunk(0, &all[..5], None), false)
+                .expect("ok")
+                .is_none()
+        );
+        assert!(a.chunk(&chunk(1, &all[5..], Some((11, 0))), false).is_err());
+        assert!(
+            a.chunk(&chunk(0, &all[..5], None), false)
+                .expect("ok")
+                .is_none()
+        );
+        let got = a
+            .chunk(&chunk(1, &all[5..], end), false)
+            .expect("ok")
+            .expect("done");
+        assert!(got.path.is_none());
+        assert_eq!(
+            fs::read_dir(dir.path().join("snap")).expect("dir").count(),
+            0,
+            "nothing stored"
+        );
     }
 }
