@@ -279,10 +279,19 @@ fn reads(c: &mut Criterion) {
     g.finish();
 }
 
+/// Bytes of every file under `dir`, recursively.
 fn dir_bytes(dir: &Path) -> u64 {
     std::fs::read_dir(dir)
         .expect("read dir")
-        .map(|e| e.expect("entry").metadata().expect("stat").len())
+        .map(|e| {
+            let e = e.expect("entry");
+            let meta = e.metadata().expect("stat");
+            if meta.is_dir() {
+                dir_bytes(&e.path())
+            } else {
+                meta.len()
+            }
+        })
         .sum()
 }
 
