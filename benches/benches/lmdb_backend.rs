@@ -13,12 +13,10 @@
 
 use std::hint::black_box;
 use std::ops::Bound;
-use std::path::Path;
 use std::sync::LazyLock;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput};
-use keel_backend_lmdb::{LmdbBackend, LmdbOptions, RawLmdb};
 use keel_benches::{Better, Recorder};
 use keel_mvcc::{Backend, Bucket, ReadTxn, WriteBatch};
 
@@ -41,24 +39,6 @@ fn value(i: u64) -> [u8; 150] {
     [(i % 251) as u8; 150]
 }
 
-fn raw_env(dir: &Path, sync: bool) -> RawLmdb {
-    let options = LmdbOptions {
-        map_size: MAP_SIZE as u64,
-        sync_on_commit: sync,
-        ..LmdbOptions::default()
-    };
-    RawLmdb::open(dir, &options).expect("open raw LMDB")
-}
-
-fn backend(dir: &Path, sync: bool) -> LmdbBackend {
-    let options = LmdbOptions {
-        map_size: MAP_SIZE as u64,
-        sync_on_commit: sync,
-        ..LmdbOptions::default()
-    };
-    LmdbBackend::open(dir, &options).expect("open backend")
-}
-
 fn commit(c: &mut Criterion) {
     for sync in [true, false] {
         let label = if sync { "fsync" } else { "no fsync" };
@@ -71,7 +51,7 @@ fn commit(c: &mut Criterion) {
         let raw = format!("raw heed, {label}");
 
         let dir = tempfile::tempdir().unwrap();
-        let store = backend(dir.path(), sync);
+        let store = keel_benches::lmdb::backend(dir.path(), MAP_SIZE as u64, sync);
         let mut next = 0u64;
         group.bench_function("keel", |b| {
             b.iter_custom(|iters| {
@@ -93,7 +73,7 @@ fn commit(c: &mut Criterion) {
         drop(store);
 
         let dir = tempfile::tempdir().unwrap();
-        let reference = raw_env(dir.path(), sync);
+        let reference = keel_benches::lmdb::raw(dir.path(), MAP_SIZE as u64, sync);
         let (env, db) = (reference.env.clone(), reference.db);
         let mut next = 0u64;
         group.bench_function("raw heed", |b| {
@@ -131,9 +111,9 @@ fn commit(c: &mut Criterion) {
 
 fn reads(c: &mut Criterion) {
     let ours_dir = tempfile::tempdir().unwrap();
-    let store = backend(ours_dir.path(), false);
+    let store = keel_benches::lmdb::backend(ours_dir.path(), MAP_SIZE as u64, false);
     let raw_dir = tempfile::tempdir().unwrap();
-    let reference = raw_env(raw_dir.path(), false);
+    let reference = keel_benches::lmdb::raw(raw_dir.path(), MAP_SIZE as u64, false);
     let (env, db) = (reference.env.clone(), reference.db);
     let mut batch = WriteBatch::new();
     let mut wtxn = env.write_txn().expect("write txn");

@@ -26,7 +26,7 @@ use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput};
-use keel_backend_lmdb::{LmdbBackend, LmdbOptions, RawLmdb};
+use keel_backend_lmdb::LmdbBackend;
 use keel_benches::{Better, Recorder};
 use keel_mvcc::{Backend, RangeRequest, Store, StoreOptions, StreamItem, WatchRequest};
 
@@ -43,25 +43,8 @@ fn key(i: u64) -> Vec<u8> {
     format!("key-{i:020}").into_bytes()
 }
 
-fn raw_env(dir: &Path, sync: bool) -> RawLmdb {
-    let options = LmdbOptions {
-        map_size: MAP_SIZE as u64,
-        sync_on_commit: sync,
-        ..LmdbOptions::default()
-    };
-    RawLmdb::open(dir, &options).expect("open raw LMDB")
-}
-
 fn store(dir: &Path, sync: bool, options: StoreOptions) -> Store<LmdbBackend> {
-    let backend = LmdbBackend::open(
-        dir,
-        &LmdbOptions {
-            map_size: MAP_SIZE as u64,
-            sync_on_commit: sync,
-            ..LmdbOptions::default()
-        },
-    )
-    .expect("open backend");
+    let backend = keel_benches::lmdb::backend(dir, MAP_SIZE as u64, sync);
     Store::open(backend, options).expect("open store")
 }
 
@@ -102,7 +85,7 @@ fn put_throughput(c: &mut Criterion) {
         drop(s);
 
         let dir = tempfile::tempdir().unwrap();
-        let reference = raw_env(dir.path(), sync);
+        let reference = keel_benches::lmdb::raw(dir.path(), MAP_SIZE as u64, sync);
         let (env, db) = (reference.env.clone(), reference.db);
         let mut next = 0u64;
         group.bench_function("raw heed", |b| {
@@ -293,7 +276,7 @@ fn range_10k(c: &mut Criterion) {
     t.commit().expect("commit");
     s.force_commit().expect("commit");
     let raw_dir = tempfile::tempdir().unwrap();
-    let reference = raw_env(raw_dir.path(), false);
+    let reference = keel_benches::lmdb::raw(raw_dir.path(), MAP_SIZE as u64, false);
     let (env, db) = (reference.env.clone(), reference.db);
     let mut wtxn = env.write_txn().expect("write txn");
     for i in 0..N {
@@ -348,14 +331,7 @@ fn rss_anon() -> u64 {
 
 /// Child role: open the store at `path` (rebuilding its index) and print the memory it took.
 fn index_child(path: &str) {
-    let backend = LmdbBackend::open(
-        Path::new(path),
-        &LmdbOptions {
-            map_size: MAP_SIZE as u64,
-            ..LmdbOptions::default()
-        },
-    )
-    .expect("open backend");
+    let backend = keel_benches::lmdb::backend(Path::new(path), MAP_SIZE as u64, true);
     let before = rss_anon();
     let s = Store::open(backend, StoreOptions::default()).expect("open store");
     let after = rss_anon();

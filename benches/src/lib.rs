@@ -4,6 +4,8 @@
 
 #![forbid(unsafe_code)]
 
+#[cfg(feature = "backend-lmdb")]
+pub mod lmdb;
 pub mod report;
 
 pub use report::{Better, Recorder};
