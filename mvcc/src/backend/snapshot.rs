@@ -34,10 +34,10 @@ const TAG_BUCKET: u8 = 0x01;
 const TAG_PAIR: u8 = 0x02;
 const TAG_END: u8 = 0xFF;
 
-/// Restore commits a batch once it holds this many payload bytes.
-const RESTORE_BATCH_BYTES: usize = 8 << 20;
+/// [`restore`] commits a batch once it holds this many payload bytes.
+pub const RESTORE_BATCH_BYTES: usize = 8 << 20;
 /// ... or this many pairs.
-const RESTORE_BATCH_PAIRS: usize = 50_000;
+pub const RESTORE_BATCH_PAIRS: usize = 50_000;
 
 /// Writes the whole content visible to `txn` to `out` in the format above; returns the bytes
 /// written.
@@ -87,11 +87,39 @@ pub fn write<T: ReadTxn + ?Sized>(txn: &T, out: &mut dyn Write) -> Result<u64, B
 /// Loads a stream into `backend`, which must hold no data; returns the number of pairs loaded.
 ///
 /// Every frame is checked as it arrives (lengths bounded before allocation, ordering, tags),
-/// and the checksum at the end. On error the backend holds a partial copy: discard it.
+/// and the checksum at the end. The pairs are committed with [`Backend::commit`] in batches
+/// (see [`restore_with`]). On error the backend holds a partial copy: discard it.
 pub fn restore<B: Backend>(backend: &B, input: &mut dyn Read) -> Result<u64, BackendError> {
     if !backend.read_txn()?.buckets()?.is_empty() {
         return Err(BackendError::RestoreNotEmpty);
     }
+    restore_with(input, |batch| backend.commit(batch))
+}
+
+/// Parses and checks a stream, handing its pairs to `apply` in batches; returns the number of
+/// pairs. This is the parser behind [`restore`], for backends that load a stream their own way
+/// (without a sync per batch, say, or with an append-only insert).
+///
+/// What `apply` receives:
+///
+/// - batches of [`BatchOp::Put`](super::BatchOp::Put) only, each of at most
+///   [`RESTORE_BATCH_BYTES`] payload bytes (plus one pair) and [`RESTORE_BATCH_PAIRS`] pairs;
+/// - across all batches, every pair of the stream exactly once, in stream order: buckets in
+///   ascending name order, and within a bucket keys strictly ascending. So the sequence of
+///   `(bucket, key)` is strictly ascending, and a backend may insert it with an
+///   append-at-the-end operation (LMDB's `MDB_APPEND`);
+/// - the **last** batch only after the end frame, pair count and checksum have been verified
+///   and nothing follows the end frame. A stream that ends early or fails its checksum never
+///   reaches that call, so a backend may treat the last call, or `restore_with` returning
+///   `Ok`, as the point where the copy is known to be whole (the right moment for one final
+///   sync). A stream with no pairs makes no call at all.
+///
+/// An error from `apply` stops the parse and is returned as is. It does not check that the
+/// target is empty: that is the caller's business (see [`BackendError::RestoreNotEmpty`]).
+pub fn restore_with<F>(input: &mut dyn Read, mut apply: F) -> Result<u64, BackendError>
+where
+    F: FnMut(&WriteBatch) -> Result<(), BackendError>,
+{
     let mut r = CrcReader::new(input);
     let mut header = [0u8; 16];
     r.take(&mut header)?;
@@ -108,10 +136,11 @@ pub fn restore<B: Backend>(backend: &B, input: &mut dyn Read) -> Result<u64, Bac
 
     let mut batch = WriteBatch::new();
     let mut bucket: Option<Bucket> = None;
-    let mut last_key: Option<Vec<u8>> = None;
+    let mut last_key: Vec<u8> = Vec::new();
+    let mut have_last = false;
     let mut pairs = 0u64;
     loop {
-        let at = r.read;
+        let at = r.offset();
         let mut tag = [0u8; 1];
         r.take(&mut tag)?;
         match tag[0] {
@@ -131,7 +160,7 @@ pub fn restore<B: Backend>(backend: &B, input: &mut dyn Read) -> Result<u64, Bac
                     return Err(bad(at, "buckets out of order"));
                 }
                 bucket = Some(next);
-                last_key = None;
+                have_last = false;
             }
             TAG_PAIR => {
                 let Some(current) = bucket.as_ref() else {
@@ -148,17 +177,26 @@ pub fn restore<B: Backend>(backend: &B, input: &mut dyn Read) -> Result<u64, Bac
                 r.take(&mut key)?;
                 let mut value = vec![0u8; vlen];
                 r.take(&mut value)?;
-                if last_key.as_ref().is_some_and(|prev| *prev >= key) {
+                if have_last && last_key >= key {
                     return Err(bad(at, "keys out of order"));
                 }
-                last_key = Some(key.clone());
+                last_key.clear();
+                last_key.extend_from_slice(&key);
+                have_last = true;
                 batch.put(current, key, value);
                 pairs += 1;
                 if batch.payload_bytes() >= RESTORE_BATCH_BYTES
                     || batch.len() >= RESTORE_BATCH_PAIRS
                 {
-                    backend.commit(&batch)?;
-                    batch.clear();
+                    // Held back while the next frame is read: if the stream ends here, this
+                    // is the last batch, and it must follow the checksum.
+                    let mut next = [0u8; 1];
+                    r.take(&mut next)?;
+                    r.unread(next[0]);
+                    if next[0] != TAG_END {
+                        apply(&batch)?;
+                        batch.clear();
+                    }
                 }
             }
             TAG_END => {
@@ -180,7 +218,7 @@ pub fn restore<B: Backend>(backend: &B, input: &mut dyn Read) -> Result<u64, Bac
                     Err(e) => return Err(stream_io(r.read, e)),
                 }
                 if !batch.is_empty() {
-                    backend.commit(&batch)?;
+                    apply(&batch)?;
                 }
                 return Ok(pairs);
             }
@@ -233,6 +271,8 @@ struct CrcReader<'a> {
     input: &'a mut dyn Read,
     crc: crc32fast::Hasher,
     read: u64,
+    /// One byte already read (and counted in `crc` and `read`), handed out first.
+    pushed_back: Option<u8>,
 }
 
 impl<'a> CrcReader<'a> {
@@ -241,15 +281,41 @@ impl<'a> CrcReader<'a> {
             input,
             crc: crc32fast::Hasher::new(),
             read: 0,
+            pushed_back: None,
         }
     }
 
     fn take(&mut self, buf: &mut [u8]) -> Result<(), BackendError> {
+        let mut rest = &mut buf[..];
+        if let Some(byte) = self.pushed_back.take() {
+            match rest.split_first_mut() {
+                Some((first, tail)) => {
+                    *first = byte;
+                    rest = tail;
+                }
+                None => {
+                    self.pushed_back = Some(byte);
+                    return Ok(());
+                }
+            }
+        }
         self.input
-            .read_exact(buf)
+            .read_exact(rest)
             .map_err(|e| stream_io(self.read, e))?;
-        self.crc.update(buf);
-        self.read += buf.len() as u64;
+        self.crc.update(rest);
+        self.read += rest.len() as u64;
         Ok(())
+    }
+
+    /// Stream offset of the next byte `take` hands out.
+    fn offset(&self) -> u64 {
+        self.read - u64::from(self.pushed_back.is_some())
+    }
+
+    /// Gives back the one byte just taken: the next `take` starts with it. It stays counted
+    /// in the checksum and the offset, where it was when first read.
+    fn unread(&mut self, byte: u8) {
+        debug_assert!(self.pushed_back.is_none());
+        self.pushed_back = Some(byte);
     }
 }

@@ -75,6 +75,7 @@ macro_rules! backend_conformance_tests {
                 snapshot_during_writes_is_consistent,
                 restore_rejects_damaged_streams,
                 restore_into_non_empty_is_refused,
+                restore_spanning_many_batches,
                 large_values,
                 empty_batch,
                 random_batches_match_model,
@@ -1419,6 +1420,52 @@ pub fn restore_rejects_damaged_streams<B: Backend>(options: B::Options) {
     // The intact stream still loads.
     assert_eq!(target.b().restore(&mut stream.as_slice()).unwrap(), 100);
     assert_eq!(dump_backend(target.b()), dump_backend(source.b()));
+}
+
+/// A stream larger than one restore batch, by pair count and by bytes, loads exactly and
+/// survives a reopen; the same stream cut before its checksum is rejected.
+pub fn restore_spanning_many_batches<B: Backend>(options: B::Options) {
+    use crate::backend::snapshot::{RESTORE_BATCH_BYTES, RESTORE_BATCH_PAIRS};
+    let source = Fixture::<B>::new(&options);
+    let many = RESTORE_BATCH_PAIRS as u32 + 1_234;
+    let mut batch = WriteBatch::new();
+    for i in 0..many {
+        batch.put(&b("many"), key(i), i.to_le_bytes());
+    }
+    commit(source.b(), &batch);
+    let mut batch = WriteBatch::new();
+    let big = 256 << 10;
+    let bigs = (RESTORE_BATCH_BYTES / big) as u32 + 3;
+    for i in 0..bigs {
+        batch.put(&b("big"), key(i), filler(u64::from(i), big));
+    }
+    batch.put(&b("z"), "last", "");
+    commit(source.b(), &batch);
+    let expected = dump_backend(source.b());
+    let stream = take_snapshot(source.b());
+
+    let mut target = Fixture::<B>::new(&options);
+    let loaded = target
+        .b()
+        .restore(&mut stream.as_slice())
+        .unwrap_or_else(|e| panic!("restore of a multi-batch stream failed: {e}"));
+    assert_eq!(loaded, u64::from(many + bigs + 1), "pairs loaded");
+    assert!(
+        dump_backend(target.b()) == expected,
+        "restored content differs"
+    );
+    target.reopen(&options);
+    assert!(
+        dump_backend(target.b()) == expected,
+        "restored content lost on reopen"
+    );
+
+    let cut = &stream[..stream.len() - 4];
+    let target = Fixture::<B>::new(&options);
+    match target.b().restore(&mut &cut[..]) {
+        Err(BackendError::Snapshot { .. }) => {}
+        other => panic!("a stream cut before its checksum restored as {other:?}"),
+    }
 }
 
 /// Restore refuses a backend that already holds data, and leaves that data alone.

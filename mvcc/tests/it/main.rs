@@ -8,4 +8,5 @@ mod conformance;
 mod crash;
 mod model;
 mod ops;
+mod snapshot;
 mod watch;
