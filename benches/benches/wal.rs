@@ -228,20 +228,31 @@ fn group_commit(c: &mut Criterion, rec: &Recorder) {
             }
         });
     };
+    // Durable requests and fdatasyncs of each side, summed over the samples.
+    let (mut one_counts, mut eight_counts) = ((0u64, 0u64), (0u64, 0u64));
+    let counts = |acc: &mut (u64, u64), a: &keel_wal::WalStats, b: &keel_wal::WalStats| {
+        acc.0 += b.durable_requests - a.durable_requests;
+        acc.1 += b.syncs - a.syncs;
+    };
     g.bench_function("8 threads vs 1 thread (paired)", |b| {
         b.iter_custom(|iters| {
             // Each sample: `n` appends on one thread, then `n` appends from 8 threads
             // started once (so thread start-up is not what is measured).
             let per = iters.div_ceil(8).max(4);
             let n = per * 8;
+            let s0 = wal.stats();
             let t = Instant::now();
             for _ in 0..n {
                 append_one();
             }
             let t1 = t.elapsed();
+            let s1 = wal.stats();
             let t = Instant::now();
             run_eight(per);
             let t8 = t.elapsed();
+            let s2 = wal.stats();
+            counts(&mut one_counts, &s0, &s1);
+            counts(&mut eight_counts, &s1, &s2);
             rec.record(one, t1, n);
             rec.record(eight, t8, n);
             t8.mul_f64(iters as f64 / n as f64)
@@ -254,6 +265,13 @@ fn group_commit(c: &mut Criterion, rec: &Recorder) {
         Better::Faster,
         Some(4.0),
     );
+    for (what, (requests, syncs)) in [("1 thread", one_counts), ("8 threads", eight_counts)] {
+        println!(
+            "GROUP COMMIT {what}: {requests} durable appends, {syncs} fdatasyncs, {:.2} appends \
+             per fdatasync",
+            requests as f64 / syncs.max(1) as f64
+        );
+    }
     g.finish();
 }
 

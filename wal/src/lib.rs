@@ -82,6 +82,7 @@ mod options;
 mod record;
 mod repair;
 mod segment;
+mod stats;
 mod wal;
 
 pub use error::WalError;
@@ -89,4 +90,5 @@ pub use io::{FileSystem, RealFile, RealFs, WalFile};
 pub use options::WalOptions;
 pub use record::{Entry, HardState, MAX_PAYLOAD, Metadata, SnapshotMarker};
 pub use segment::{FORMAT_VERSION, SEGMENT_HEADER_LEN};
+pub use stats::WalStats;
 pub use wal::{EntryRef, Wal};

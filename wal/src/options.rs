@@ -1,6 +1,7 @@
 //! Tuning knobs of the WAL, validated in one place.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::error::WalError;
 use crate::io::{FileSystem, RealFs};
@@ -31,6 +32,13 @@ pub struct WalOptions {
     pub write_buffer: usize,
     /// Size of the reads that scan a segment at open and stream entries. Default: 4 MiB.
     pub read_buffer: usize,
+    /// Group commit: longest time a sync leader waits for the durable appenders released by
+    /// the previous `fdatasync` to come back, so that they share the next one instead of
+    /// splitting into alternating half groups. The leader waits only while fewer appenders
+    /// are pending than the previous sync served (never when it served one, so a single
+    /// writer never waits), and never longer than half the recent `fdatasync` time. Zero
+    /// disables the wait. At most 100 ms. Default: 1 ms.
+    pub group_commit_wait: Duration,
     /// The file-system seam every file operation goes through. Default: the real file
     /// system ([`RealFs`]); tests inject faults through their own implementation.
     pub fs: Arc<dyn FileSystem>,
@@ -45,6 +53,7 @@ impl Default for WalOptions {
             zero_fill: true,
             write_buffer: 1 << 20,
             read_buffer: 4 << 20,
+            group_commit_wait: Duration::from_millis(1),
             fs: Arc::new(RealFs),
         }
     }
@@ -59,6 +68,7 @@ impl std::fmt::Debug for WalOptions {
             .field("zero_fill", &self.zero_fill)
             .field("write_buffer", &self.write_buffer)
             .field("read_buffer", &self.read_buffer)
+            .field("group_commit_wait", &self.group_commit_wait)
             .finish_non_exhaustive()
     }
 }
@@ -88,6 +98,12 @@ impl WalOptions {
             return Err(WalError::InvalidOption {
                 field: "read_buffer",
                 reason: format!("{} bytes is outside [4 KiB, 64 MiB]", self.read_buffer),
+            });
+        }
+        if self.group_commit_wait > Duration::from_millis(100) {
+            return Err(WalError::InvalidOption {
+                field: "group_commit_wait",
+                reason: format!("{:?} is longer than 100 ms", self.group_commit_wait),
             });
         }
         Ok(())

@@ -35,6 +35,7 @@ use crate::repair;
 use crate::segment::{
     self, FORMAT_VERSION, HeaderError, Prepared, SEGMENT_HEADER_LEN, parse_segment_name,
 };
+use crate::stats::WalStats;
 
 /// Name of the lock file in the WAL directory.
 const LOCK_NAME: &str = "LOCK";
@@ -93,8 +94,21 @@ struct Inner {
     written: u64,
     /// `written` as of the start of the last successful sync.
     durable: u64,
-    /// A leader is syncing with the mutex released.
+    /// A leader is syncing (or gathering its group) with the mutex released.
     syncing: bool,
+    /// Durable requests that found their bytes not covered by any sync started so far.
+    requests: u64,
+    /// `requests` when the last sync started: those it covers.
+    covered: u64,
+    /// `written` when the last sync started.
+    started: u64,
+    /// Requests the last sync covered: how many a leader expects back.
+    last_group: u64,
+    /// A leader is waiting on `arrived` for its group to fill.
+    gathering: bool,
+    /// Moving average of the `fdatasync` time.
+    sync_time: Duration,
+    stats: WalStats,
     prealloc: Prealloc,
 }
 
@@ -108,6 +122,8 @@ pub struct Wal {
     fs: Arc<dyn FileSystem>,
     inner: Mutex<Inner>,
     synced: Condvar,
+    /// Wakes a gathering leader once its group is complete.
+    arrived: Condvar,
     _lock: File,
 }
 
@@ -465,6 +481,13 @@ impl Wal {
             written: 0,
             durable: 0,
             syncing: false,
+            requests: 0,
+            covered: 0,
+            started: 0,
+            last_group: 0,
+            gathering: false,
+            sync_time: Duration::ZERO,
+            stats: WalStats::default(),
             prealloc: Prealloc::None,
         };
         if !seeded {
@@ -504,6 +527,7 @@ impl Wal {
             fs,
             inner: Mutex::new(inner),
             synced: Condvar::new(),
+            arrived: Condvar::new(),
             _lock: lock,
             options,
         };
@@ -570,6 +594,8 @@ impl Wal {
             }
         }
         g.durable = g.written;
+        g.started = g.written;
+        g.covered = g.requests;
         self.synced.notify_all();
         let seq = g.writer.seq + 1;
         let tmp = self.dir.join(segment::tmp_name(seq));
@@ -633,6 +659,7 @@ impl Wal {
                 file: prepared.file,
             },
         );
+        g.stats.rotations += 1;
         debug!(seq, first, "WAL rotated to a new segment");
         Ok(())
     }
@@ -692,6 +719,8 @@ impl Wal {
                 g.hard_state = Some(*hs);
             }
             g.written += g.writer.end() - before;
+            g.stats.appends += 1;
+            g.stats.bytes += g.writer.end() - before;
             self.maybe_prealloc(&mut g);
             if g.writer.buf.len() >= self.options.write_buffer {
                 flush(&mut g)?;
@@ -753,7 +782,25 @@ impl Wal {
     }
 
     /// Waits until `written` up to `target` is durable, leading a sync if none is running.
+    ///
+    /// The leader writes out the buffer and runs `fdatasync` with the mutex released; every
+    /// request whose bytes were written before it started returns when it ends. Before
+    /// starting, a leader whose previous group had several members waits (briefly, see
+    /// [`WalOptions::group_commit_wait`]) until as many requests are pending again: the
+    /// appenders that sync released are usually on their way back, and without the wait the
+    /// first of them would sync alone while the rest queue for the sync after.
     fn wait_durable(&self, mut g: MutexGuard<'_, Inner>, target: u64) -> Result<(), WalError> {
+        if g.durable >= target {
+            return Ok(());
+        }
+        check_poison(&g)?;
+        if target > g.started {
+            g.requests += 1;
+            g.stats.durable_requests += 1;
+            if g.gathering && g.requests - g.covered >= g.last_group {
+                self.arrived.notify_one();
+            }
+        }
         loop {
             if g.durable >= target {
                 return Ok(());
@@ -764,7 +811,17 @@ impl Wal {
                 continue;
             }
             g.syncing = true;
+            self.gather(&mut g);
+            if g.durable >= g.written || g.poisoned.is_some() {
+                // A rotation made everything durable (or failed) meanwhile.
+                g.syncing = false;
+                self.synced.notify_all();
+                continue;
+            }
             let upto = g.written;
+            g.started = upto;
+            g.last_group = (g.requests - g.covered).max(1);
+            g.covered = g.requests;
             if let Err(e) = flush(&mut g) {
                 g.syncing = false;
                 self.synced.notify_all();
@@ -772,7 +829,15 @@ impl Wal {
             }
             let file = g.writer.file.clone();
             let path = g.writer.path.clone();
+            let t = Instant::now();
             let res = MutexGuard::unlocked(&mut g, || file.sync_data());
+            let took = t.elapsed();
+            g.sync_time = if g.sync_time.is_zero() {
+                took
+            } else {
+                (g.sync_time * 7 + took) / 8
+            };
+            g.stats.syncs += 1;
             g.syncing = false;
             self.synced.notify_all();
             match res {
@@ -784,6 +849,30 @@ impl Wal {
                 }
             }
         }
+    }
+
+    /// As a sync leader (`syncing` set), waits until as many requests are pending as the
+    /// previous sync served, or its time is up.
+    fn gather(&self, g: &mut MutexGuard<'_, Inner>) {
+        let expected = g.last_group;
+        if expected <= 1 || g.requests - g.covered >= expected {
+            return;
+        }
+        let budget = self.options.group_commit_wait.min(g.sync_time / 2);
+        if budget.is_zero() {
+            return;
+        }
+        let t = Instant::now();
+        let deadline = t + budget;
+        g.gathering = true;
+        while g.requests - g.covered < expected && g.durable < g.written && g.poisoned.is_none() {
+            if self.arrived.wait_until(g, deadline).timed_out() {
+                break;
+            }
+        }
+        g.gathering = false;
+        g.stats.gathers += 1;
+        g.stats.gather_time += t.elapsed();
     }
 
     /// Makes everything appended so far durable (no sync if it already is).
@@ -839,6 +928,8 @@ impl Wal {
         let before = g.writer.end();
         encode(&mut g.writer);
         g.written += g.writer.end() - before;
+        g.stats.appends += 1;
+        g.stats.bytes += g.writer.end() - before;
         self.maybe_prealloc(g);
         Ok(())
     }
@@ -1073,6 +1164,11 @@ impl Wal {
     /// The metadata last set.
     pub fn metadata(&self) -> Option<Metadata> {
         self.inner.lock().metadata
+    }
+
+    /// Counters of appends, syncs and rotations since open.
+    pub fn stats(&self) -> WalStats {
+        self.inner.lock().stats
     }
 
     /// Number of segment files in the log.

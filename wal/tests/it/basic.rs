@@ -359,6 +359,11 @@ fn group_commit_shares_syncs_between_threads() {
     let syncs = faults.syncs.load(std::sync::atomic::Ordering::SeqCst) - before;
     assert_eq!(wal.last_index(), 400);
     assert!(syncs <= 400, "{syncs} syncs for 400 durable appends");
+    let stats = wal.stats();
+    assert_eq!(stats.appends, 400);
+    assert!(stats.syncs <= syncs, "{stats:?} against {syncs} file syncs");
+    assert!(stats.durable_requests <= 400, "{stats:?}");
+    assert!(stats.requests_per_sync() >= 1.0, "{stats:?}");
     // Nothing new to make durable: no sync at all.
     let before = faults.syncs.load(std::sync::atomic::Ordering::SeqCst);
     wal.sync().unwrap();
@@ -368,6 +373,64 @@ fn group_commit_shares_syncs_between_threads() {
         before
     );
     assert_eq!(wal.entries(1, 401, None).unwrap(), entries(1, 401, 1));
+}
+
+#[test]
+fn a_single_writer_never_waits_for_a_group() {
+    let dir = tempfile::tempdir().unwrap();
+    let wal = Wal::open(dir.path(), small()).unwrap();
+    for i in 1..=50 {
+        wal.append(&[entry(i, 1)], None, true).unwrap();
+    }
+    let stats = wal.stats();
+    assert_eq!(stats.appends, 50);
+    assert_eq!(stats.durable_requests, 50);
+    // Rotations sync the closed segment themselves; every other append has a sync of its own.
+    assert_eq!(stats.syncs + stats.rotations, 50, "{stats:?}");
+    assert_eq!(stats.gathers, 0, "{stats:?}");
+}
+
+/// With a slow disk (2 ms per `fdatasync`), 8 threads appending durably in a loop come back
+/// within the gather window, so syncs serve most of them at once instead of alternating
+/// half groups (about 4 per sync without the wait).
+#[test]
+fn group_commit_gathers_the_previous_group() {
+    let dir = tempfile::tempdir().unwrap();
+    let (fs, faults) = crate::util::FaultFs::new();
+    faults
+        .sync_delay_us
+        .store(2000, std::sync::atomic::Ordering::SeqCst);
+    let opts = WalOptions {
+        fs: std::sync::Arc::new(fs),
+        group_commit_wait: std::time::Duration::from_millis(1),
+        ..WalOptions::default()
+    };
+    let wal = std::sync::Arc::new(Wal::open(dir.path(), opts).unwrap());
+    let next = std::sync::Arc::new(parking_lot::Mutex::new(1u64));
+    std::thread::scope(|s| {
+        for _ in 0..8 {
+            let (wal, next) = (wal.clone(), next.clone());
+            s.spawn(move || {
+                for _ in 0..40 {
+                    {
+                        let mut n = next.lock();
+                        wal.append(&[entry(*n, 1)], None, false).unwrap();
+                        *n += 1;
+                    }
+                    wal.sync().unwrap();
+                }
+            });
+        }
+    });
+    let stats = wal.stats();
+    assert_eq!(wal.last_index(), 320);
+    assert!(stats.gathers > 0, "{stats:?}");
+    assert!(
+        stats.requests_per_sync() > 4.5,
+        "{:.2} durable requests per sync: {stats:?}",
+        stats.requests_per_sync()
+    );
+    assert_eq!(wal.entries(1, 321, None).unwrap(), entries(1, 321, 1));
 }
 
 #[test]

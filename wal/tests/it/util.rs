@@ -77,6 +77,8 @@ pub struct Faults {
     pub reads: Mutex<Vec<String>>,
     /// Number of syncs done.
     pub syncs: AtomicU64,
+    /// Every `fdatasync` takes at least this many microseconds (a slow disk).
+    pub sync_delay_us: AtomicU64,
     /// Every file opened, to follow renames.
     files: Mutex<Vec<Weak<FaultFile>>>,
 }
@@ -125,6 +127,10 @@ impl WalFile for FaultFile {
             return Err(io::Error::from_raw_os_error(5));
         }
         self.faults.syncs.fetch_add(1, Ordering::SeqCst);
+        let delay = self.faults.sync_delay_us.load(Ordering::SeqCst);
+        if delay > 0 {
+            std::thread::sleep(std::time::Duration::from_micros(delay));
+        }
         self.inner.sync_data()
     }
     fn sync_all(&self) -> io::Result<()> {
