@@ -8,14 +8,16 @@
 //! `current` lock is never held across I/O), and a commit never waits for readers.
 
 use std::fs::File;
+use std::io::Read;
 use std::ops::Bound;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 
 use heed::types::Bytes;
-use heed::{CompactionOption, Database, MdbError, RwTxn};
-use keel_mvcc::{Backend, BackendError, BackendSize, BatchOp, Bucket, WriteBatch};
+use heed::{CompactionOption, Database, Env, MdbError, PutFlags, RwTxn, WithoutTls};
+use keel_mvcc::backend::snapshot;
+use keel_mvcc::{Backend, BackendError, BackendSize, BatchOp, Bucket, ReadTxn, WriteBatch};
 use parking_lot::{Mutex, RwLock};
 
 use crate::env::{self, DirLock, Generation};
@@ -31,6 +33,9 @@ use crate::txn::LmdbReadTxn;
 /// nothing but this crate writes the files inside it. The directory is locked exclusively while
 /// the backend or any read transaction from it is alive; a second open fails with
 /// [`BackendError::Locked`].
+///
+/// [`Backend::restore`] loads a snapshot stream into a new generation with one `fdatasync` at
+/// the end, and is all-or-nothing (see the method).
 ///
 /// When the map is full, commits fail with [`BackendError::Full`]; call
 /// [`grow_map`](LmdbBackend::grow_map) (or reopen with a larger
@@ -183,6 +188,20 @@ impl LmdbBackend {
             let _ = std::fs::remove_dir_all(&tmp);
             return Err(e);
         }
+        self.install_generation(writer, &old, number, map_size)
+    }
+
+    /// Opens generation `number`, whose complete directory was just renamed into place, and
+    /// makes it live in place of `old`, which is retired (deleted when its last reader drops
+    /// it). Caller holds `writer`.
+    fn install_generation(
+        &self,
+        writer: &mut Writer,
+        old: &Arc<Generation>,
+        number: u64,
+        map_size: usize,
+    ) -> Result<(), BackendError> {
+        let dir = env::generation_dir(&self.path, number);
         // From here the new directory is what a reopen would load: it must become live, or
         // be removed before another commit lands in the old one.
         match Generation::open(old.lock(), number, map_size, &self.options) {
@@ -191,11 +210,11 @@ impl LmdbBackend {
                 *self.current.write() = Arc::new(generation);
                 let mut retired = self.retired.lock();
                 retired.retain(|g| g.strong_count() > 0);
-                retired.push(Arc::downgrade(&old));
+                retired.push(Arc::downgrade(old));
                 tracing::info!(
                     path = %self.path.display(),
                     generation = number,
-                    "compacted copy is live"
+                    "new generation is live"
                 );
                 Ok(())
             }
@@ -205,7 +224,7 @@ impl LmdbBackend {
                     .and_then(|()| env::sync_dir(&self.path));
                 if let Err(undo) = removed {
                     writer.poisoned = Some(format!(
-                        "a compacted copy at {} could neither be opened ({e}) nor removed \
+                        "a new generation at {} could neither be opened ({e}) nor removed \
                          ({undo}); a reopen would lose later commits",
                         dir.display()
                     ));
@@ -213,6 +232,75 @@ impl LmdbBackend {
                 Err(e)
             }
         }
+    }
+
+    /// Loads a snapshot stream into a new generation directory written under its temporary
+    /// name, durable and renamed into place on success; returns the pairs loaded.
+    ///
+    /// The temporary environment is private (no reader can reach it) and opened with
+    /// `MDB_NOSYNC`: each batch is its own LMDB commit of pairs inserted with `MDB_APPEND`
+    /// (the stream's `(bucket, key)` order is the stored-key order, see `keys`), and one
+    /// `fdatasync` at the end makes the whole load durable before the rename.
+    fn load_generation(
+        &self,
+        number: u64,
+        map_size: usize,
+        input: &mut dyn Read,
+    ) -> Result<u64, BackendError> {
+        let tmp = env::temp_generation_dir(&self.path, number);
+        let dir = env::generation_dir(&self.path, number);
+        if tmp.exists() {
+            std::fs::remove_dir_all(&tmp)
+                .map_err(|e| BackendError::io(&tmp, "remove directory", e))?;
+        }
+        std::fs::create_dir(&tmp).map_err(|e| BackendError::io(&tmp, "create directory", e))?;
+        let loading = LmdbOptions {
+            sync_on_commit: false,
+            ..self.options.clone()
+        };
+        // SAFETY: see `env::open_env`. We hold the store's lock (every generation keeps it,
+        // and `self` holds the live one), `tmp` is inside the store, and no other environment
+        // on `tmp` is open: it was just created, and it is only ever opened here, under
+        // `writer`.
+        let lmdb = unsafe { env::open_env(&tmp, map_size, &loading) }?;
+        let db = env::main_database(&lmdb, &tmp)?;
+        let max_key = lmdb.max_key_size();
+        let mut stored = Vec::new();
+        let pairs = snapshot::restore_with(input, |batch| {
+            let full = |e: heed::Error, op: &'static str| match e {
+                heed::Error::Mdb(MdbError::MapFull) => map_full(&lmdb, map_size, &self.path),
+                e => from_heed(&tmp, op, e),
+            };
+            let mut wtxn = lmdb
+                .write_txn()
+                .map_err(|e| from_heed(&tmp, "begin write transaction", e))?;
+            for op in batch.ops() {
+                let BatchOp::Put { bucket, key, value } = op else {
+                    // `restore_with` hands out puts only; anything else is applied as usual.
+                    apply(db, &mut wtxn, op, max_key, &mut stored).map_err(|e| full(e, "write"))?;
+                    continue;
+                };
+                let limit = keys::max_key_len(bucket, max_key);
+                if key.len() > limit {
+                    return Err(BackendError::TooLarge {
+                        what: "key",
+                        len: key.len(),
+                        limit,
+                    });
+                }
+                keys::encode_into(bucket, key, &mut stored);
+                db.put_with_flags(&mut wtxn, PutFlags::APPEND, &stored, value)
+                    .map_err(|e| full(e, "append"))?;
+            }
+            wtxn.commit().map_err(|e| full(e, "commit"))
+        })?;
+        lmdb.force_sync()
+            .map_err(|e| from_heed(&tmp, "fdatasync", e))?;
+        drop(lmdb);
+        env::sync_dir(&tmp)?;
+        std::fs::rename(&tmp, &dir).map_err(|e| BackendError::io(&tmp, "rename", e))?;
+        env::sync_dir(&self.path)?;
+        Ok(pairs)
     }
 
     /// Test-only: the next commit fails as if its `fdatasync` had failed, after which the
@@ -238,19 +326,7 @@ impl LmdbBackend {
     }
 
     fn full(&self, generation: &Generation, map_size: usize) -> BackendError {
-        let info = generation.env().info();
-        let page = generation.env().stat().page_size as u64;
-        let used = (info.last_page_number as u64 + 1) * page;
-        tracing::warn!(
-            path = %self.path.display(),
-            used,
-            map_size,
-            "LMDB map is full; call LmdbBackend::grow_map or reopen with a larger map_size"
-        );
-        BackendError::Full {
-            used,
-            limit: map_size as u64,
-        }
+        map_full(generation.env(), map_size, &self.path)
     }
 }
 
@@ -350,6 +426,41 @@ impl Backend for LmdbBackend {
                 Err(err)
             }
         }
+    }
+
+    /// Loads the stream into a new generation directory, then swaps it in as defragment does:
+    /// one `fdatasync` for the whole stream instead of one per batch, and appends instead of
+    /// B-tree searches. The restore is all-or-nothing: on any error (a damaged stream, a full
+    /// map) the backend is left empty and usable, and a crash at any point leaves it empty or
+    /// wholly restored.
+    fn restore(&self, input: &mut dyn Read) -> Result<u64, BackendError> {
+        let mut writer = self.writer.lock();
+        if let Some(reason) = &writer.poisoned {
+            return Err(BackendError::Poisoned {
+                reason: reason.clone(),
+            });
+        }
+        let old = self.generation();
+        let probe = LmdbReadTxn::begin(Arc::clone(&old), self.options.max_readers)?;
+        if !probe.buckets()?.is_empty() {
+            return Err(BackendError::RestoreNotEmpty);
+        }
+        drop(probe);
+        let number = old.number() + 1;
+        let map_size = writer.map_size;
+        let pairs = match self.load_generation(number, map_size, input) {
+            Ok(pairs) => pairs,
+            Err(e) => {
+                let tmp = env::temp_generation_dir(&self.path, number);
+                if let Err(undo) = std::fs::remove_dir_all(&tmp) {
+                    tracing::warn!(dir = %tmp.display(), error = %undo, "could not remove an unfinished restore; it is removed at the next open");
+                }
+                return Err(e);
+            }
+        };
+        self.install_generation(&mut writer, &old, number, map_size)?;
+        tracing::info!(path = %self.path.display(), pairs, "restored a snapshot stream");
+        Ok(pairs)
     }
 
     fn size(&self) -> Result<BackendSize, BackendError> {
@@ -454,4 +565,21 @@ fn delete_range(
         unsafe { iter.del_current()? };
     }
     Ok(())
+}
+
+/// [`BackendError::Full`] for an environment that ran out of map.
+fn map_full(lmdb: &Env<WithoutTls>, map_size: usize, path: &Path) -> BackendError {
+    let info = lmdb.info();
+    let page = lmdb.stat().page_size as u64;
+    let used = (info.last_page_number as u64 + 1) * page;
+    tracing::warn!(
+        path = %path.display(),
+        used,
+        map_size,
+        "LMDB map is full; call LmdbBackend::grow_map or reopen with a larger map_size"
+    );
+    BackendError::Full {
+        used,
+        limit: map_size as u64,
+    }
 }

@@ -248,7 +248,7 @@ impl Generation {
 
 /// The unnamed database, which holds every bucket; committing makes its handle valid for
 /// every later transaction.
-fn main_database(
+pub(crate) fn main_database(
     env: &Env<WithoutTls>,
     dir: &Path,
 ) -> Result<Database<Bytes, Bytes>, BackendError> {

@@ -8,4 +8,5 @@ mod map;
 mod poison;
 mod process;
 mod recovery;
+mod restore;
 mod snapshot;

@@ -24,7 +24,7 @@ const META: Bucket = Bucket::new("meta");
 /// Keys older than this many commits are deleted by later commits.
 const WINDOW: u64 = 50;
 
-fn child(role: &str, path: &Path) -> Command {
+pub(crate) fn child(role: &str, path: &Path) -> Command {
     let mut cmd = Command::new(std::env::current_exe().expect("test binary path"));
     cmd.args(["--ignored", "--exact", "process::child_role", "--nocapture"])
         .env(ROLE, role)
@@ -49,6 +49,7 @@ fn child_role() {
             Err(e) => println!("result error {e}"),
         },
         "writer" => write_until_killed(path),
+        "restore" => crate::restore::restore_until_killed(path),
         other => panic!("unknown child role {other}"),
     }
 }
