@@ -8,6 +8,9 @@ use std::sync::Arc;
 use crate::io::{WalFile, write_all_at};
 use crate::record::{self, Entry, HardState, Metadata, SnapshotMarker};
 
+/// Ends the records of every write: a record header of zeros.
+const END_MARK: [u8; 8] = [0; 8];
+
 /// The segment being appended to.
 #[derive(Debug)]
 pub(crate) struct SegmentWriter {
@@ -35,13 +38,21 @@ impl SegmentWriter {
         self.flushed + self.buf.len() as u64
     }
 
-    /// Writes the buffered records to the file (not synced).
+    /// Writes the buffered records to the file (not synced), followed by an end marker (a
+    /// zero record header, overwritten by the next write) when it fits in the segment.
     pub(crate) fn flush(&mut self) -> io::Result<()> {
         if self.buf.is_empty() {
             return Ok(());
         }
-        write_all_at(&*self.file, &self.buf, self.flushed)?;
-        self.flushed += self.buf.len() as u64;
+        let n = self.buf.len();
+        let marked = self.end() + END_MARK.len() as u64 <= self.size;
+        if marked {
+            self.buf.extend_from_slice(&END_MARK);
+        }
+        let res = write_all_at(&*self.file, &self.buf, self.flushed);
+        self.buf.truncate(n);
+        res?;
+        self.flushed += n as u64;
         self.buf.clear();
         Ok(())
     }
@@ -55,7 +66,8 @@ impl SegmentWriter {
     }
 
     pub(crate) fn seed(&mut self, prev_crc: u32, first_index: u64) {
-        self.crc = record::encode_seed(&mut self.buf, prev_crc, first_index);
+        let chain = crate::segment::chain_seed(self.seq);
+        self.crc = record::encode_seed(&mut self.buf, chain, prev_crc, first_index);
     }
 
     pub(crate) fn hard_state(&mut self, hs: &HardState) {

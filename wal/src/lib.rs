@@ -14,6 +14,9 @@
 //!   when the segment was started. Default size 64 MiB, preallocated (zeroed).
 //! - `<seq>.tmp`: the next segment being prepared in the background; renamed into place
 //!   (then the directory synced) only once its header is durable.
+//! - `<seq>.free`: a released segment's file kept for reuse
+//!   ([`WalOptions::recycle_segments`]); it becomes a `.tmp` again with a new header and an
+//!   end marker right after it, so its old records are never reached.
 //! - `<name>.broken[.N]`: a copy of a segment kept before a torn-tail repair changed it.
 //! - `LOCK`: holds an exclusive `flock` while the log is open.
 //!
@@ -21,12 +24,13 @@
 //!
 //! ```text
 //! 0   8  magic b"KEELWAL\0"
-//! 8   4  format version (u32) = 1
+//! 8   4  format version (u32) = 2
 //! 12  4  zero
 //! 16  8  seq (u64)
 //! 24  4  zero
 //! 28  4  CRC-32 of bytes 0..28 (u32)
-//! 32  .. records, each 8-byte aligned, then zeros to the end of the file
+//! 32  .. records, each 8-byte aligned, then an end marker (8 zero bytes); after it zeros
+//!        (a new file) or leftovers of the file's earlier life (a recycled one)
 //! ```
 //!
 //! # Record framing
@@ -50,11 +54,16 @@
 //! 5 metadata    cluster_id | member_id
 //! ```
 //!
-//! Every segment's records start with a seed record, whose own crc is seeded with 0 and
-//! whose payload carries the crc of the previous segment's last record (so the chain runs
-//! across segments, and a segment can still be verified on its own), followed by the
-//! metadata, snapshot marker and hard state in force when the segment was started (so
-//! deleting older segments never loses state). A header of zeros ends a segment's records.
+//! Every segment's records start with a seed record, whose own crc is seeded with the
+//! segment header's crc (bytes 28..32, which cover the sequence number) and whose payload
+//! carries the crc of the previous segment's last record (so the chain runs across
+//! segments, and a segment can still be verified on its own), followed by the metadata,
+//! snapshot marker and hard state in force when the segment was started (so deleting older
+//! segments never loses state). A header of zeros ends a segment's records: every write of
+//! records carries one after them (the next write overwrites it). Records a recycled file
+//! held in its earlier life sit behind that marker, and since they chain from another
+//! header's crc, they fail their checksum if a torn write ever exposes one: open then
+//! treats it as a torn tail, never as data.
 //!
 //! # Recovery
 //!

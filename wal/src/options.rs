@@ -27,6 +27,11 @@ pub struct WalOptions {
     /// `segment_size` per segment, done in the background when `preallocate` is on.
     /// Default: true.
     pub zero_fill: bool,
+    /// Released segment files kept (as `<seq>.free`) to be recycled as later segments
+    /// instead of deleted: their blocks are already written, so reusing one needs no zeroing
+    /// and its `fdatasync`s journal no block allocation. Only files of exactly
+    /// `segment_size` bytes are kept. Zero deletes released segments. Default: 2.
+    pub recycle_segments: usize,
     /// Pending (not yet written) bytes of non-durable appends are written to the file once
     /// they exceed this many bytes. Default: 1 MiB.
     pub write_buffer: usize,
@@ -51,6 +56,7 @@ impl Default for WalOptions {
             strict: false,
             preallocate: true,
             zero_fill: true,
+            recycle_segments: 2,
             write_buffer: 1 << 20,
             read_buffer: 4 << 20,
             group_commit_wait: Duration::from_millis(1),
@@ -66,6 +72,7 @@ impl std::fmt::Debug for WalOptions {
             .field("strict", &self.strict)
             .field("preallocate", &self.preallocate)
             .field("zero_fill", &self.zero_fill)
+            .field("recycle_segments", &self.recycle_segments)
             .field("write_buffer", &self.write_buffer)
             .field("read_buffer", &self.read_buffer)
             .field("group_commit_wait", &self.group_commit_wait)
@@ -98,6 +105,12 @@ impl WalOptions {
             return Err(WalError::InvalidOption {
                 field: "read_buffer",
                 reason: format!("{} bytes is outside [4 KiB, 64 MiB]", self.read_buffer),
+            });
+        }
+        if self.recycle_segments > 64 {
+            return Err(WalError::InvalidOption {
+                field: "recycle_segments",
+                reason: format!("{} files is more than 64", self.recycle_segments),
             });
         }
         if self.group_commit_wait > Duration::from_millis(100) {

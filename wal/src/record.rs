@@ -21,8 +21,14 @@
 //! | 4    | snapshot   | index, term                                         |
 //! | 5    | metadata   | cluster_id, member_id                               |
 //!
-//! Type 0 does not exist: a header of zeros is the end of the written part of a segment
-//! (segments are preallocated with zeros).
+//! Type 0 does not exist: a header of zeros is the end of the written part of a segment.
+//! Every write of records ends with such a header (8 zero bytes, overwritten by the next
+//! write), so the end is marked even in a recycled segment file whose old records follow.
+//!
+//! A segment's seed record is chained from the crc of the segment's own header (which holds
+//! its sequence number), not from the previous record: a segment verifies on its own, and
+//! records left over from an earlier life of a recycled file (another sequence number, so
+//! another chain) never verify in it.
 
 /// Size of a record header.
 pub const HEADER_LEN: usize = 8;
@@ -250,13 +256,14 @@ pub(crate) fn encode_entry(buf: &mut Vec<u8>, e: &Entry, prev: u32) -> u32 {
     encode(buf, RecordType::Entry, &[&prefix, &e.data], prev)
 }
 
-pub(crate) fn encode_seed(buf: &mut Vec<u8>, prev_crc: u32, first_index: u64) -> u32 {
+pub(crate) fn encode_seed(buf: &mut Vec<u8>, chain: u32, prev_crc: u32, first_index: u64) -> u32 {
     let mut p = [0u8; 16];
     p[..4].copy_from_slice(&prev_crc.to_le_bytes());
     p[8..].copy_from_slice(&first_index.to_le_bytes());
-    // The seed record starts a segment's chain: its own crc is not chained, so a segment can
-    // be verified without reading the one before it.
-    encode(buf, RecordType::Seed, &[&p], 0)
+    // The seed record starts a segment's chain from the segment's header crc (`chain`), so a
+    // segment can be verified without reading the one before it, and records of another
+    // segment never chain into it.
+    encode(buf, RecordType::Seed, &[&p], chain)
 }
 
 pub(crate) fn encode_hard_state(buf: &mut Vec<u8>, hs: &HardState, prev: u32) -> u32 {

@@ -10,7 +10,7 @@
 //! ```text
 //! offset  size  field
 //! 0       8     magic    b"KEELWAL\0"
-//! 8       4     version  u32 LE, currently 1
+//! 8       4     version  u32 LE, currently 2
 //! 12      4     zero
 //! 16      8     seq      u64 LE, equal to the sequence number in the name
 //! 24      4     zero
@@ -24,7 +24,12 @@
 //!
 //! A segment is prepared as `<seq>.tmp`: created, its header written, its whole length zeroed
 //! (or reserved with `fallocate`), synced; only then renamed to its final name (and the
-//! directory synced) when the log rotates into it.
+//! directory synced) when the log rotates into it. A released segment's file can be
+//! recycled instead (kept as `<old seq>.free`, renamed to `<seq>.tmp`, its header rewritten
+//! with an end marker after it): its blocks are already written, so `fdatasync` after
+//! appending to it has no allocation or extent conversion to journal and nothing needs
+//! zeroing. Its old records stay behind the end marker, and the crc chain starts from the
+//! header's crc, so they can never verify as records of the new segment.
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -36,7 +41,7 @@ use crate::io::{FileSystem, WalFile, write_all_at};
 /// Size of the segment header.
 pub const SEGMENT_HEADER_LEN: u64 = 32;
 /// The format version this build writes and reads.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 const MAGIC: &[u8; 8] = b"KEELWAL\0";
 
 /// Final file name of a segment.
@@ -60,6 +65,26 @@ pub(crate) fn parse_segment_name(name: &str) -> Option<(u64, u64)> {
         u64::from_str_radix(a, 16).ok()?,
         u64::from_str_radix(b, 16).ok()?,
     ))
+}
+
+/// Where the crc chain of segment `seq` starts: the crc of its header, which its seed
+/// record's crc is seeded with.
+pub(crate) fn chain_seed(seq: u64) -> u32 {
+    crate::record::u32_at(&encode_header(seq), 28)
+}
+
+/// Name a released segment file waits under until it is recycled.
+pub(crate) fn free_name(seq: u64) -> String {
+    format!("{seq:016x}.free")
+}
+
+/// Parses `<seq>.free`.
+pub(crate) fn parse_free_name(name: &str) -> Option<u64> {
+    let stem = name.strip_suffix(".free")?;
+    if stem.len() != 16 {
+        return None;
+    }
+    u64::from_str_radix(stem, 16).ok()
 }
 
 /// Encodes the header of segment `seq`.
@@ -114,6 +139,41 @@ pub(crate) struct Prepared {
     pub seq: u64,
     pub path: PathBuf,
     pub file: Arc<dyn WalFile>,
+    /// Made from a released segment's file rather than a new one.
+    pub recycled: bool,
+}
+
+/// A released segment's file kept for reuse, as `<old seq>.free`.
+#[derive(Debug)]
+pub(crate) struct Free {
+    pub path: PathBuf,
+    pub file: Arc<dyn WalFile>,
+}
+
+/// Turns a released segment's file into `<seq>.tmp`: renamed, then its header rewritten
+/// together with an end marker right after it (so its old records are never reached), and
+/// synced. Its blocks are already written, so appends to it are pure overwrites.
+pub(crate) fn recycle(
+    fs: &dyn FileSystem,
+    dir: &Path,
+    free: Free,
+    seq: u64,
+) -> io::Result<Prepared> {
+    let path = dir.join(tmp_name(seq));
+    fs.rename(&free.path, &path)?;
+    let mut start = [0u8; SEGMENT_HEADER_LEN as usize + 8];
+    start[..SEGMENT_HEADER_LEN as usize].copy_from_slice(&encode_header(seq));
+    let result = write_all_at(&*free.file, &start, 0).and_then(|()| free.file.sync_data());
+    if let Err(e) = result {
+        let _ = fs.remove(&path);
+        return Err(e);
+    }
+    Ok(Prepared {
+        seq,
+        path,
+        file: free.file,
+        recycled: true,
+    })
 }
 
 /// Creates `<seq>.tmp` of `size` bytes with its header, zeroed or reserved, and synced.
@@ -159,7 +219,12 @@ pub(crate) fn prepare(
         let _ = fs.remove(&path);
         return Err(e);
     }
-    Ok(Prepared { seq, path, file })
+    Ok(Prepared {
+        seq,
+        path,
+        file,
+        recycled: false,
+    })
 }
 
 /// Renames a prepared segment into place and syncs the directory; returns its final path.

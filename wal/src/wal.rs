@@ -33,7 +33,8 @@ use crate::record::{
 };
 use crate::repair;
 use crate::segment::{
-    self, FORMAT_VERSION, HeaderError, Prepared, SEGMENT_HEADER_LEN, parse_segment_name,
+    self, FORMAT_VERSION, Free, HeaderError, Prepared, SEGMENT_HEADER_LEN, parse_free_name,
+    parse_segment_name,
 };
 use crate::stats::WalStats;
 
@@ -110,6 +111,8 @@ struct Inner {
     sync_time: Duration,
     stats: WalStats,
     prealloc: Prealloc,
+    /// Released segment files waiting to be recycled.
+    free: Vec<Free>,
 }
 
 /// A segmented, checksummed, group-committed Raft log in one directory.
@@ -215,11 +218,14 @@ impl Wal {
             .map_err(|e| WalError::io("list directory", dir, e))?;
         let mut segs: Vec<(u64, u64, String)> = Vec::new();
         let mut tmps = Vec::new();
+        let mut frees = Vec::new();
         for name in names {
             if let Some((seq, first)) = parse_segment_name(&name) {
                 segs.push((seq, first, name));
             } else if name.ends_with(".tmp") {
                 tmps.push(name);
+            } else if parse_free_name(&name).is_some() {
+                frees.push(name);
             }
         }
         segs.sort();
@@ -301,7 +307,11 @@ impl Wal {
             );
             let mut seeded = false;
             let end = loop {
-                let prev = if seeded { st.crc } else { 0 };
+                let prev = if seeded {
+                    st.crc
+                } else {
+                    segment::chain_seed(seq)
+                };
                 let next = reader
                     .next(prev)
                     .map_err(|e| WalError::io("read", &path, e))?;
@@ -489,6 +499,7 @@ impl Wal {
             sync_time: Duration::ZERO,
             stats: WalStats::default(),
             prealloc: Prealloc::None,
+            free: Vec::new(),
         };
         if !seeded {
             // The last segment was renamed into place but nothing of it reached the disk:
@@ -522,6 +533,24 @@ impl Wal {
                 Err(e) => return Err(WalError::io("remove stale file", &path, e)),
             }
         }
+        let mut free = Vec::new();
+        for name in frees {
+            let path = dir.join(&name);
+            let keep = free.len() < options.recycle_segments;
+            let file = match fs.open(&path, true) {
+                Ok(f) if keep && f.len().ok() == Some(size) => Some(f),
+                _ => None,
+            };
+            match file {
+                Some(file) => free.push(Free { path, file }),
+                None => match fs.remove(&path) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(WalError::io("remove stale file", &path, e)),
+                },
+            }
+        }
+        inner.free = free;
         let wal = Wal {
             dir: dir.to_path_buf(),
             fs,
@@ -555,24 +584,30 @@ impl Wal {
             && matches!(g.prealloc, Prealloc::None)
             && g.writer.end() >= g.writer.size / 4
         {
-            g.prealloc = self.spawn_prealloc(g.writer.seq + 1);
+            g.prealloc = self.spawn_prealloc(g);
         }
     }
 
-    fn spawn_prealloc(&self, seq: u64) -> Prealloc {
+    /// Prepares the segment after the active one on a background thread: a recycled file if
+    /// one is free, else a new one.
+    fn spawn_prealloc(&self, g: &mut Inner) -> Prealloc {
         if !self.options.preallocate {
             return Prealloc::None;
         }
+        let seq = g.writer.seq + 1;
         let fs = self.fs.clone();
         let dir = self.dir.clone();
         let size = self.options.segment_size;
         let zero_fill = self.options.zero_fill;
         let cancel = Arc::new(AtomicBool::new(false));
         let c = cancel.clone();
+        let free = g.free.pop();
         match std::thread::Builder::new()
             .name("keel-wal-prealloc".into())
-            .spawn(move || segment::prepare(&*fs, &dir, seq, size, zero_fill, &c))
-        {
+            .spawn(move || match free {
+                Some(free) => segment::recycle(&*fs, &dir, free, seq),
+                None => segment::prepare(&*fs, &dir, seq, size, zero_fill, &c),
+            }) {
             Ok(handle) => Prealloc::Running { handle, cancel },
             Err(e) => {
                 warn!(error = %e, "WAL: cannot start the preallocation thread; segments will be made on rotation");
@@ -614,16 +649,31 @@ impl Wal {
                 if let Some(Err(e)) = other {
                     debug!(error = %e, "WAL: background preparation failed; retrying in line");
                 }
-                let never = AtomicBool::new(false);
-                segment::prepare(
-                    &*self.fs,
-                    &self.dir,
-                    seq,
-                    self.options.segment_size,
-                    self.options.zero_fill,
-                    &never,
-                )
-                .map_err(|e| WalError::io("create segment", &tmp, e))?
+                let recycled = match g.free.pop() {
+                    Some(free) => match segment::recycle(&*self.fs, &self.dir, free, seq) {
+                        Ok(p) => Some(p),
+                        Err(e) => {
+                            debug!(error = %e, "WAL: recycling a released segment failed");
+                            None
+                        }
+                    },
+                    None => None,
+                };
+                match recycled {
+                    Some(p) => p,
+                    None => {
+                        let never = AtomicBool::new(false);
+                        segment::prepare(
+                            &*self.fs,
+                            &self.dir,
+                            seq,
+                            self.options.segment_size,
+                            self.options.zero_fill,
+                            &never,
+                        )
+                        .map_err(|e| WalError::io("create segment", &tmp, e))?
+                    }
+                }
             }
         };
         let first = g.index.last() + 1;
@@ -660,6 +710,7 @@ impl Wal {
             },
         );
         g.stats.rotations += 1;
+        g.stats.recycled += u64::from(prepared.recycled);
         debug!(seq, first, "WAL rotated to a new segment");
         Ok(())
     }
@@ -973,7 +1024,8 @@ impl Wal {
         self.read_locs(lo, &locs, &file, |e| {
             out.push(e.to_entry());
             ControlFlow::Continue(())
-        })?;
+        })
+        .map_err(|e| self.released_meanwhile(lo, e))?;
         Ok(out)
     }
 
@@ -1008,11 +1060,23 @@ impl Wal {
                 let flow = f(e);
                 stop = flow.is_break();
                 flow
-            })?;
+            })
+            .map_err(|e| self.released_meanwhile(next, e))?;
             if stop {
                 return Ok(());
             }
             next += n;
+        }
+    }
+
+    /// A read from `lo` failed with `err`: if `lo` was released while the files were read
+    /// (a released segment's file may be recycled under a reader), the failure is that.
+    fn released_meanwhile(&self, lo: u64, err: WalError) -> WalError {
+        let first = self.inner.lock().index.first();
+        if lo < first {
+            WalError::Compacted { index: lo, first }
+        } else {
+            err
         }
     }
 
@@ -1199,9 +1263,22 @@ impl Wal {
         g.index.release_below(keep);
         for seq in doomed {
             if let Some(s) = g.segments.remove(&seq) {
-                self.fs
-                    .remove(&s.path)
-                    .map_err(|e| WalError::io("delete segment", &s.path, e))?;
+                if g.free.len() < self.options.recycle_segments
+                    && s.file.len().ok() == Some(self.options.segment_size)
+                {
+                    let to = self.dir.join(segment::free_name(seq));
+                    self.fs
+                        .rename(&s.path, &to)
+                        .map_err(|e| WalError::io("set aside released segment", &s.path, e))?;
+                    g.free.push(Free {
+                        path: to,
+                        file: s.file,
+                    });
+                } else {
+                    self.fs
+                        .remove(&s.path)
+                        .map_err(|e| WalError::io("delete segment", &s.path, e))?;
+                }
             }
         }
         self.fs
@@ -1270,10 +1347,11 @@ fn adopt(fs: &dyn FileSystem, path: &Path, seq: u64, size: u64) -> Option<Prepar
     if read_full_at(&*file, &mut h, 0).ok()? != h.len() || segment::decode_header(&h) != Ok(seq) {
         return None;
     }
-    // Whatever follows the header must still be zeros.
-    let mut probe = vec![0u8; 64 << 10];
-    let n = read_full_at(&*file, &mut probe, SEGMENT_HEADER_LEN).ok()?;
-    if probe[..n].iter().any(|&b| b != 0) {
+    // No record may follow the header yet: an end marker (zeros) must.
+    let mut mark = [0u8; 8];
+    if read_full_at(&*file, &mut mark, SEGMENT_HEADER_LEN).ok()? != mark.len()
+        || mark.iter().any(|&b| b != 0)
+    {
         return None;
     }
     file.sync_all().ok()?;
@@ -1281,5 +1359,6 @@ fn adopt(fs: &dyn FileSystem, path: &Path, seq: u64, size: u64) -> Option<Prepar
         seq,
         path: path.to_path_buf(),
         file,
+        recycled: false,
     })
 }

@@ -5,5 +5,6 @@ mod corruption;
 mod crash;
 mod faults;
 mod model;
+mod recycle;
 mod torn;
 mod util;

@@ -1,0 +1,234 @@
+//! Pins down segment recycling: released segment files are reused as later segments, the
+//! log reads back identically across reopen, and the records a recycled file held in its
+//! earlier life are never returned, whether the end marker after the new records is intact
+//! or lost, or the recycled segment was put in place before its first record was written.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use keel_wal::{Entry, Wal, WalError, WalOptions};
+
+use crate::util::{entries, files, segments, small};
+
+/// Fixed-size entries (200 bytes of data: 224-byte records), so record boundaries fall at
+/// the same offsets in every segment.
+fn fixed(lo: u64, hi: u64) -> Vec<Entry> {
+    (lo..hi)
+        .map(|i| Entry {
+            index: i,
+            term: 1,
+            data: (0..200).map(|b| (b as u64 * 7 + i) as u8 | 1).collect(),
+        })
+        .collect()
+}
+
+/// Offset just past `n` entries of [`fixed`] size after a segment's header and seed record.
+fn end_after(n: u64) -> u64 {
+    32 + 24 + n * 224
+}
+
+/// Appends [`fixed`] entries from `next` one at a time until the background preparation
+/// has left `<seq>.tmp` in `dir` (it starts once the active segment is a quarter full).
+fn fill_until_prepared(wal: &Wal, dir: &Path, next: &mut u64, seq: u64) -> PathBuf {
+    let path = dir.join(format!("{seq:016x}.tmp"));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !path.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "{} never appeared",
+            path.display()
+        );
+        wal.append(&fixed(*next, *next + 1), None, true).unwrap();
+        *next += 1;
+    }
+    // The rename is the preparation's first step; let it finish writing the header.
+    std::thread::sleep(Duration::from_millis(50));
+    path
+}
+
+/// Appends [`fixed`] entries from `next` one at a time until the log has `count` segments.
+fn fill_to(wal: &Wal, next: &mut u64, count: usize) {
+    while wal.segment_count() < count {
+        wal.append(&fixed(*next, *next + 1), None, true).unwrap();
+        *next += 1;
+    }
+}
+
+#[test]
+fn released_segments_are_recycled_and_read_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let want = entries(1, 4001, 2);
+    {
+        let wal = Wal::open(dir.path(), small()).unwrap();
+        for chunk in want.chunks(9) {
+            wal.append(chunk, None, true).unwrap();
+            if wal.segment_count() > 3 {
+                let keep = wal.last_index().saturating_sub(300).max(wal.first_index());
+                wal.release_to(keep).unwrap();
+            }
+            let free = files(dir.path())
+                .iter()
+                .filter(|n| n.ends_with(".free"))
+                .count();
+            assert!(free <= 2, "{free} released files kept");
+        }
+        let stats = wal.stats();
+        assert!(stats.recycled > 0, "{stats:?}");
+        assert!(stats.rotations > stats.recycled, "{stats:?}");
+        let first = wal.first_index();
+        assert_eq!(
+            wal.entries(first, 4001, None).unwrap(),
+            want[first as usize - 1..]
+        );
+    }
+    let wal = Wal::open(dir.path(), small()).unwrap();
+    let first = wal.first_index();
+    assert_eq!(wal.last_index(), 4000);
+    assert_eq!(
+        wal.entries(first, 4001, None).unwrap(),
+        want[first as usize - 1..]
+    );
+    // Reopened, the log goes on recycling the files it kept.
+    let more = entries(4001, 6001, 2);
+    for chunk in more.chunks(9) {
+        wal.append(chunk, None, true).unwrap();
+        if wal.segment_count() > 3 {
+            wal.release_to(wal.last_index() - 300).unwrap();
+        }
+    }
+    assert!(wal.stats().recycled > 0, "{:?}", wal.stats());
+    let first = wal.first_index();
+    assert_eq!(
+        wal.entries(first, 6001, None).unwrap(),
+        more[first as usize - 4001..]
+    );
+    assert!(
+        !files(dir.path()).iter().any(|n| n.contains("broken")),
+        "{:?}",
+        files(dir.path())
+    );
+}
+
+#[test]
+fn records_of_a_recycled_files_earlier_life_are_never_returned() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut next = 1u64;
+    let (old, recycled_path, last) = {
+        let wal = Wal::open(dir.path(), small()).unwrap();
+        fill_to(&wal, &mut next, 3);
+        // Segment 0 is full of entries; keep its bytes, release it, and let the log reuse
+        // its file for segment 3.
+        let seg0 = segments(dir.path())[0].clone();
+        let old = std::fs::read(&seg0).unwrap();
+        let first1 = wal.last_index() - 10;
+        wal.release_to(first1).unwrap();
+        assert_eq!(wal.segment_count(), 2);
+        fill_until_prepared(&wal, dir.path(), &mut next, 3);
+        fill_to(&wal, &mut next, 3);
+        let stats = wal.stats();
+        assert_eq!(stats.recycled, 1, "{stats:?}");
+        // Ten entries into segment 3, then a clean close.
+        for _ in 0..9 {
+            wal.append(&fixed(next, next + 1), None, true).unwrap();
+            next += 1;
+        }
+        (old, segments(dir.path()).pop().unwrap(), wal.last_index())
+    };
+    let first_in_3 = last - 9;
+    let bytes = std::fs::read(&recycled_path).unwrap();
+    assert_eq!(bytes.len(), old.len());
+    let end = end_after(10) as usize;
+    assert_eq!(
+        bytes[end..end + 8],
+        [0u8; 8],
+        "end marker after the new records"
+    );
+    // The old records are still there after the marker, and one starts right at the end.
+    assert_eq!(bytes[end + 8..], old[end + 8..]);
+    let word = u32::from_le_bytes(old[end + 4..end + 8].try_into().unwrap());
+    assert_eq!(
+        word >> 24,
+        2,
+        "an old entry record starts at the end offset"
+    );
+
+    // Intact: a clean reopen serves exactly the new entries and repairs nothing.
+    {
+        let wal = Wal::open(dir.path(), small()).unwrap();
+        assert_eq!(wal.last_index(), last);
+        assert_eq!(
+            wal.entries(first_in_3, last + 1, None).unwrap(),
+            fixed(first_in_3, last + 1)
+        );
+    }
+    assert!(!files(dir.path()).iter().any(|n| n.contains("broken")));
+
+    // The end marker lost (a torn write): the old record behind it does not chain.
+    let mut torn = bytes.clone();
+    torn[end..end + 8].copy_from_slice(&old[end..end + 8]);
+    std::fs::write(&recycled_path, &torn).unwrap();
+    let strict = WalOptions {
+        strict: true,
+        ..small()
+    };
+    match Wal::open(dir.path(), strict) {
+        Err(WalError::Corrupt { offset, .. }) => assert_eq!(offset, end as u64),
+        other => panic!("strict open accepted stale records: {other:?}"),
+    }
+    let wal = Wal::open(dir.path(), small()).unwrap();
+    assert_eq!(wal.last_index(), last);
+    assert_eq!(
+        wal.entries(first_in_3, last + 1, None).unwrap(),
+        fixed(first_in_3, last + 1)
+    );
+    assert!(files(dir.path()).iter().any(|n| n.contains("broken")));
+    // The log continues past the repaired end.
+    wal.append(&fixed(last + 1, last + 3), None, true).unwrap();
+    drop(wal);
+    let wal = Wal::open(dir.path(), small()).unwrap();
+    assert_eq!(
+        wal.entries(first_in_3, last + 3, None).unwrap(),
+        fixed(first_in_3, last + 3)
+    );
+}
+
+#[test]
+fn a_recycled_segment_put_in_place_before_its_first_record_opens_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut next = 1u64;
+    let (tmp, last) = {
+        let wal = Wal::open(dir.path(), small()).unwrap();
+        fill_to(&wal, &mut next, 3);
+        wal.release_to(wal.last_index() - 10).unwrap();
+        // Fill segment 2 past a quarter so segment 3 is prepared from the released file.
+        let tmp = fill_until_prepared(&wal, dir.path(), &mut next, 3);
+        assert!(!dir.path().join(format!("{:016x}.free", 0)).exists());
+        (tmp, wal.last_index())
+    };
+    // A crash right after the rename into place, before the seed record was written.
+    let to = dir.path().join(format!("{:016x}-{:016x}.wal", 3, last + 1));
+    std::fs::rename(&tmp, &to).unwrap();
+    let wal = Wal::open(dir.path(), small()).unwrap();
+    assert_eq!(wal.last_index(), last);
+    let first = wal.first_index();
+    assert_eq!(
+        wal.entries(first, last + 1, None).unwrap(),
+        fixed(first, last + 1)
+    );
+    wal.append(&fixed(last + 1, last + 21), None, true).unwrap();
+    drop(wal);
+    let wal = Wal::open(
+        dir.path(),
+        WalOptions {
+            strict: true,
+            ..small()
+        },
+    )
+    .unwrap();
+    assert_eq!(wal.last_index(), last + 20);
+    assert_eq!(
+        wal.entries(first, last + 21, None).unwrap(),
+        fixed(first, last + 21)
+    );
+    assert!(!files(dir.path()).iter().any(|n| n.contains("broken")));
+}
