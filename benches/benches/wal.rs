@@ -2,7 +2,12 @@
 //!
 //! - `append`: 1 KiB entries, batches of 1, 16 and 256 per durable append, against a raw
 //!   `pwrite` + `fdatasync` loop writing the same bytes in the same batches to a
-//!   preallocated (zero-written) file. Goal: >= 0.9x the raw loop.
+//!   preallocated (zero-written) file. Goal: >= 0.9x the raw loop. Both sides run in steady
+//!   state: the raw loop goes round its 64 MiB file, and the log, like a Raft log whose old
+//!   entries are covered by snapshots, releases the segments before its last two as it
+//!   goes (released files are recycled as new segments); before timing it has been through
+//!   three segments, as the raw file has been written once. A second batch-256 line (no
+//!   goal) shows a log that only grows, so every segment is a new file.
 //! - `group_commit`: 8 threads appending single entries durably against one thread doing
 //!   the same. Goal: >= 4x.
 //! - `peer` (feature `peers`): batches of 16 1 KiB entries with sync on raft-engine.
@@ -109,6 +114,41 @@ fn keel_append(wal: &Wal, es: &mut [Entry], next: &mut u64) {
     *next += es.len() as u64;
 }
 
+/// Entries of [`ENTRY`] bytes one segment holds (roughly).
+fn per_segment() -> u64 {
+    WalOptions::default().segment_size / (ENTRY as u64 + 24)
+}
+
+/// [`keel_append`], then what a Raft node does once snapshots cover its older entries:
+/// releases the segments before the last two.
+fn keel_append_steady(wal: &Wal, es: &mut [Entry], next: &mut u64) {
+    keel_append(wal, es, next);
+    if wal.segment_count() > 2 {
+        wal.release_to(next.saturating_sub(per_segment())).unwrap();
+    }
+}
+
+/// Opens a log in `dir` and runs it through `segments` segments (written unsynced, released
+/// as [`keel_append_steady`] does), the way the raw file is written once before timing.
+/// Returns the log and its next index.
+fn steady_wal(dir: &Path, segments: u64) -> (Wal, u64) {
+    let wal = Wal::open(dir, WalOptions::default()).unwrap();
+    let mut es = template(256);
+    let mut next = 1u64;
+    while next <= segments * per_segment() {
+        for (k, e) in es.iter_mut().enumerate() {
+            e.index = next + k as u64;
+        }
+        wal.append(&es, None, false).unwrap();
+        next += es.len() as u64;
+        if wal.segment_count() > 2 {
+            wal.release_to(next.saturating_sub(per_segment())).unwrap();
+        }
+    }
+    wal.sync().unwrap();
+    (wal, next)
+}
+
 /// Times `a` and `b` once per iteration, alternating which goes first, records both, and
 /// returns the total of `a`: on a shared machine only interleaved samples compare fairly.
 fn paired(
@@ -146,24 +186,41 @@ fn paired(
 }
 
 fn append(c: &mut Criterion, rec: &Recorder) {
+    let smoke = std::env::args().any(|a| a == "--test");
     let mut g = quick(c, "wal_append");
-    for batch in [1usize, 16, 256] {
+    for (batch, steady) in [(1usize, true), (16, true), (256, true), (256, false)] {
         g.throughput(Throughput::Bytes((batch * ENTRY) as u64));
         let dir = tempfile::tempdir().unwrap();
-        let wal = Wal::open(&dir.path().join("wal"), WalOptions::default()).unwrap();
+        let (wal, mut next) = if steady && !smoke {
+            steady_wal(&dir.path().join("wal"), 3)
+        } else {
+            let wal = Wal::open(&dir.path().join("wal"), WalOptions::default()).unwrap();
+            (wal, 1)
+        };
         let mut es = template(batch);
-        let mut next = 1u64;
         let f = raw_file(dir.path());
         let buf: Vec<u8> = template(batch).into_iter().flat_map(|e| e.data).collect();
         let mut off = 0u64;
-        let keel = format!("keel append x{batch}");
-        let raw = format!("raw write+fdatasync x{batch}");
-        g.bench_function(BenchmarkId::new("keel vs raw (paired)", batch), |b| {
+        let growing = if steady { "" } else { ", growing log" };
+        let keel = format!("keel append x{batch}{growing}");
+        let raw = format!("raw write+fdatasync x{batch}{growing}");
+        let id = if steady {
+            "keel vs raw (paired)"
+        } else {
+            "keel growing log vs raw (paired)"
+        };
+        g.bench_function(BenchmarkId::new(id, batch), |b| {
             paired(
                 b,
                 rec,
                 (&keel, &raw),
-                || keel_append(&wal, &mut es, &mut next),
+                || {
+                    if steady {
+                        keel_append_steady(&wal, &mut es, &mut next)
+                    } else {
+                        keel_append(&wal, &mut es, &mut next)
+                    }
+                },
                 || {
                     if off + buf.len() as u64 > RAW_FILE {
                         off = 0;
@@ -174,12 +231,17 @@ fn append(c: &mut Criterion, rec: &Recorder) {
                 },
             )
         });
+        let stats = wal.stats();
+        println!(
+            "WAL append x{batch}{growing}: {} rotations, {} into recycled files",
+            stats.rotations, stats.recycled
+        );
         rec.ratio(
-            &format!("wal append, 1 KiB entries, batch {batch}, vs raw write+fdatasync"),
+            &format!("wal append, 1 KiB entries, batch {batch}{growing}, vs raw write+fdatasync"),
             &keel,
             &raw,
             Better::Faster,
-            Some(0.9),
+            steady.then_some(0.9),
         );
     }
     g.finish();
