@@ -160,6 +160,31 @@ impl Io {
         result.map_err(|e| BackendError::io(path, "pwrite", e))
     }
 
+    /// Allocates `[offset, offset + len)` of a file (`fallocate`, growing it if needed): the
+    /// blocks exist afterwards and read as zeros. The hook sees it as a write of `len` bytes;
+    /// a torn one counts as failed.
+    pub(crate) fn allocate(
+        &self,
+        file: &File,
+        path: &Path,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), BackendError> {
+        let fault = match &self.hook {
+            Some(h) => h.before_write(path, offset, len as usize),
+            None => WriteFault::Proceed,
+        };
+        let result = match fault {
+            WriteFault::Proceed => {
+                rustix::fs::fallocate(file, rustix::fs::FallocateFlags::empty(), offset, len)
+                    .map_err(io::Error::from)
+            }
+            WriteFault::Fail(e) => Err(e),
+            WriteFault::Torn { .. } => Err(injected()),
+        };
+        result.map_err(|e| BackendError::io(path, "fallocate", e))
+    }
+
     /// `fdatasync` of a file.
     pub(crate) fn sync_data(&self, file: &File, path: &Path) -> Result<(), BackendError> {
         if let Some(h) = &self.hook {

@@ -7,14 +7,19 @@
 //! <dir>/LOCK                  empty; held with an exclusive advisory lock while open
 //! <dir>/META                  the floor: segments below it are dead (32 bytes, below)
 //! <dir>/META.tmp              a META being replaced; ignored and removed on open
-//! <dir>/<id:016x>.seg         a segment: a header, then frames, appended and never rewritten
+//! <dir>/<id:016x>.seg         a segment: a header, frames appended and never rewritten, then
+//!                             zeros (space prepared ahead of the next frame)
+//! <dir>/<id:016x>.seg.tmp     a segment being prepared (header, zeros); not part of the
+//!                             store until renamed to `<id:016x>.seg`; removed on open
+//! <dir>/RESTORING             empty; present while a restore runs. A store holding it is
+//!                             incomplete: open refuses it
 //! ```
 //!
 //! ## META (32 bytes)
 //!
 //! ```text
 //! 0   magic    8   "KEELMETA"
-//! 8   version  u32 (= 1)
+//! 8   version  u32 (= 2)
 //! 12  flags    u32 (= 0)
 //! 16  floor    u64  lowest live segment id; segment files with a smaller id are dead
 //! 24  crc      u32  over bytes 0..24
@@ -30,15 +35,21 @@
 //!
 //! ```text
 //! 0   magic    8   "KEELSEG\0"
-//! 8   version  u32 (= 1)
+//! 8   version  u32 (= 2)
 //! 12  flags    u32 (= 0)
 //! 16  id       u64  equal to the id in the file name
 //! 24  crc      u32  over bytes 0..24
 //! 28  zero     u32
 //! ```
 //!
-//! A segment's header is synced, and the directory after its creation, before any frame is
-//! written to it. Segments are replayed in ascending id order.
+//! A segment's header is synced, and the directory after its creation (or after the rename
+//! of its `.seg.tmp`), before any frame is written to it. Segments are replayed in ascending
+//! id order.
+//!
+//! After its last frame a segment holds zeros up to the end of its file: space written ahead
+//! of the writer, so that a commit overwrites blocks that already exist and its `fdatasync`
+//! flushes no file-system metadata. Every frame of a segment is durable before the next
+//! segment's file exists.
 //!
 //! ## Frame: one committed batch
 //!
@@ -51,10 +62,13 @@
 //! ```
 //!
 //! A frame is the commit point: a batch is in the store exactly when its whole frame is
-//! present with a matching checksum and sequence number. In the last segment, the first frame
-//! that is incomplete or fails its checksum ends the log (a torn commit); open truncates the
-//! file there. Anywhere else that is corruption, and so is a frame with a valid checksum but
-//! the wrong sequence number anywhere (a torn write cannot produce one).
+//! present with a matching checksum and sequence number. Sequence numbers start at 1, so a
+//! frame header is never 16 zero bytes. A segment's log ends at the first place that does
+//! not hold a whole frame with a matching checksum: if every byte from there to the end of
+//! the file is zero, that is the segment's clean end. Otherwise, in the last segment, it is a
+//! torn commit and open truncates the file there; in any other segment it is corruption, and
+//! so is a frame with a valid checksum but the wrong sequence number anywhere (a torn write
+//! cannot produce one).
 //!
 //! ## Records (inside a payload)
 //!
@@ -75,7 +89,7 @@ use keel_mvcc::BackendError;
 use std::path::Path;
 
 /// Format version written and read by this build.
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 /// Magic of a segment file.
 pub const SEGMENT_MAGIC: &[u8; 8] = b"KEELSEG\0";
 /// Magic of the META file.

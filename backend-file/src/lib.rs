@@ -23,8 +23,10 @@ pub mod format;
 mod index;
 mod key;
 mod options;
+mod prepare;
 mod reclaim;
 mod recovery;
+mod restore;
 mod segment;
 mod store;
 mod txn;
@@ -32,6 +34,6 @@ mod verify;
 mod version;
 
 pub use fault::{FaultHook, FaultPlan, Strike, WriteFault};
-pub use options::FileOptions;
+pub use options::{FileOptions, PrepareWith};
 pub use store::{FileBackend, LOCK_FILE};
 pub use txn::{FileRange, FileReadTxn};

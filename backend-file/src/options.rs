@@ -7,6 +7,18 @@ use keel_mvcc::BackendError;
 
 use crate::fault::FaultHook;
 
+/// How the space ahead of the writer is prepared (see [`FileOptions::prepare_ahead`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PrepareWith {
+    /// Zeros are written and synced: a commit into them makes its sync flush data only, at
+    /// the price of writing every byte twice.
+    Zeros,
+    /// Blocks are allocated (`fallocate`) and synced: nothing is written twice, but a commit's
+    /// sync also records in the file system's journal that the blocks now hold data.
+    Allocate,
+}
+
 /// How a [`FileBackend`](crate::FileBackend) is opened and runs.
 #[derive(Clone)]
 pub struct FileOptions {
@@ -27,6 +39,15 @@ pub struct FileOptions {
     /// The reclaimer copies live data in steps of about this many bytes, each one commit; the
     /// writer waits at most for one step. Default: 2 MiB. Minimum: 4 KiB.
     pub reclaim_step_bytes: u64,
+    /// Prepare space ahead of the writer on a background thread: zeros written and synced
+    /// past the committed end, and the next segment before the active one fills, so that a
+    /// commit's sync flushes only its own bytes. When off, frames are appended and each new
+    /// segment is created on the commit path (what fault-injection tests want: every I/O call
+    /// then happens on the caller's thread, in a fixed order). Default: true.
+    pub prepare_ahead: bool,
+    /// How space is prepared ahead. Default: [`PrepareWith::Allocate`] (on ext4 it keeps the
+    /// disk's bandwidth for the frames, and the journal record of a commit is small).
+    pub prepare_with: PrepareWith,
     /// Fault injection for tests: every write and sync of the store goes through this hook.
     /// Default: none.
     pub fault_hook: Option<Arc<dyn FaultHook>>,
@@ -40,6 +61,8 @@ impl Default for FileOptions {
             reclaim_garbage_ratio: 0.5,
             reclaim_min_garbage: 64 << 20,
             reclaim_step_bytes: 2 << 20,
+            prepare_ahead: true,
+            prepare_with: PrepareWith::Allocate,
             fault_hook: None,
         }
     }
@@ -53,6 +76,8 @@ impl fmt::Debug for FileOptions {
             .field("reclaim_garbage_ratio", &self.reclaim_garbage_ratio)
             .field("reclaim_min_garbage", &self.reclaim_min_garbage)
             .field("reclaim_step_bytes", &self.reclaim_step_bytes)
+            .field("prepare_ahead", &self.prepare_ahead)
+            .field("prepare_with", &self.prepare_with)
             .field("fault_hook", &self.fault_hook.is_some())
             .finish()
     }

@@ -102,7 +102,11 @@ impl Inner {
             }
             w.active.seg.id
         };
-        self.collect_below(floor)
+        self.collect_below(floor)?;
+        // The files shrink to the live data: the space prepared ahead goes too.
+        let w = self.writer.lock();
+        self.prep.trim(w.active.end);
+        Ok(())
     }
 
     /// Copies every live record of segments below `floor` forward, then drops them.
@@ -118,7 +122,7 @@ impl Inner {
             let mut entries = map.iter().filter(|(_, loc)| loc.seg < floor).peekable();
             while entries.peek().is_some() {
                 let mut w = self.writer.lock();
-                self.begin_frame(&mut w)?;
+                self.begin_frame(&mut w, step as u64)?;
                 let mut buf = std::mem::take(&mut w.buf);
                 let mut batch: Vec<(&[u8], Loc, u64)> = Vec::new();
                 while buf.len() < step {
@@ -141,7 +145,7 @@ impl Inner {
                 if batch.is_empty() {
                     continue;
                 }
-                let start = self.finish_frame(&mut w)?;
+                let start = self.finish_frame(&mut w, true)?;
                 let seg = w.active.seg.id;
                 for (key, old, at) in batch {
                     let loc = Loc {
@@ -165,7 +169,7 @@ impl Inner {
         let drop_count = (floor - w.version.base) as usize;
         let mut freed = 0u64;
         for map in w.version.segs.drain(..drop_count).flatten() {
-            map.file.mark_dead();
+            map.map.file.mark_dead();
         }
         w.version.base = floor;
         let dead: Vec<u32> = w.stats.range(..floor).map(|(&id, _)| id).collect();

@@ -13,10 +13,12 @@ use crate::format::{
     self, FRAME_HEADER, HEADER_LEN, META_MAGIC, Record, Records, SEGMENT_MAGIC, u32_at, u64_at,
 };
 use crate::segment::{self, SegFile, SegMap};
-use crate::version::{Applier, Loc, SegStat, Version};
+use crate::version::{Applier, Loc, Mapped, SegStat, Version};
 
 /// Name of the META file.
 pub(crate) const META: &str = "META";
+/// Name of the marker of a restore in progress.
+pub(crate) const RESTORING: &str = "RESTORING";
 const META_TMP: &str = "META.tmp";
 /// The first segment of a new store.
 const FIRST_SEGMENT: u32 = 1;
@@ -24,11 +26,14 @@ const FIRST_SEGMENT: u32 = 1;
 /// The segment being appended to.
 pub(crate) struct Active {
     pub(crate) seg: Arc<SegFile>,
-    pub(crate) file: File,
-    /// Committed end: every byte before it belongs to a durable frame (or the header).
+    pub(crate) file: Arc<File>,
+    /// Committed end: every byte before it belongs to a written frame (or the header), durable
+    /// unless `dirty`.
     pub(crate) end: u64,
     /// True until the first frame is written to the segment.
     pub(crate) fresh: bool,
+    /// Frames were written without a sync since the last one (a restore in progress).
+    pub(crate) dirty: bool,
 }
 
 /// Everything open rebuilds.
@@ -38,6 +43,8 @@ pub(crate) struct Recovered {
     pub(crate) active: Active,
     pub(crate) next_seq: u64,
     pub(crate) bucket_names: Vec<Bucket>,
+    /// Bytes of the active segment's file, all durable: its frames, then zeros.
+    pub(crate) zeroed: u64,
 }
 
 fn corrupt(path: &Path, offset: u64, reason: impl Into<String>) -> BackendError {
@@ -115,8 +122,17 @@ fn read_meta(dir: &Path) -> Result<Option<u32>, BackendError> {
         .ok_or_else(|| corrupt(&path, 16, format!("META floor {floor} is out of range")))
 }
 
-/// Opens the store in `dir` (which exists and is locked) and rebuilds its index.
-pub(crate) fn recover(dir: &Path, io: &Io) -> Result<Recovered, BackendError> {
+/// Opens the store in `dir` (which exists and is locked) and rebuilds its index; segments are
+/// mapped at `segment_size` bytes or their length, whichever is larger.
+pub(crate) fn recover(dir: &Path, io: &Io, segment_size: u64) -> Result<Recovered, BackendError> {
+    let marker = dir.join(RESTORING);
+    if marker.exists() {
+        return Err(corrupt(
+            &marker,
+            0,
+            "a restore into this store did not finish; the store is incomplete: discard it",
+        ));
+    }
     let meta = read_meta(dir)?;
     let mut ids = Vec::new();
     let entries = std::fs::read_dir(dir).map_err(|e| BackendError::io(dir, "read directory", e))?;
@@ -124,7 +140,7 @@ pub(crate) fn recover(dir: &Path, io: &Io) -> Result<Recovered, BackendError> {
         let entry = entry.map_err(|e| BackendError::io(dir, "read directory", e))?;
         let name = entry.file_name();
         let Some(name) = name.to_str() else { continue };
-        if name == META_TMP {
+        if name == META_TMP || crate::prepare::is_tmp_name(name) {
             let p = entry.path();
             std::fs::remove_file(&p).map_err(|e| BackendError::io(&p, "remove", e))?;
         } else if let Some(id) = segment::parse_name(name) {
@@ -194,6 +210,7 @@ pub(crate) fn recover(dir: &Path, io: &Io) -> Result<Recovered, BackendError> {
         expected_seq: None,
     };
     let mut active: Option<Active> = None;
+    let mut zeroed = HEADER_LEN as u64;
     let count = ids.len();
     for (i, &id) in ids.iter().enumerate() {
         let id = id as u32;
@@ -217,8 +234,9 @@ pub(crate) fn recover(dir: &Path, io: &Io) -> Result<Recovered, BackendError> {
             break;
         }
         let seg = SegFile::new(id, path.clone());
-        let map = SegMap::map(&seg, &file, &path, size)?;
-        let hid = format::decode_header(&path, map.bytes(), SEGMENT_MAGIC, "segment file")?;
+        let map = SegMap::map(&seg, &file, &path, size, size.max(segment_size))?;
+        let bytes = map.prefix(size).unwrap_or_default();
+        let hid = format::decode_header(&path, bytes, SEGMENT_MAGIC, "segment file")?;
         if hid != u64::from(id) {
             return Err(corrupt(
                 &path,
@@ -227,26 +245,29 @@ pub(crate) fn recover(dir: &Path, io: &Io) -> Result<Recovered, BackendError> {
             ));
         }
         r.stats.insert(id, SegStat { size, live: 0 });
-        let (end, frames) = r.replay_segment(id, &path, map.bytes(), last)?;
-        let map = if end < size {
+        let (end, frames) = r.replay_segment(id, &path, bytes, last)?;
+        // Past the last frame: zeros prepared ahead, or the torn write of a commit that never
+        // returned (only in the last segment: `replay_segment` refuses it elsewhere).
+        let clean = bytes[end as usize..].iter().all(|&b| b == 0);
+        if clean {
+            zeroed = size;
+        } else {
             tracing::warn!(path = %path.display(), end, size, "cutting off a torn commit");
-            drop(map);
             io.truncate(&file, &path, end)?;
             io.sync_data(&file, &path)?;
-            SegMap::map(&seg, &file, &path, end)?
-        } else {
-            map
-        };
+            zeroed = end;
+        }
         if let Some(s) = r.stats.get_mut(&id) {
             s.size = end;
         }
-        r.version.segs.push(Some(map));
+        r.version.segs.push(Some(Mapped { map, end }));
         if last {
             active = Some(Active {
                 seg,
-                file,
+                file: Arc::new(file),
                 end,
                 fresh: frames == 0,
+                dirty: false,
             });
         }
     }
@@ -259,8 +280,12 @@ pub(crate) fn recover(dir: &Path, io: &Io) -> Result<Recovered, BackendError> {
             let id = floor + r.version.segs.len() as u32;
             let (seg, file) = create_segment(dir, io, id)?;
             let path = seg.path.clone();
-            let map = SegMap::map(&seg, &file, &path, HEADER_LEN as u64)?;
-            r.version.segs.push(Some(map));
+            let map = SegMap::map(&seg, &file, &path, HEADER_LEN as u64, segment_size)?;
+            r.version.segs.push(Some(Mapped {
+                map,
+                end: HEADER_LEN as u64,
+            }));
+            zeroed = HEADER_LEN as u64;
             r.stats.insert(
                 id,
                 SegStat {
@@ -270,9 +295,10 @@ pub(crate) fn recover(dir: &Path, io: &Io) -> Result<Recovered, BackendError> {
             );
             Active {
                 seg,
-                file,
+                file: Arc::new(file),
                 end: HEADER_LEN as u64,
                 fresh: true,
+                dirty: false,
             }
         }
     };
@@ -287,6 +313,7 @@ pub(crate) fn recover(dir: &Path, io: &Io) -> Result<Recovered, BackendError> {
         active,
         next_seq: r.expected_seq.unwrap_or(1),
         bucket_names: r.names,
+        zeroed,
     })
 }
 
@@ -356,6 +383,10 @@ impl Replay {
                 }
             };
             if let Some(why) = why {
+                if rest.iter().all(|&b| b == 0) {
+                    // Zeros prepared ahead of the writer: the segment's log ends here.
+                    return Ok((at as u64, frames));
+                }
                 if last {
                     tracing::warn!(path = %path.display(), offset = at, reason = %why, "torn tail");
                     return Ok((at as u64, frames));

@@ -1,10 +1,11 @@
 //! Segment files and their read-only mappings.
 //!
-//! A [`SegFile`] names one segment file; a [`SegMap`] is a read-only shared mapping of its
-//! first `len` bytes, all of them committed. Read transactions hold `Arc<SegMap>`s, so a
-//! mapping lives exactly as long as some index version points into it. When the active
-//! segment grows, a new, longer mapping is made and published; readers of the old one keep
-//! it. A segment that the reclaimer has emptied is marked dead and its file is removed when
+//! A [`SegFile`] names one segment file; a [`SegMap`] is a read-only shared mapping of it,
+//! made once per segment at the segment size (a commit that outgrows it makes a longer one,
+//! and readers of the old one keep it). An index version records, next to each mapping, the
+//! segment's committed end as of that version, and only that prefix is ever read. Read
+//! transactions hold `Arc<SegMap>`s, so a mapping lives exactly as long as some index version
+//! points into it. A segment that the reclaimer has emptied is marked dead and its file is removed when
 //! the last mapping of it goes away.
 
 use std::fs::File;
@@ -13,7 +14,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use keel_mvcc::BackendError;
-use memmap2::{Mmap, MmapOptions};
+use memmap2::{MmapOptions, MmapRaw};
 
 /// File name of segment `id`.
 pub(crate) fn file_name(id: u64) -> String {
@@ -66,50 +67,48 @@ impl Drop for SegFile {
     }
 }
 
-/// A read-only mapping of the first `len` committed bytes of a segment.
+/// A read-only shared mapping of a segment file, made once at a fixed length that usually
+/// exceeds the file's committed bytes (the segment size), so that commits need no new mapping.
+///
+/// No slice of the whole mapping is ever made: [`SegMap::prefix`] hands out only prefixes up to
+/// a committed end, whose bytes exist in the file and never change.
 pub(crate) struct SegMap {
     pub(crate) file: Arc<SegFile>,
-    map: Mmap,
+    map: MmapRaw,
 }
 
 impl SegMap {
-    /// Maps the first `len` bytes of `file` (at `path`) read-only.
+    /// Maps `map_len` bytes of `file` (at `path`) read-only, where `committed` bytes are
+    /// committed now.
     ///
-    /// Fails without mapping when the file is shorter than `len`, so a mapping never reaches
-    /// past the end of its file.
+    /// Fails without mapping when the file is shorter than `committed`; bytes of the mapping
+    /// past the end of the file are never read (see [`SegMap::prefix`]).
     pub(crate) fn map(
         seg: &Arc<SegFile>,
         file: &File,
         path: &Path,
-        len: u64,
+        committed: u64,
+        map_len: u64,
     ) -> Result<Arc<SegMap>, BackendError> {
         let size = file
             .metadata()
             .map_err(|e| BackendError::io(path, "stat", e))?
             .len();
-        if len > size || len == 0 {
+        if committed > size || committed == 0 {
             return Err(BackendError::Corrupt {
                 path: path.to_path_buf(),
                 offset: size,
-                reason: format!("cannot map {len} bytes of a {size}-byte segment"),
+                reason: format!("cannot map {committed} bytes of a {size}-byte segment"),
             });
         }
-        let len = usize::try_from(len).map_err(|_| BackendError::Corrupt {
+        let len = usize::try_from(map_len.max(committed)).map_err(|_| BackendError::Corrupt {
             path: path.to_path_buf(),
             offset: 0,
             reason: "segment larger than the address space".into(),
         })?;
-        // SAFETY: the mapping is read-only and covers bytes [0, len) of a file that is at
-        // least `len` bytes long (checked just above), so no access through it can fault on a
-        // missing page. Those bytes never change while the file exists: the store only
-        // writes a segment by appending past its committed end (every `len` passed here is at
-        // most a committed end), never truncates a segment below a committed end (the undo of
-        // a failed commit and the torn-tail repair at open cut only uncommitted bytes), and
-        // removes a segment file only once no mapping of it is left (`SegFile` is dropped
-        // after every `SegMap` holding it). Other processes are kept out by the exclusive
-        // lock on the store's LOCK file; a process that ignores the lock and writes the files
-        // is outside what any memory-mapped store can defend against, as with LMDB.
-        let map = unsafe { MmapOptions::new().len(len).map(file) }
+        let map = MmapOptions::new()
+            .len(len)
+            .map_raw_read_only(file)
             .map_err(|e| BackendError::io(path, "mmap", e))?;
         Ok(Arc::new(SegMap {
             file: seg.clone(),
@@ -117,8 +116,32 @@ impl SegMap {
         }))
     }
 
-    /// The mapped bytes.
-    pub(crate) fn bytes(&self) -> &[u8] {
-        &self.map
+    /// Bytes the mapping spans (committed or not).
+    pub(crate) fn capacity(&self) -> u64 {
+        self.map.len() as u64
+    }
+
+    /// The first `len` bytes, `None` when the mapping is shorter.
+    ///
+    /// Callers pass a committed end of the segment (the end recorded in an index version, or
+    /// the end that recovery validated), never more.
+    pub(crate) fn prefix(&self, len: u64) -> Option<&[u8]> {
+        let len = usize::try_from(len).ok()?;
+        if len > self.map.len() {
+            return None;
+        }
+        // SAFETY: `len` is within the mapping (checked above), which is a live read-only
+        // shared mapping owned by `self`, so the pointer is valid for `len` bytes for as long
+        // as `&self` lives. Every caller passes a committed end of the segment: those bytes
+        // lie inside the file (a segment is never cut below a committed end: the undo of a
+        // failed commit and the repairs at open and after a defragment cut only bytes past
+        // it), so reading them cannot fault, and they never change while the file exists: the
+        // store writes a segment only past its committed end (frames, and the zeros prepared
+        // ahead of them), and removes a segment file only once no mapping of it is left
+        // (`SegFile` is dropped after every `SegMap` holding it). Other processes are kept out
+        // by the exclusive lock on the store's LOCK file; a process that ignores the lock and
+        // writes the files is outside what any memory-mapped store can defend against, as
+        // with LMDB.
+        Some(unsafe { std::slice::from_raw_parts(self.map.as_ptr(), len) })
     }
 }

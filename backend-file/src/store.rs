@@ -24,10 +24,11 @@ use parking_lot::{Mutex, RwLock};
 use crate::fault::Io;
 use crate::format::{self, FRAME_HEADER, HEADER_LEN};
 use crate::options::FileOptions;
+use crate::prepare::Preparer;
 use crate::recovery::{self, Active};
-use crate::segment::SegMap;
+use crate::segment::{self, SegFile, SegMap};
 use crate::txn::FileReadTxn;
-use crate::version::{Applier, Loc, SegStat, Version};
+use crate::version::{Applier, Loc, Mapped, SegStat, Version};
 
 /// Name of the lock file inside the store directory.
 pub const LOCK_FILE: &str = "LOCK";
@@ -41,17 +42,22 @@ const LOCK_PATIENCE: std::time::Duration = std::time::Duration::from_millis(250)
 pub struct FileBackend {
     pub(crate) inner: Arc<Inner>,
     reclaimer: Option<(SyncSender<()>, JoinHandle<()>)>,
+    preparer: Option<JoinHandle<()>>,
 }
 
 pub(crate) struct Inner {
     pub(crate) dir: PathBuf,
     pub(crate) options: FileOptions,
     pub(crate) io: Io,
+    /// Space prepared ahead of the writer (see [`crate::prepare`]).
+    pub(crate) prep: Arc<Preparer>,
     _lock: File,
     pub(crate) published: RwLock<Arc<Version>>,
     pub(crate) writer: Mutex<Writer>,
     /// Serialises reclaim passes and defragments.
     pub(crate) reclaim_lock: Mutex<()>,
+    /// The thread running a restore, whose commits write without syncing.
+    pub(crate) restoring: Mutex<Option<std::thread::ThreadId>>,
 }
 
 pub(crate) struct Writer {
@@ -122,12 +128,20 @@ impl FileBackend {
             }
         }
         let io = Io::new(options.fault_hook.clone());
-        let r = recovery::recover(path, &io)?;
+        let r = recovery::recover(path, &io, options.segment_size)?;
+        let prep = Preparer::new(path, io.clone(), options.segment_size, options.prepare_with);
+        prep.set_active(
+            r.active.seg.id,
+            r.active.file.clone(),
+            r.active.seg.path.clone(),
+            r.zeroed,
+        );
         let published = RwLock::new(Arc::new(r.version.clone()));
         let inner = Arc::new(Inner {
             dir: path.to_path_buf(),
             options: options.clone(),
             io,
+            prep,
             _lock: lock,
             published,
             writer: Mutex::new(Writer {
@@ -140,14 +154,23 @@ impl FileBackend {
                 poisoned: None,
             }),
             reclaim_lock: Mutex::new(()),
+            restoring: Mutex::new(None),
         });
-        let reclaimer = if options.background_reclaim {
-            Some(crate::reclaim::spawn(&inner)?)
+        let preparer = if options.prepare_ahead {
+            Some(inner.prep.spawn()?)
         } else {
             None
         };
+        let mut backend = FileBackend {
+            inner,
+            reclaimer: None,
+            preparer,
+        };
+        if options.background_reclaim {
+            backend.reclaimer = Some(crate::reclaim::spawn(&backend.inner)?);
+        }
         tracing::debug!(path = %path.display(), "opened file backend");
-        Ok(FileBackend { inner, reclaimer })
+        Ok(backend)
     }
 
     /// The store's directory.
@@ -184,6 +207,12 @@ impl Drop for FileBackend {
                 tracing::warn!("the background reclaimer panicked");
             }
         }
+        self.inner.prep.stop();
+        if let Some(handle) = self.preparer.take()
+            && handle.join().is_err()
+        {
+            tracing::warn!("the segment preparer panicked");
+        }
     }
 }
 
@@ -198,12 +227,13 @@ impl Inner {
         }
     }
 
-    fn poison(w: &mut Writer, e: &BackendError) {
+    pub(crate) fn poison(w: &mut Writer, e: &BackendError) {
         tracing::error!(error = %e, "file backend poisoned");
         w.poisoned.get_or_insert_with(|| e.to_string());
     }
 
-    /// Seals the active segment and starts the next one.
+    /// Seals the active segment and starts the next one: the one prepared ahead if there is
+    /// one (renamed into place), else a new file.
     pub(crate) fn roll(&self, w: &mut Writer) -> Result<(), BackendError> {
         let id = w
             .active
@@ -216,16 +246,44 @@ impl Inner {
                 offset: 0,
                 reason: "segment ids exhausted".into(),
             })?;
-        let (seg, file) = match recovery::create_segment(&self.dir, &self.io, id) {
+        let started = (|| {
+            if w.active.dirty {
+                // Frames written without a sync (a restore): a sealed segment is durable.
+                self.io.sync_data(&w.active.file, &w.active.seg.path)?;
+                w.active.dirty = false;
+            }
+            match self.prep.take_next(id) {
+                Some(p) => {
+                    let path = self.dir.join(segment::file_name(u64::from(id)));
+                    std::fs::rename(&p.path, &path)
+                        .map_err(|e| BackendError::io(&path, "rename", e))?;
+                    self.io.sync_dir(&self.dir)?;
+                    Ok((SegFile::new(id, path), p.file, p.len))
+                }
+                None => recovery::create_segment(&self.dir, &self.io, id)
+                    .map(|(seg, file)| (seg, file, HEADER_LEN as u64)),
+            }
+        })();
+        let (seg, file, zeroed) = match started {
             Ok(x) => x,
             Err(e) => {
                 Self::poison(w, &e);
                 return Err(e);
             }
         };
+        let file = Arc::new(file);
         let path = seg.path.clone();
-        let map = SegMap::map(&seg, &file, &path, HEADER_LEN as u64)?;
-        w.version.segs.push(Some(map));
+        let map = SegMap::map(
+            &seg,
+            &file,
+            &path,
+            HEADER_LEN as u64,
+            self.options.segment_size.max(zeroed),
+        )?;
+        w.version.segs.push(Some(Mapped {
+            map,
+            end: HEADER_LEN as u64,
+        }));
         w.stats.insert(
             id,
             SegStat {
@@ -233,20 +291,23 @@ impl Inner {
                 live: 0,
             },
         );
+        self.prep.set_active(id, file.clone(), path, zeroed);
         w.active = Active {
             seg,
             file,
             end: HEADER_LEN as u64,
             fresh: true,
+            dirty: false,
         };
         Ok(())
     }
 
-    /// Starts a frame in `w.buf`: rolls to a new segment if the active one is full, reserves
-    /// the frame header, and declares every bucket when the segment is fresh.
-    pub(crate) fn begin_frame(&self, w: &mut Writer) -> Result<(), BackendError> {
+    /// Starts a frame in `w.buf`: rolls to a new segment if a frame of about `estimate` bytes
+    /// would not fit in the active one, reserves the frame header, and declares every bucket
+    /// when the segment is fresh.
+    pub(crate) fn begin_frame(&self, w: &mut Writer, estimate: u64) -> Result<(), BackendError> {
         Self::check_poison(w)?;
-        if w.active.end >= self.options.segment_size {
+        if !w.active.fresh && w.active.end + estimate > self.options.segment_size {
             self.roll(w)?;
         }
         let mut buf = std::mem::take(&mut w.buf);
@@ -261,9 +322,10 @@ impl Inner {
         Ok(())
     }
 
-    /// Writes and syncs the frame in `w.buf`; returns its offset in the active segment.
-    /// On failure the frame is cut off again (best effort) and the backend is poisoned.
-    pub(crate) fn finish_frame(&self, w: &mut Writer) -> Result<u64, BackendError> {
+    /// Writes the frame in `w.buf` and, with `sync`, syncs it; returns its offset in the active
+    /// segment. On failure the frame is cut off again (best effort) and the backend is
+    /// poisoned.
+    pub(crate) fn finish_frame(&self, w: &mut Writer, sync: bool) -> Result<u64, BackendError> {
         let start = w.active.end;
         let len = w.buf.len() - FRAME_HEADER;
         let end = start + w.buf.len() as u64;
@@ -280,19 +342,25 @@ impl Inner {
         w.buf[..4].copy_from_slice(&(len as u32).to_le_bytes());
         w.buf[4..8].copy_from_slice(&crc.to_le_bytes());
         let path = &w.active.seg.path;
-        let result = self
-            .io
-            .write_at(&w.active.file, path, start, &w.buf)
-            .and_then(|()| self.io.sync_data(&w.active.file, path));
+        let fast = self.prep.before_write(start, end);
+        let mut result = self.io.write_at(&w.active.file, path, start, &w.buf);
+        if sync {
+            result = result.and_then(|()| self.io.sync_data(&w.active.file, path));
+        }
+        if !fast {
+            self.prep.appended(result.as_ref().ok().map(|()| end));
+        }
         if let Err(e) = result {
             // The frame may be partly or wholly in the file: cut it off so that a restart
-            // does not find it. No mapping reaches past `start`.
+            // does not find it. No mapping is read past `start`.
+            self.prep.failed();
             if let Err(t) = self.io.truncate(&w.active.file, path, start) {
                 tracing::error!(error = %t, "cannot cut off a failed commit");
             }
             Self::poison(w, &e);
             return Err(e);
         }
+        w.active.dirty |= !sync;
         w.next_seq += 1;
         w.active.end = end;
         w.active.fresh = false;
@@ -303,23 +371,34 @@ impl Inner {
         Ok(start)
     }
 
-    /// Maps the active segment up to its committed end and publishes the writer's version.
+    /// Records the active segment's new committed end (mapping it anew only when it has
+    /// outgrown its mapping) and publishes the writer's version.
     pub(crate) fn publish(&self, w: &mut Writer) -> Result<(), BackendError> {
         let seg = w.active.seg.clone();
-        let map = match SegMap::map(&seg, &w.active.file, &seg.path, w.active.end) {
-            Ok(m) => m,
-            Err(e) => {
-                Self::poison(w, &e);
-                return Err(e);
+        let end = w.active.end;
+        let i = (seg.id - w.version.base) as usize;
+        let current = w.version.segs.get(i).and_then(|m| m.as_ref());
+        let map = match current {
+            Some(m) if m.map.capacity() >= end => m.map.clone(),
+            _ => {
+                let capacity = current.map_or(0, |m| m.map.capacity()).saturating_mul(2);
+                match SegMap::map(&seg, &w.active.file, &seg.path, end, capacity.max(end)) {
+                    Ok(m) => m,
+                    Err(e) => {
+                        Self::poison(w, &e);
+                        return Err(e);
+                    }
+                }
             }
         };
-        let i = (seg.id - w.version.base) as usize;
-        w.version.segs[i] = Some(map);
+        w.version.segs[i] = Some(Mapped { map, end });
         *self.published.write() = Arc::new(w.version.clone());
         Ok(())
     }
 
-    fn commit(&self, batch: &WriteBatch) -> Result<bool, BackendError> {
+    /// Commits `batch` as one frame; with `sync` false the frame is written but not synced
+    /// (a restore syncs once at its end). Returns whether the reclaimer should run.
+    pub(crate) fn commit(&self, batch: &WriteBatch, sync: bool) -> Result<bool, BackendError> {
         let mut w = self.writer.lock();
         Self::check_poison(&w)?;
         // Validate everything before writing anything.
@@ -356,7 +435,20 @@ impl Inner {
         if batch.is_empty() {
             return Ok(false);
         }
-        self.begin_frame(&mut w)?;
+        let mut estimate = FRAME_HEADER as u64;
+        for op in batch.ops() {
+            estimate += match op {
+                BatchOp::Put { key, value, .. } => format::put_len(key.len(), value.len()),
+                BatchOp::Delete { key, .. } => 9 + key.len() as u64,
+                BatchOp::DeleteRange { start, end, .. } => {
+                    13 + (start.len() + end.as_ref().map_or(0, Vec::len)) as u64
+                }
+            };
+        }
+        for b in w.bucket_names.iter().chain(&new_buckets) {
+            estimate += 6 + b.name().len() as u64;
+        }
+        self.begin_frame(&mut w, estimate)?;
         let first_new = w.bucket_names.len() as u32;
         let mut buf = std::mem::take(&mut w.buf);
         for (i, b) in new_buckets.iter().enumerate() {
@@ -392,7 +484,7 @@ impl Inner {
             }
         }
         w.buf = buf;
-        let start = self.finish_frame(&mut w)?;
+        let start = self.finish_frame(&mut w, sync)?;
 
         // Durable: apply to the index.
         if !new_buckets.is_empty() {
@@ -446,7 +538,7 @@ impl Inner {
     fn size(&self) -> BackendSize {
         let w = self.writer.lock();
         let mut size = BackendSize {
-            on_disk: HEADER_LEN as u64,
+            on_disk: HEADER_LEN as u64 + self.prep.prepared_bytes(w.active.end),
             in_use: 0,
         };
         for s in w.stats.values() {
@@ -470,7 +562,8 @@ impl Backend for FileBackend {
     }
 
     fn commit(&self, batch: &WriteBatch) -> Result<(), BackendError> {
-        if self.inner.commit(batch)? {
+        let sync = !self.inner.restoring_here();
+        if self.inner.commit(batch, sync)? {
             self.nudge_reclaimer();
         }
         Ok(())
@@ -482,5 +575,11 @@ impl Backend for FileBackend {
 
     fn defragment(&self) -> Result<(), BackendError> {
         self.inner.defragment()
+    }
+
+    /// Loads a snapshot stream, syncing once at the end instead of once per batch; see
+    /// [`crate::restore`]. On error the store is incomplete and refuses to open again.
+    fn restore(&self, input: &mut dyn std::io::Read) -> Result<u64, BackendError> {
+        self.restore_stream(input)
     }
 }

@@ -13,7 +13,7 @@ pub(crate) fn check(backend: &FileBackend) -> Result<(), BackendError> {
     let version = backend.inner.published.read().clone();
     let mut expected_seq: Option<u64> = None;
     for map in version.segs.iter().flatten() {
-        let path = &map.file.path;
+        let path = &map.map.file.path;
         let bytes = map.bytes();
         let bad = |offset: usize, reason: String| BackendError::Corrupt {
             path: path.clone(),
@@ -21,7 +21,7 @@ pub(crate) fn check(backend: &FileBackend) -> Result<(), BackendError> {
             reason,
         };
         let id = format::decode_header(path, bytes, SEGMENT_MAGIC, "segment file")?;
-        if id != u64::from(map.file.id) {
+        if id != u64::from(map.map.file.id) {
             return Err(bad(16, format!("header names segment {id:016x}")));
         }
         let mut at = HEADER_LEN;

@@ -32,13 +32,27 @@ pub(crate) struct Version {
     pub(crate) maps: Vec<BucketMap>,
     /// Id of `segs[0]`.
     pub(crate) base: u32,
-    /// Mappings of segments `base..`, one per live segment.
-    pub(crate) segs: Vec<Option<Arc<SegMap>>>,
+    /// Mappings of segments `base..`, one per live segment, with their committed ends.
+    pub(crate) segs: Vec<Option<Mapped>>,
+}
+
+/// A segment's mapping and its committed end as of one version: the only bytes read.
+#[derive(Clone)]
+pub(crate) struct Mapped {
+    pub(crate) map: Arc<SegMap>,
+    pub(crate) end: u64,
+}
+
+impl Mapped {
+    /// The committed bytes of the segment as of this version.
+    pub(crate) fn bytes(&self) -> &[u8] {
+        self.map.prefix(self.end).unwrap_or_default()
+    }
 }
 
 impl Version {
     /// The mapping of segment `seg`.
-    pub(crate) fn seg(&self, seg: u32) -> Option<&Arc<SegMap>> {
+    pub(crate) fn seg(&self, seg: u32) -> Option<&Mapped> {
         let i = seg.checked_sub(self.base)? as usize;
         self.segs.get(i)?.as_ref()
     }

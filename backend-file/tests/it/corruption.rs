@@ -176,7 +176,7 @@ fn foreign_and_future_files_are_refused() {
     match FileBackend::open(copy.path(), &small()) {
         Err(BackendError::UnsupportedVersion {
             found: 9,
-            supported: 1,
+            supported: keel_backend_file::format::VERSION,
             path,
         }) => {
             assert_eq!(path, first)

@@ -16,6 +16,7 @@ fn options(hook: Option<Arc<FaultPlan>>) -> FileOptions {
         background_reclaim: false,
         reclaim_min_garbage: 0,
         reclaim_step_bytes: 8 << 10,
+        prepare_ahead: false,
         fault_hook: hook.map(|h| h as _),
         ..FileOptions::default()
     }

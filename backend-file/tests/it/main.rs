@@ -6,4 +6,5 @@ mod corruption;
 mod crash;
 mod faults;
 mod mvcc;
+mod prepared;
 mod support;

@@ -28,6 +28,7 @@ pub fn small() -> FileOptions {
     FileOptions {
         segment_size: 64 << 10,
         background_reclaim: false,
+        prepare_ahead: false,
         reclaim_min_garbage: 0,
         ..FileOptions::default()
     }

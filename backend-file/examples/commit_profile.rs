@@ -1,0 +1,61 @@
+//! A driver for profiling one workload of the file backend: `commits` durable commits of
+//! 1 000 puts each in keel's pattern (17-byte revision keys, 1 KiB values), with the median,
+//! 10th and 90th percentile commit time printed at the end.
+//!
+//! `cargo run --release -p keel-backend-file --example commit_profile -- [commits] [dir]`,
+//! with `KEEL_PREPARE=off` or `KEEL_PREPARE=allocate` to change how space is prepared ahead;
+//! run it under `strace -c -f` or `perf record -g` to see where a commit goes.
+
+use std::time::Instant;
+
+use keel_backend_file::{FileBackend, FileOptions, PrepareWith};
+use keel_mvcc::{Backend, Bucket, WriteBatch};
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let commits: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(500);
+    let tmp = tempfile_dir(args.next());
+    let mut options = FileOptions::default();
+    match std::env::var("KEEL_PREPARE").as_deref() {
+        Ok("off") => options.prepare_ahead = false,
+        Ok("allocate") => options.prepare_with = PrepareWith::Allocate,
+        _ => {}
+    }
+    let backend = FileBackend::open(&tmp, &options).expect("open");
+    let bucket = Bucket::new("key");
+    let value = vec![0x5au8; 1024];
+    let mut times = Vec::with_capacity(commits);
+    for rev in 1..=commits as u64 {
+        let mut batch = WriteBatch::new();
+        for sub in 0..1000u64 {
+            let mut k = Vec::with_capacity(17);
+            k.extend_from_slice(&rev.to_be_bytes());
+            k.push(b'_');
+            k.extend_from_slice(&sub.to_be_bytes());
+            batch.put(&bucket, k, value.clone());
+        }
+        let t = Instant::now();
+        backend.commit(&batch).expect("commit");
+        times.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    let at = |q: f64| times[((times.len() - 1) as f64 * q) as usize];
+    println!(
+        "{commits} commits: median {:.3} ms, p10 {:.3} ms, p90 {:.3} ms, max {:.3} ms",
+        at(0.5),
+        at(0.1),
+        at(0.9),
+        at(1.0)
+    );
+    drop(backend);
+    let _ = std::fs::remove_dir_all(&tmp);
+}
+
+fn tempfile_dir(arg: Option<String>) -> std::path::PathBuf {
+    let dir = match arg {
+        Some(d) => std::path::PathBuf::from(d),
+        None => std::env::temp_dir().join(format!("keel-commit-profile-{}", std::process::id())),
+    };
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}

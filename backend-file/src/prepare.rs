@@ -1,0 +1,411 @@
+//! Space prepared ahead of the writer, so that a commit's `fdatasync` flushes only its frame.
+//!
+//! Writing past the end of a file makes `fdatasync` also commit the file system's journal with
+//! the new size and newly allocated blocks; on ext4 that costs more than the frame itself. So
+//! a background thread, the preparer, keeps space prepared and synced ahead of the committed
+//! end of the active segment — blocks allocated with `fallocate`, or zeros written
+//! ([`PrepareWith`](crate::PrepareWith)) — and prepares the next segment (`<id>.seg.tmp`: its
+//! header and first prepared space, synced) before the active one fills; a roll then only
+//! renames it into place and syncs the directory. A frame that fits in the prepared space
+//! overwrites it (the fast path: one write and one `fdatasync` that changes no file size and
+//! allocates nothing); one that does not (the preparer fell behind, or preparation is off)
+//! appends as before. Either way the prepared space reads as zeros, which is what the format
+//! expects after a segment's last frame.
+//!
+//! How far ahead: eight times the last frame, at least [`MIN_AHEAD`], at most [`MAX_AHEAD`], and
+//! never past the segment size. Zeros are written in steps of at most [`STEP`], each synced,
+//! so the writer's sync never waits behind a large one; an allocation is one call and a sync.
+//!
+//! The preparer and the writer never write the same bytes. The preparer writes only at or
+//! past `zeroed`, and only it advances `zeroed` while it works; the writer's fast path writes
+//! below `zeroed`, and its slow path first waits for the preparer's step to end and keeps it
+//! from starting another until the frame is durable.
+
+use std::fs::{File, OpenOptions};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use keel_mvcc::BackendError;
+use parking_lot::{Condvar, Mutex};
+
+use crate::fault::Io;
+use crate::format::{self, HEADER_LEN, SEGMENT_MAGIC};
+use crate::options::PrepareWith;
+use crate::segment;
+
+/// Least zeroed space kept ahead of the committed end.
+pub(crate) const MIN_AHEAD: u64 = 1 << 20;
+/// Most zeroed space kept ahead of the committed end.
+pub(crate) const MAX_AHEAD: u64 = 32 << 20;
+/// Largest single write of zeros.
+pub(crate) const STEP: u64 = 1 << 20;
+
+static ZEROS: [u8; STEP as usize] = [0u8; STEP as usize];
+
+/// Name of the file a segment is prepared in.
+pub(crate) fn tmp_name(id: u32) -> String {
+    format!("{}.tmp", segment::file_name(u64::from(id)))
+}
+
+/// True for the name of a file a segment was being prepared in.
+pub(crate) fn is_tmp_name(name: &str) -> bool {
+    name.strip_suffix(".tmp")
+        .and_then(segment::parse_name)
+        .is_some()
+}
+
+/// A segment prepared ahead: header and `len` bytes in all durable, not yet part of the store.
+pub(crate) struct Prepared {
+    pub(crate) id: u32,
+    pub(crate) path: PathBuf,
+    pub(crate) file: File,
+    pub(crate) len: u64,
+}
+
+/// The segment the preparer zeroes ahead of the writer.
+#[derive(Clone)]
+struct Target {
+    id: u32,
+    file: Arc<File>,
+    path: PathBuf,
+}
+
+#[derive(Default)]
+struct State {
+    active: Option<Target>,
+    /// Bytes `[0, zeroed)` of the active segment exist in the file and are durable.
+    zeroed: u64,
+    /// The writer wants zeros up to here.
+    want: u64,
+    /// How far ahead the writer last asked for space.
+    ahead: u64,
+    /// The preparer is writing zeros at `zeroed`.
+    busy: bool,
+    /// The writer is appending past `zeroed`.
+    appending: bool,
+    /// Preparation of the active segment stopped after an I/O error.
+    failed: bool,
+    /// The segment to prepare next, and whether that is under way or failed.
+    next_want: Option<u32>,
+    next_busy: bool,
+    next_failed: Option<u32>,
+    next: Option<Prepared>,
+    stop: bool,
+}
+
+/// Work for the preparer thread.
+enum Job {
+    Zero { target: Target, from: u64, to: u64 },
+    Next { id: u32, len: u64 },
+}
+
+/// The shared state of the writer and the preparer thread.
+pub(crate) struct Preparer {
+    state: Mutex<State>,
+    cv: Condvar,
+    dir: PathBuf,
+    io: Io,
+    segment_size: u64,
+    how: PrepareWith,
+}
+
+impl Preparer {
+    pub(crate) fn new(dir: &Path, io: Io, segment_size: u64, how: PrepareWith) -> Arc<Preparer> {
+        Arc::new(Preparer {
+            state: Mutex::new(State::default()),
+            cv: Condvar::new(),
+            dir: dir.to_path_buf(),
+            io,
+            segment_size,
+            how,
+        })
+    }
+
+    /// Starts the preparer thread; [`Preparer::stop`] ends it.
+    pub(crate) fn spawn(self: &Arc<Self>) -> Result<JoinHandle<()>, BackendError> {
+        let me = self.clone();
+        std::thread::Builder::new()
+            .name("keel-file-prepare".into())
+            .spawn(move || me.run())
+            .map_err(|e| BackendError::io(&self.dir, "spawn preparer thread", e))
+    }
+
+    /// Ends the thread and removes a prepared segment nobody took.
+    pub(crate) fn stop(&self) {
+        let next = {
+            let mut s = self.state.lock();
+            s.stop = true;
+            self.cv.notify_all();
+            while s.busy || s.next_busy {
+                self.cv.wait(&mut s);
+            }
+            s.next.take()
+        };
+        if let Some(p) = next {
+            discard(p);
+        }
+    }
+
+    /// Points the preparer at a new active segment whose first `zeroed` bytes are durable.
+    pub(crate) fn set_active(&self, id: u32, file: Arc<File>, path: PathBuf, zeroed: u64) {
+        let mut s = self.state.lock();
+        s.active = Some(Target { id, file, path });
+        s.zeroed = zeroed;
+        s.want = zeroed;
+        s.failed = false;
+        s.appending = false;
+    }
+
+    /// Called by the writer before writing `[start, end)` of the active segment: asks for space
+    /// ahead, and returns true when the frame goes into prepared zeros (the fast path). On the
+    /// slow path the caller must call [`Preparer::appended`] once its write is over.
+    pub(crate) fn before_write(&self, start: u64, end: u64) -> bool {
+        let mut s = self.state.lock();
+        let ahead = ((end - start) * 8).clamp(MIN_AHEAD, MAX_AHEAD);
+        s.ahead = ahead;
+        let cap = self.segment_size.max(s.zeroed);
+        let want = (end + ahead).min(cap);
+        let mut work = false;
+        if want > s.want {
+            s.want = want;
+            work = want > s.zeroed && !s.busy;
+        }
+        if end + ahead >= self.segment_size
+            && let Some(t) = &s.active
+        {
+            let next = t.id + 1;
+            if s.next_want != Some(next) {
+                s.next_want = Some(next);
+                work = true;
+            }
+        }
+        if work {
+            self.cv.notify_all();
+        }
+        if end <= s.zeroed {
+            return true;
+        }
+        while s.busy {
+            self.cv.wait(&mut s);
+        }
+        s.appending = true;
+        false
+    }
+
+    /// Ends the slow path of [`Preparer::before_write`]: `durable_end` is the active segment's
+    /// durable end if the frame's write and sync succeeded.
+    pub(crate) fn appended(&self, durable_end: Option<u64>) {
+        let mut s = self.state.lock();
+        s.appending = false;
+        match durable_end {
+            Some(end) => s.zeroed = s.zeroed.max(end),
+            None => s.failed = true,
+        }
+        self.cv.notify_all();
+    }
+
+    /// A failed fast-path write: stop preparing the active segment (the store is poisoned).
+    pub(crate) fn failed(&self) {
+        self.state.lock().failed = true;
+    }
+
+    /// Bytes prepared and not yet committed: past `end` in the active segment, and the
+    /// prepared next segment.
+    pub(crate) fn prepared_bytes(&self, end: u64) -> u64 {
+        let s = self.state.lock();
+        s.zeroed.saturating_sub(end) + s.next.as_ref().map_or(0, |p| p.len)
+    }
+
+    /// The prepared segment `id`, waiting for its preparation if it is under way.
+    pub(crate) fn take_next(&self, id: u32) -> Option<Prepared> {
+        let stale = {
+            let mut s = self.state.lock();
+            while s.next_busy {
+                self.cv.wait(&mut s);
+            }
+            s.next_want = None;
+            match s.next.take() {
+                Some(p) if p.id == id => return Some(p),
+                other => other,
+            }
+        };
+        if let Some(p) = stale {
+            discard(p);
+        }
+        None
+    }
+
+    /// Gives prepared space back after a defragment: waits for the preparer, cuts the active
+    /// segment back to its committed `end` and removes a prepared next segment.
+    pub(crate) fn trim(&self, end: u64) {
+        let (target, next) = {
+            let mut s = self.state.lock();
+            while s.busy || s.next_busy {
+                self.cv.wait(&mut s);
+            }
+            s.next_want = None;
+            if s.zeroed > end {
+                s.zeroed = end;
+            }
+            s.want = s.zeroed;
+            (s.active.clone(), s.next.take())
+        };
+        if let Some(t) = target {
+            let len = t.file.metadata().map(|m| m.len()).unwrap_or(0);
+            if len > end
+                && let Err(e) = self.io.truncate(&t.file, &t.path, end)
+            {
+                tracing::warn!(error = %e, "cannot give back space prepared ahead");
+            }
+        }
+        if let Some(p) = next {
+            discard(p);
+        }
+    }
+
+    fn pick(&self, s: &mut State) -> Option<Job> {
+        if let Some(t) = &s.active
+            && !s.failed
+            && !s.appending
+            && s.zeroed < s.want
+        {
+            let to = match self.how {
+                PrepareWith::Zeros => s.want.min(s.zeroed + STEP),
+                // Twice as far as asked, so allocations and their syncs come once per
+                // `ahead` bytes written rather than once per commit.
+                PrepareWith::Allocate => (s.want + s.ahead).min(self.segment_size.max(s.want)),
+            };
+            let job = Job::Zero {
+                target: t.clone(),
+                from: s.zeroed,
+                to,
+            };
+            s.busy = true;
+            return Some(job);
+        }
+        if let Some(id) = s.next_want
+            && s.next.is_none()
+            && s.next_failed != Some(id)
+        {
+            s.next_busy = true;
+            let len = (HEADER_LEN as u64 + s.ahead).min(self.segment_size);
+            return Some(Job::Next { id, len });
+        }
+        None
+    }
+
+    fn run(&self) {
+        loop {
+            let job = {
+                let mut s = self.state.lock();
+                loop {
+                    if s.stop {
+                        return;
+                    }
+                    if let Some(job) = self.pick(&mut s) {
+                        break job;
+                    }
+                    self.cv.wait(&mut s);
+                }
+            };
+            match job {
+                Job::Zero { target, from, to } => {
+                    let result = self.zero(&target.file, &target.path, from, to);
+                    let mut s = self.state.lock();
+                    s.busy = false;
+                    if s.active.as_ref().is_some_and(|a| a.id == target.id) {
+                        match result {
+                            Ok(()) => s.zeroed = s.zeroed.max(to),
+                            Err(e) => {
+                                tracing::warn!(error = %e, "cannot prepare space ahead");
+                                s.failed = true;
+                            }
+                        }
+                    }
+                    self.cv.notify_all();
+                }
+                Job::Next { id, len } => {
+                    let result = self.prepare(id, len);
+                    let mut s = self.state.lock();
+                    s.next_busy = false;
+                    match result {
+                        Ok(p) if s.next_want == Some(id) && !s.stop => s.next = Some(p),
+                        Ok(p) => discard(p),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "cannot prepare the next segment");
+                            s.next_failed = Some(id);
+                        }
+                    }
+                    self.cv.notify_all();
+                }
+            }
+        }
+    }
+
+    /// Prepares `[from, to)` of a file (zeros written, or blocks allocated) and syncs it.
+    fn zero(&self, file: &File, path: &Path, from: u64, to: u64) -> Result<(), BackendError> {
+        match self.how {
+            PrepareWith::Zeros => {
+                let mut at = from;
+                while at < to {
+                    let n = (to - at).min(STEP) as usize;
+                    self.io.write_at(file, path, at, &ZEROS[..n])?;
+                    at += n as u64;
+                }
+            }
+            PrepareWith::Allocate => {
+                if to > from {
+                    self.io.allocate(file, path, from, to - from)?;
+                }
+            }
+        }
+        self.io.sync_data(file, path)
+    }
+
+    /// Creates `<id>.seg.tmp` with its header and zeros up to `len`, synced.
+    fn prepare(&self, id: u32, len: u64) -> Result<Prepared, BackendError> {
+        let path = self.dir.join(tmp_name(id));
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .map_err(|e| BackendError::io(&path, "create", e))?;
+        let result = self
+            .io
+            .write_at(
+                &file,
+                &path,
+                0,
+                &format::encode_header(SEGMENT_MAGIC, u64::from(id)),
+            )
+            .and_then(|()| self.zero(&file, &path, HEADER_LEN as u64, len));
+        match result {
+            Ok(()) => Ok(Prepared {
+                id,
+                path,
+                file,
+                len: len.max(HEADER_LEN as u64),
+            }),
+            Err(e) => {
+                discard(Prepared {
+                    id,
+                    path,
+                    file,
+                    len,
+                });
+                Err(e)
+            }
+        }
+    }
+}
+
+/// Removes a prepared segment that will not be used.
+fn discard(p: Prepared) {
+    drop(p.file);
+    if let Err(e) = std::fs::remove_file(&p.path) {
+        tracing::warn!(path = %p.path.display(), error = %e, "cannot remove a prepared segment");
+    }
+}

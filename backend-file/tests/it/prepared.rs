@@ -1,0 +1,214 @@
+//! Space prepared ahead of the writer: commits go into zeros that survive reopen, a torn
+//! commit inside them is cut off, bytes other than zeros after a sealed segment's last frame
+//! are corruption, and a defragment gives the prepared space back.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use keel_backend_file::{FileBackend, FileOptions};
+use keel_mvcc::{Backend, BackendError, WriteBatch};
+
+use crate::support::{B, META_B, dump};
+
+const SEGMENT: u64 = 256 << 10;
+
+fn options() -> FileOptions {
+    FileOptions {
+        segment_size: SEGMENT,
+        background_reclaim: false,
+        reclaim_min_garbage: 0,
+        ..FileOptions::default()
+    }
+}
+
+fn batch(i: u32) -> WriteBatch {
+    let mut b = WriteBatch::new();
+    for j in 0..8u32 {
+        b.put(
+            &B,
+            format!("k{:04}", (i * 8 + j) % 300).into_bytes(),
+            vec![i as u8; 1500],
+        );
+    }
+    b.put(&META_B, b"n".to_vec(), i.to_be_bytes().to_vec());
+    b
+}
+
+fn segments(dir: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "seg"))
+        .collect();
+    v.sort();
+    v
+}
+
+/// End of the last frame of a segment file, walking the documented frame layout.
+fn frames_end(bytes: &[u8]) -> usize {
+    let mut at = 32;
+    while at + 16 <= bytes.len() {
+        let len = u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()) as usize;
+        if bytes[at..at + 16].iter().all(|&b| b == 0) || at + 16 + len > bytes.len() {
+            break;
+        }
+        at += 16 + len;
+    }
+    at
+}
+
+/// Waits until the last segment holds at least `min` zero bytes after its last frame (fewer
+/// when that would pass the segment size, but at least one).
+fn wait_for_zeros(dir: &Path, min: usize) -> usize {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let last = segments(dir).pop().unwrap();
+        let bytes = fs::read(&last).unwrap();
+        let end = frames_end(&bytes);
+        // A nearly full segment is prepared up to the segment size.
+        let goal = (end + min).min(SEGMENT as usize);
+        if bytes.len() > end && bytes.len() >= goal {
+            assert!(
+                bytes[end..].iter().all(|&b| b == 0),
+                "prepared space is zeros"
+            );
+            return end;
+        }
+        assert!(Instant::now() < deadline, "no space was prepared ahead");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn commits_fill_prepared_space_and_survive_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = FileBackend::open(dir.path(), &options()).unwrap();
+    for i in 0..60 {
+        b.commit(&batch(i)).unwrap();
+        if i % 10 == 0 {
+            wait_for_zeros(dir.path(), 16 << 10);
+        }
+    }
+    assert!(segments(dir.path()).len() >= 3, "commits rolled segments");
+    let before = dump(&b);
+    let size = b.size().unwrap();
+    let files: u64 = segments(dir.path())
+        .iter()
+        .map(|p| fs::metadata(p).unwrap().len())
+        .sum();
+    assert!(size.on_disk >= files, "on_disk counts prepared space");
+    drop(b);
+    let b = FileBackend::open(dir.path(), &options()).unwrap();
+    assert!(dump(&b) == before, "content after reopen");
+    b.check_integrity().unwrap();
+    for i in 60..70 {
+        b.commit(&batch(i)).unwrap();
+    }
+    let after = dump(&b);
+    drop(b);
+    let b = FileBackend::open(dir.path(), &options()).unwrap();
+    assert!(
+        dump(&b) == after,
+        "commits after reopen go into the prepared zeros"
+    );
+    b.check_integrity().unwrap();
+}
+
+#[test]
+fn torn_commit_inside_prepared_space_is_cut_off() {
+    for garbage in [1usize, 17, 300, 5000] {
+        let dir = tempfile::tempdir().unwrap();
+        let b = FileBackend::open(dir.path(), &options()).unwrap();
+        for i in 0..5 {
+            b.commit(&batch(i)).unwrap();
+        }
+        let end = wait_for_zeros(dir.path(), 64 << 10);
+        let state = dump(&b);
+        drop(b);
+        // A commit torn by a crash: the first bytes of a frame, then nothing.
+        let last = segments(dir.path()).pop().unwrap();
+        let mut bytes = fs::read(&last).unwrap();
+        let frame: Vec<u8> = bytes[32..32 + garbage].to_vec();
+        bytes[end..end + garbage].copy_from_slice(&frame);
+        fs::write(&last, &bytes).unwrap();
+        let b = FileBackend::open(dir.path(), &options()).unwrap();
+        assert!(
+            dump(&b) == state,
+            "torn commit of {garbage} bytes is not applied"
+        );
+        b.check_integrity().unwrap();
+        assert_eq!(
+            fs::metadata(&last).unwrap().len(),
+            end as u64,
+            "the torn tail is cut off"
+        );
+        b.commit(&batch(9)).unwrap();
+        let now = dump(&b);
+        drop(b);
+        let b = FileBackend::open(dir.path(), &options()).unwrap();
+        assert!(dump(&b) == now);
+        b.check_integrity().unwrap();
+    }
+}
+
+#[test]
+fn bytes_after_a_sealed_segments_frames_are_corruption() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = FileBackend::open(dir.path(), &options()).unwrap();
+    for i in 0..40 {
+        b.commit(&batch(i)).unwrap();
+        // Let the preparer keep ahead, so that sealed segments end in zeros.
+        wait_for_zeros(dir.path(), 1);
+    }
+    drop(b);
+    let sealed = segments(dir.path()).remove(0);
+    let mut bytes = fs::read(&sealed).unwrap();
+    let end = frames_end(&bytes);
+    assert!(
+        end < bytes.len(),
+        "the sealed segment ends in prepared zeros"
+    );
+    let at = bytes.len() - 1;
+    bytes[at] = 1;
+    fs::write(&sealed, &bytes).unwrap();
+    match FileBackend::open(dir.path(), &options()) {
+        Err(e @ BackendError::Corrupt { .. }) => {
+            assert!(
+                e.to_string().contains(sealed.to_str().unwrap()),
+                "names the file: {e}"
+            )
+        }
+        other => panic!("expected Corrupt, got {:?}", other.map(|_| ())),
+    }
+}
+
+#[test]
+fn defragment_gives_prepared_space_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = FileBackend::open(dir.path(), &options()).unwrap();
+    for i in 0..30 {
+        b.commit(&batch(i)).unwrap();
+    }
+    wait_for_zeros(dir.path(), 16 << 10);
+    let before = dump(&b);
+    b.defragment().unwrap();
+    let on_disk = b.size().unwrap().on_disk;
+    let files: u64 = fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().metadata().unwrap().len())
+        .sum();
+    assert_eq!(files, on_disk, "on_disk is what the files take");
+    let last = segments(dir.path()).pop().unwrap();
+    let bytes = fs::read(&last).unwrap();
+    assert_eq!(
+        frames_end(&bytes),
+        bytes.len(),
+        "no zeros left after defragment"
+    );
+    assert!(dump(&b) == before);
+    drop(b);
+    let b = FileBackend::open(dir.path(), &options()).unwrap();
+    assert!(dump(&b) == before);
+    b.check_integrity().unwrap();
+}
