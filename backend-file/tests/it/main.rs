@@ -7,4 +7,5 @@ mod crash;
 mod faults;
 mod mvcc;
 mod prepared;
+mod restore;
 mod support;
