@@ -17,7 +17,10 @@ use std::sync::{Arc, Weak};
 use heed::types::Bytes;
 use heed::{CompactionOption, Database, Env, MdbError, PutFlags, RwTxn, WithoutTls};
 use keel_mvcc::backend::snapshot;
-use keel_mvcc::{Backend, BackendError, BackendSize, BatchOp, Bucket, ReadTxn, WriteBatch};
+use keel_mvcc::{
+    Backend, BackendError, BackendSize, BatchOp, BatchOpRef, BatchSource, Bucket, ReadTxn,
+    WriteBatch,
+};
 use parking_lot::{Mutex, RwLock};
 
 use crate::env::{self, DirLock, Generation};
@@ -277,7 +280,9 @@ impl LmdbBackend {
             for op in batch.ops() {
                 let BatchOp::Put { bucket, key, value } = op else {
                     // `restore_with` hands out puts only; anything else is applied as usual.
-                    apply(db, &mut wtxn, op, max_key, &mut stored).map_err(|e| full(e, "write"))?;
+                    check_op(op.as_ref(), max_key)?;
+                    apply(db, &mut wtxn, op.as_ref(), max_key, &mut stored)
+                        .map_err(|e| full(e, "write"))?;
                     continue;
                 };
                 let limit = keys::max_key_len(bucket, max_key);
@@ -365,36 +370,25 @@ impl Backend for LmdbBackend {
     }
 
     fn commit(&self, batch: &WriteBatch) -> Result<(), BackendError> {
+        self.commit_from(batch)
+    }
+
+    /// Writes the operations straight from the caller's buffers into one LMDB write
+    /// transaction, checking each (bucket name, key length) as it goes; a failed check aborts
+    /// the transaction, so nothing of the batch is applied.
+    fn commit_from(&self, source: &dyn BatchSource) -> Result<(), BackendError> {
         let mut writer = self.writer.lock();
         if let Some(reason) = &writer.poisoned {
             return Err(BackendError::Poisoned {
                 reason: reason.clone(),
             });
         }
+        if source.op_count() == 0 {
+            // Still check what there is (nothing, for a well-behaved source).
+            return source.for_each_op(&mut |op| check_op(op, usize::MAX));
+        }
         let generation = self.generation();
         let max_key = generation.max_key();
-        for op in batch.ops() {
-            let (bucket, key) = match op {
-                BatchOp::Put { bucket, key, .. } => (bucket, Some(key)),
-                BatchOp::Delete { bucket, .. } | BatchOp::DeleteRange { bucket, .. } => {
-                    (bucket, None)
-                }
-            };
-            bucket.validate()?;
-            if let Some(key) = key {
-                let limit = keys::max_key_len(bucket, max_key);
-                if key.len() > limit {
-                    return Err(BackendError::TooLarge {
-                        what: "key",
-                        len: key.len(),
-                        limit,
-                    });
-                }
-            }
-        }
-        if batch.is_empty() {
-            return Ok(());
-        }
         let dir = generation.dir();
         let map_size = writer.map_size;
         let mut wtxn = generation
@@ -403,17 +397,19 @@ impl Backend for LmdbBackend {
             .map_err(|e| from_heed(dir, "begin write transaction", e))?;
         let db = generation.db();
         let id = wtxn.id() as u64;
+        let heed_err = |e: heed::Error, op: &'static str| match e {
+            heed::Error::Mdb(MdbError::MapFull) => self.full(&generation, map_size),
+            e => from_heed(dir, op, e),
+        };
         db.put(&mut wtxn, keys::COMMIT_STAMP, &id.to_be_bytes())
-            .map_err(|e| match e {
-                heed::Error::Mdb(MdbError::MapFull) => self.full(&generation, map_size),
-                e => from_heed(dir, "write commit stamp", e),
-            })?;
-        for op in batch.ops() {
-            apply(db, &mut wtxn, op, max_key, &mut writer.key_buf).map_err(|e| match e {
-                heed::Error::Mdb(MdbError::MapFull) => self.full(&generation, map_size),
-                e => from_heed(dir, "write", e),
-            })?;
-        }
+            .map_err(|e| heed_err(e, "write commit stamp"))?;
+        let mut key_buf = std::mem::take(&mut writer.key_buf);
+        let applied = source.for_each_op(&mut |op| {
+            check_op(op, max_key)?;
+            apply(db, &mut wtxn, op, max_key, &mut key_buf).map_err(|e| heed_err(e, "write"))
+        });
+        writer.key_buf = key_buf;
+        applied?;
         match self.commit_txn(wtxn) {
             Ok(()) => Ok(()),
             Err(heed::Error::Mdb(MdbError::MapFull)) => Err(self.full(&generation, map_size)),
@@ -515,28 +511,51 @@ impl Backend for LmdbBackend {
     }
 }
 
+/// Checks one operation against what LMDB stores: a valid bucket name, and a put's key no
+/// longer than `max_key` bytes once prefixed with its bucket.
+fn check_op(op: BatchOpRef<'_>, max_key: usize) -> Result<(), BackendError> {
+    let (bucket, key) = match op {
+        BatchOpRef::Put { bucket, key, .. } => (bucket, Some(key)),
+        BatchOpRef::Delete { bucket, .. } | BatchOpRef::DeleteRange { bucket, .. } => {
+            (bucket, None)
+        }
+    };
+    bucket.validate()?;
+    if let Some(key) = key {
+        let limit = keys::max_key_len(bucket, max_key);
+        if key.len() > limit {
+            return Err(BackendError::TooLarge {
+                what: "key",
+                len: key.len(),
+                limit,
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Applies one batch operation inside the write transaction.
 fn apply(
     db: Database<Bytes, Bytes>,
     wtxn: &mut RwTxn<'_>,
-    op: &BatchOp,
+    op: BatchOpRef<'_>,
     max_key: usize,
     buf: &mut Vec<u8>,
 ) -> heed::Result<()> {
     match op {
-        BatchOp::Put { bucket, key, value } => {
+        BatchOpRef::Put { bucket, key, value } => {
             keys::encode_into(bucket, key, buf);
             db.put(wtxn, buf, value)
         }
-        BatchOp::Delete { bucket, key } => {
+        BatchOpRef::Delete { bucket, key } => {
             if keys::prefix_len(bucket) + key.len() > max_key {
                 return Ok(()); // longer than any stored key: absent
             }
             keys::encode_into(bucket, key, buf);
             db.delete(wtxn, buf).map(|_| ())
         }
-        BatchOp::DeleteRange { bucket, start, end } => {
-            delete_range(db, wtxn, bucket, start, end.as_deref(), max_key)
+        BatchOpRef::DeleteRange { bucket, start, end } => {
+            delete_range(db, wtxn, bucket, start, end, max_key)
         }
     }
 }

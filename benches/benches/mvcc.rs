@@ -500,13 +500,66 @@ fn fan_out() {
     );
 }
 
+/// Fixed workloads for an instruction counter: 20 batches of 1 000 puts plus a commit (no
+/// fsync) on the store or on raw heed, or 20 ranges of 10 000 keys.
+fn profile(what: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let value = [7u8; 150];
+    match what {
+        "profile-put" => {
+            let s = store(dir.path(), false, manual_batches());
+            let mut next = 0u64;
+            for _ in 0..20 {
+                for _ in 0..1_000 {
+                    s.put(&key(next), &value, 0).expect("put");
+                    next += 1;
+                }
+                s.force_commit().expect("commit");
+            }
+        }
+        "profile-raw-put" => {
+            let reference = keel_benches::lmdb::raw(dir.path(), MAP_SIZE as u64, false);
+            let (env, db) = (reference.env.clone(), reference.db);
+            let mut next = 0u64;
+            for _ in 0..20 {
+                let mut wtxn = env.write_txn().expect("write txn");
+                for _ in 0..1_000 {
+                    db.put(&mut wtxn, &key(next), &value).expect("put");
+                    next += 1;
+                }
+                wtxn.commit().expect("commit");
+            }
+        }
+        "profile-range" => {
+            let s = store(dir.path(), false, manual_batches());
+            let mut t = s.write();
+            for i in 0..10_000 {
+                t.put(&key(i), &value, 0).expect("put");
+            }
+            t.commit().expect("commit");
+            s.force_commit().expect("commit");
+            let req = RangeRequest::range(b"key-".to_vec(), vec![0]);
+            for _ in 0..20 {
+                black_box(s.range(&req).expect("range"));
+            }
+        }
+        other => panic!("unknown profile {other}"),
+    }
+}
+
 fn main() {
     if let Ok(path) = std::env::var(INDEX_CHILD_ENV) {
         index_child(&path);
         return;
     }
-    // `KEEL_MVCC_BENCH_ONLY=fanout` (or `index`, `criterion`) runs one part, for profiling.
+    // `KEEL_MVCC_BENCH_ONLY=fanout` (or `index`, `criterion`) runs one part, for profiling;
+    // `profile-put`, `profile-raw-put` and `profile-range` run a fixed amount of one workload
+    // for an instruction counter (`valgrind --tool=callgrind`).
     let only = std::env::var("KEEL_MVCC_BENCH_ONLY").unwrap_or_default();
+    if only.starts_with("profile-") {
+        profile(&only);
+        return;
+    }
     if only.is_empty() || only == "criterion" {
         let mut c = Criterion::default().configure_from_args();
         put_throughput(&mut c);

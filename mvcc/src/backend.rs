@@ -118,6 +118,80 @@ pub enum BatchOp {
     },
 }
 
+/// One change of a batch whose bytes the caller keeps: what a [`BatchSource`] hands to a
+/// backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BatchOpRef<'a> {
+    /// Set `key` to `value`, replacing any previous value.
+    Put {
+        /// Target bucket.
+        bucket: &'a Bucket,
+        /// Key bytes.
+        key: &'a [u8],
+        /// Value bytes.
+        value: &'a [u8],
+    },
+    /// Remove `key` if present.
+    Delete {
+        /// Target bucket.
+        bucket: &'a Bucket,
+        /// Key bytes.
+        key: &'a [u8],
+    },
+    /// Remove every key in `[start, end)`; `end = None` means "to the end of the bucket".
+    DeleteRange {
+        /// Target bucket.
+        bucket: &'a Bucket,
+        /// First key removed.
+        start: &'a [u8],
+        /// First key kept, or `None` for no upper bound.
+        end: Option<&'a [u8]>,
+    },
+}
+
+impl BatchOp {
+    /// The operation as a borrowed [`BatchOpRef`].
+    pub fn as_ref(&self) -> BatchOpRef<'_> {
+        match self {
+            BatchOp::Put { bucket, key, value } => BatchOpRef::Put { bucket, key, value },
+            BatchOp::Delete { bucket, key } => BatchOpRef::Delete { bucket, key },
+            BatchOp::DeleteRange { bucket, start, end } => BatchOpRef::DeleteRange {
+                bucket,
+                start,
+                end: end.as_deref(),
+            },
+        }
+    }
+}
+
+/// The changes of one atomic batch, kept in the caller's own buffers and handed to the
+/// backend one by one: [`Backend::commit_from`] commits them without first copying them into
+/// a [`WriteBatch`]. A `WriteBatch` is a `BatchSource` too.
+pub trait BatchSource {
+    /// Passes every operation, in the order they apply, to `sink`; stops at the first error
+    /// `sink` returns and returns it. Each call passes the same operations.
+    fn for_each_op(
+        &self,
+        sink: &mut dyn FnMut(BatchOpRef<'_>) -> Result<(), BackendError>,
+    ) -> Result<(), BackendError>;
+
+    /// Number of operations `for_each_op` passes.
+    fn op_count(&self) -> usize;
+}
+
+impl BatchSource for WriteBatch {
+    fn for_each_op(
+        &self,
+        sink: &mut dyn FnMut(BatchOpRef<'_>) -> Result<(), BackendError>,
+    ) -> Result<(), BackendError> {
+        self.ops.iter().try_for_each(|op| sink(op.as_ref()))
+    }
+
+    fn op_count(&self) -> usize {
+        self.ops.len()
+    }
+}
+
 /// An ordered list of changes that a backend applies atomically.
 ///
 /// Operations apply in order: a put after a delete of the same key leaves the key present.
@@ -131,6 +205,35 @@ impl WriteBatch {
     /// An empty batch.
     pub fn new() -> WriteBatch {
         WriteBatch::default()
+    }
+
+    /// An empty batch with room for `ops` operations.
+    pub fn with_capacity(ops: usize) -> WriteBatch {
+        WriteBatch {
+            ops: Vec::with_capacity(ops),
+            payload_bytes: 0,
+        }
+    }
+
+    /// Appends a copy of `op`.
+    pub fn push_ref(&mut self, op: BatchOpRef<'_>) {
+        match op {
+            BatchOpRef::Put { bucket, key, value } => self.put(bucket, key, value),
+            BatchOpRef::Delete { bucket, key } => self.delete(bucket, key),
+            BatchOpRef::DeleteRange { bucket, start, end } => {
+                self.delete_range(bucket, start, end.map(<[u8]>::to_vec))
+            }
+        }
+    }
+
+    /// A copy of every operation of `source`.
+    pub fn from_source(source: &dyn BatchSource) -> Result<WriteBatch, BackendError> {
+        let mut batch = WriteBatch::with_capacity(source.op_count());
+        source.for_each_op(&mut |op| {
+            batch.push_ref(op);
+            Ok(())
+        })?;
+        Ok(batch)
     }
 
     /// Sets `key` in `bucket` to `value`.
@@ -259,6 +362,16 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// On `Ok` the whole batch is visible to every read transaction opened afterwards and
     /// survives a crash. On `Err` none of it is visible, now or after a restart.
     fn commit(&self, batch: &WriteBatch) -> Result<(), BackendError>;
+
+    /// Applies the operations of `source` atomically and durably, exactly as
+    /// [`commit`](Backend::commit) applies a [`WriteBatch`] holding the same operations (same
+    /// checks, same errors, nothing applied on error).
+    ///
+    /// The default copies them into a `WriteBatch` and commits that; a backend overrides it to
+    /// write straight from the caller's buffers. The MVCC store commits through this method.
+    fn commit_from(&self, source: &dyn BatchSource) -> Result<(), BackendError> {
+        self.commit(&WriteBatch::from_source(source)?)
+    }
 
     /// Bytes on disk and bytes in use.
     fn size(&self) -> Result<BackendSize, BackendError>;

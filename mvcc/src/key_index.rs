@@ -98,8 +98,38 @@ impl KeyEntry {
         r
     }
 
+    /// A key whose history is one put.
+    fn created_by(rev: Revision) -> KeyEntry {
+        KeyEntry::Single {
+            ver: 1,
+            created: rev.main,
+            rev,
+        }
+    }
+
     fn put(&mut self, rev: Revision) {
-        self.edit(|g| g.put(rev));
+        match self {
+            // The common cases without a round trip through `edit`: a second put of a
+            // single-put key, and a put onto a history that is already a vector.
+            KeyEntry::Single {
+                ver,
+                created,
+                rev: first,
+            } => {
+                let mut revs = Vec::with_capacity(4);
+                revs.extend([*first, rev]);
+                *self = KeyEntry::Multi(Gens {
+                    gens: vec![Generation {
+                        ver: *ver + 1,
+                        created: *created,
+                        revs,
+                    }],
+                });
+            }
+            KeyEntry::Multi(g) if g.gens.last().is_some_and(|g| !g.revs.is_empty()) => g.put(rev),
+            KeyEntry::Multi(g) if g.gens.is_empty() => *self = KeyEntry::created_by(rev),
+            KeyEntry::Multi(_) => self.edit(|g| g.put(rev)),
+        }
     }
 
     fn restore(&mut self, created: u64, modified: Revision, ver: u64) {
@@ -313,6 +343,10 @@ impl KeyIndex {
     /// [`get`](Self::get) at `at`, then [`put`](Self::put) of `rev`, in one lookup for an
     /// existing key (two for a new one).
     pub fn get_and_put(&mut self, key: &[u8], at: u64, rev: Revision) -> Option<KeyAt> {
+        if self.is_past_last(key) {
+            self.map.insert(key.into(), KeyEntry::created_by(rev));
+            return None;
+        }
         match self.map.get_mut(key) {
             Some(e) => {
                 let prev = e.get(at);
@@ -320,9 +354,7 @@ impl KeyIndex {
                 prev
             }
             None => {
-                let mut e = KeyEntry::default();
-                e.put(rev);
-                self.map.insert(key.into(), e);
+                self.map.insert(key.into(), KeyEntry::created_by(rev));
                 None
             }
         }
@@ -330,14 +362,15 @@ impl KeyIndex {
 
     /// Records a put of `key` at `rev`.
     pub fn put(&mut self, key: &[u8], rev: Revision) {
-        match self.map.get_mut(key) {
-            Some(e) => e.put(rev),
-            None => {
-                let mut e = KeyEntry::default();
-                e.put(rev);
-                self.map.insert(key.into(), e);
-            }
-        }
+        self.get_and_put(key, 0, rev);
+    }
+
+    /// True when `key` sorts after every key of the index (a new key appended at the end, as
+    /// with ever-growing keys): no lookup is needed before inserting it.
+    fn is_past_last(&self, key: &[u8]) -> bool {
+        self.map
+            .last_key_value()
+            .is_none_or(|(last, _)| key > &**last)
     }
 
     /// Records a deletion; false when the key is not live.
@@ -362,8 +395,7 @@ impl KeyIndex {
             Some(e) if e.is_live() => e.put(rev),
             Some(e) => e.restore(created, rev, ver),
             None => {
-                let mut e = KeyEntry::default();
-                e.restore(created, rev, ver);
+                let e = KeyEntry::Single { ver, created, rev };
                 self.map.insert(key.into(), e);
             }
         }

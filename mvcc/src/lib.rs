@@ -31,7 +31,10 @@ mod txn;
 mod watch;
 mod write;
 
-pub use backend::{Backend, BackendError, BackendSize, BatchOp, Bucket, ReadTxn, WriteBatch};
+pub use backend::{
+    Backend, BackendError, BackendSize, BatchOp, BatchOpRef, BatchSource, Bucket, ReadTxn,
+    WriteBatch,
+};
 pub use error::MvccError;
 pub use kv::{KeyValue, LeaseId};
 pub use options::StoreOptions;

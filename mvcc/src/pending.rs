@@ -12,8 +12,8 @@ use std::collections::BTreeMap;
 
 use parking_lot::RwLock;
 
-use crate::backend::{Bucket, WriteBatch};
-use crate::revision::Revision;
+use crate::backend::{BackendError, BatchOpRef, BatchSource, Bucket};
+use crate::revision::{REV_KEY_LEN, Revision, TOMBSTONE_MARK};
 use crate::store::{KEY_BUCKET, META_BUCKET};
 
 /// One stored change.
@@ -62,25 +62,50 @@ impl Changes {
         self.meta.extend(other.meta);
         self.writes += other.writes;
     }
+}
 
-    /// The backend batch that commits these changes.
-    pub fn to_batch(&self) -> WriteBatch {
-        let mut batch = WriteBatch::new();
+/// The changes as a backend batch (revisions in order, then auxiliary writes, then meta
+/// writes), without copying the records.
+impl BatchSource for Changes {
+    fn for_each_op(
+        &self,
+        sink: &mut dyn FnMut(BatchOpRef<'_>) -> Result<(), BackendError>,
+    ) -> Result<(), BackendError> {
+        let mut key = [0u8; REV_KEY_LEN + 1];
         for p in &self.revs {
-            batch.put(&KEY_BUCKET, p.rev.to_key(p.tombstone), p.record.clone());
+            key[..REV_KEY_LEN].copy_from_slice(&p.rev.to_bytes());
+            let len = if p.tombstone {
+                key[REV_KEY_LEN] = TOMBSTONE_MARK;
+                REV_KEY_LEN + 1
+            } else {
+                REV_KEY_LEN
+            };
+            sink(BatchOpRef::Put {
+                bucket: &KEY_BUCKET,
+                key: &key[..len],
+                value: &p.record,
+            })?;
         }
         for (bucket, writes) in &self.aux {
             for (key, value) in writes {
-                match value {
-                    Some(v) => batch.put(bucket, key.clone(), v.clone()),
-                    None => batch.delete(bucket, key.clone()),
-                }
+                sink(match value {
+                    Some(value) => BatchOpRef::Put { bucket, key, value },
+                    None => BatchOpRef::Delete { bucket, key },
+                })?;
             }
         }
         for (key, value) in &self.meta {
-            batch.put(&META_BUCKET, key.to_vec(), value.clone());
+            sink(BatchOpRef::Put {
+                bucket: &META_BUCKET,
+                key,
+                value,
+            })?;
         }
-        batch
+        Ok(())
+    }
+
+    fn op_count(&self) -> usize {
+        self.revs.len() + self.aux.values().map(BTreeMap::len).sum::<usize>() + self.meta.len()
     }
 }
 

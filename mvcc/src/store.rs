@@ -472,8 +472,8 @@ impl<B: Backend> Inner<B> {
             st.committing = Some(p.clone());
             p
         };
-        let batch = pending.changes.read().to_batch();
-        match self.backend.commit(&batch) {
+        let committed = self.backend.commit_from(&*pending.changes.read());
+        match committed {
             Ok(()) => {
                 self.state.lock().committing = None;
                 Ok(())

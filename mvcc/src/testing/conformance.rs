@@ -58,6 +58,7 @@ macro_rules! backend_conformance_tests {
                 batch_applies_in_order,
                 delete_range_bounds,
                 failed_batch_is_atomic,
+                commit_from_matches_commit,
                 buckets_listed_and_isolated,
                 range_bounds,
                 read_txn_is_a_snapshot,
@@ -441,6 +442,78 @@ pub fn delete_range_bounds<B: Backend>(options: B::Options) {
     let txn = f.b().read_txn().unwrap();
     assert_eq!(bucket_names(&txn), vec!["a-other".to_owned()]);
     assert!(range(&txn, &a, b"", None).is_empty());
+}
+
+/// A batch committed through `commit_from` (the caller's buffers) lands exactly as the same
+/// `WriteBatch` through `commit`, and a failing one (invalid bucket at its end) changes nothing.
+pub fn commit_from_matches_commit<B: Backend>(options: B::Options) {
+    use crate::backend::{BatchOpRef, BatchSource};
+
+    /// A source over plain tuples, as a store's own buffers would be.
+    struct Ops(Vec<(Bucket, Vec<u8>, Option<Vec<u8>>)>);
+    impl BatchSource for Ops {
+        fn for_each_op(
+            &self,
+            sink: &mut dyn FnMut(BatchOpRef<'_>) -> Result<(), BackendError>,
+        ) -> Result<(), BackendError> {
+            for (bucket, key, value) in &self.0 {
+                sink(match value {
+                    Some(value) => BatchOpRef::Put { bucket, key, value },
+                    None => BatchOpRef::Delete { bucket, key },
+                })?;
+            }
+            Ok(())
+        }
+        fn op_count(&self) -> usize {
+            self.0.len()
+        }
+    }
+
+    let via_batch = Fixture::<B>::new(&options);
+    let via_source = Fixture::<B>::new(&options);
+    let seed = seed();
+    let mut rng = StdRng::seed_from_u64(seed);
+    for round in 0..20 {
+        let mut ops = Vec::new();
+        let mut batch = WriteBatch::new();
+        for _ in 0..rng.random_range(1..60) {
+            let bucket = b(["kv", "meta", "lease"][rng.random_range(0..3)]);
+            let k = key(rng.random_range(0..40));
+            if rng.random_bool(0.7) {
+                let v = filler(rng.random(), rng.random_range(0..300));
+                batch.put(&bucket, k.clone(), v.clone());
+                ops.push((bucket, k, Some(v)));
+            } else {
+                batch.delete(&bucket, k.clone());
+                ops.push((bucket, k, None));
+            }
+        }
+        commit(via_batch.b(), &batch);
+        via_source
+            .b()
+            .commit_from(&Ops(ops))
+            .unwrap_or_else(|e| panic!("round {round} (seed {seed}): commit_from failed: {e}"));
+        assert_eq!(
+            dump_backend(via_source.b()),
+            dump_backend(via_batch.b()),
+            "round {round} (seed {seed}): commit_from and commit disagree"
+        );
+    }
+    let before = dump_backend(via_source.b());
+    let failing = Ops(vec![
+        (b("kv"), b"new".to_vec(), Some(b"1".to_vec())),
+        (b("kv"), key(1), None),
+        (Bucket::new("bad name"), b"k".to_vec(), Some(b"v".to_vec())),
+    ]);
+    match via_source.b().commit_from(&failing) {
+        Err(BackendError::InvalidBucket { .. }) => {}
+        other => panic!("commit_from with an invalid bucket returned {other:?}"),
+    }
+    assert_eq!(
+        dump_backend(via_source.b()),
+        before,
+        "a failed commit_from left changes behind"
+    );
 }
 
 /// A batch that fails on its last operation changes nothing, now or after reopen.
