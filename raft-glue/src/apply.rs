@@ -22,12 +22,16 @@
 //!
 //! # Backend directories
 //!
-//! The backend lives in `<dir>/backend`. A snapshot is restored into `<dir>/backend.tmp`,
-//! renamed to `<dir>/backend.new` once complete and synced, then swapped in by renaming
-//! `backend` to `backend.old` and `backend.new` to `backend`. Opening repairs an interrupted
-//! swap: a lone `backend.new` becomes `backend`; a `backend.new` beside a `backend` is an
-//! unfinished install and is removed (the leader sends the snapshot again), as are
-//! `backend.tmp` and `backend.old`.
+//! The backend lives in the directory of the current generation (see
+//! [`crate::snapshot::generation`]: `<dir>/backend` at first, `<dir>/backend-<n>` after the
+//! n-th installed snapshot, named by the `CURRENT` pointer file). A snapshot is restored into
+//! the next generation's directory (`begin_restore`), completed and synced there
+//! (`finish_restore`) and kept open as a prepared store; installing it
+//! (`StateMachine::install_prepared`) replaces `CURRENT` atomically and swaps that same open
+//! store in, then removes the previous generation. Opening repairs a crash at any step: only
+//! the generation `CURRENT` names is kept. Directories of an older layout (`backend.new`,
+//! `backend.old`, `backend.tmp`) are repaired as before: a lone `backend.new` becomes
+//! `backend`, the others are removed.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -40,6 +44,7 @@ use raft::eraftpb::{ConfState, Entry};
 
 use crate::error::NodeError;
 use crate::request::{Envelope, Request, Response};
+use crate::snapshot::generation;
 
 /// The bucket holding the Raft state kept with the data.
 pub const RAFT_BUCKET: Bucket = Bucket::new("raft");
@@ -47,7 +52,7 @@ const CONF_KEY: &[u8] = b"conf_state";
 const SNAP_KEY: &[u8] = b"snapshot";
 const CONF_VERSION: u8 = 1;
 
-pub(crate) const BACKEND: &str = "backend";
+const BACKEND: &str = "backend";
 pub(crate) const BACKEND_NEW: &str = "backend.new";
 pub(crate) const BACKEND_OLD: &str = "backend.old";
 pub(crate) const BACKEND_TMP: &str = "backend.tmp";
@@ -167,60 +172,71 @@ pub(crate) fn open_store<B: Backend>(
     Store::open(backend, store_options.clone()).map_err(|e| NodeError::Store(e.to_string()))
 }
 
-/// Removes leftovers of earlier restores and opens a fresh, empty backend at
-/// `<dir>/backend.tmp` to restore a snapshot stream into. The current backend is untouched.
+/// A restored snapshot: the next generation's backend, whole, synced and open as a store,
+/// waiting for raft-rs to take the snapshot it holds.
+pub(crate) struct Prepared<B: Backend> {
+    /// The generation its directory belongs to.
+    pub generation: u64,
+    /// The snapshot's index (the store's consistent index).
+    pub index: u64,
+    /// The store over the restored backend.
+    pub store: Store<B>,
+}
+
+/// Where the receiver leaves a [`Prepared`] store for the Raft thread to install.
+pub(crate) type PreparedSlot<B> = Arc<parking_lot::Mutex<Option<Prepared<B>>>>;
+
+/// Removes leftovers of earlier restores and opens a fresh, empty backend in the next
+/// generation's directory to restore a snapshot stream into. The current backend is
+/// untouched. Returns the generation and the backend.
 pub(crate) fn begin_restore<B: Backend>(
     dir: &Path,
     backend_options: &B::Options,
-) -> Result<B, NodeError> {
-    let tmp = dir.join(BACKEND_TMP);
-    let new = dir.join(BACKEND_NEW);
-    for p in [&tmp, &new] {
-        if p.exists() {
-            fs::remove_dir_all(p).map_err(|e| NodeError::io(p, "remove", e))?;
-        }
-    }
-    B::open(&tmp, backend_options)
-        .map_err(|e| NodeError::Store(format!("opening {}: {e}", tmp.display())))
+) -> Result<(u64, B), NodeError> {
+    let generation = generation::next(dir)?;
+    let path = generation::backend_dir(dir, generation);
+    let backend = B::open(&path, backend_options)
+        .map_err(|e| NodeError::Store(format!("opening {}: {e}", path.display())))?;
+    Ok((generation, backend))
 }
 
 /// Completes a restore begun by [`begin_restore`] once the whole stream is verified and
-/// loaded into `backend`: checks that it holds exactly `index`, records `(index, term)` and
-/// `conf_state` in it, syncs it and renames `<dir>/backend.tmp` to `<dir>/backend.new`.
+/// loaded into `backend`: opens the store over it, checks that it holds exactly `index`,
+/// records `(index, term)` and `conf_state` in it and syncs it. The store stays open: it is
+/// the one [`StateMachine::install_prepared`] swaps in.
 pub(crate) fn finish_restore<B: Backend>(
-    dir: &Path,
+    generation: u64,
     backend: B,
     store_options: &StoreOptions,
     index: u64,
     term: u64,
     conf_state: &ConfState,
-) -> Result<(), NodeError> {
-    let tmp = dir.join(BACKEND_TMP);
-    let new = dir.join(BACKEND_NEW);
-    {
-        let store = Store::open(backend, store_options.clone())
-            .map_err(|e| NodeError::Store(e.to_string()))?;
-        let held = store.consistent_index();
-        if held != index {
-            return Err(NodeError::Store(format!(
-                "snapshot stream holds index {held}, its metadata says {index}"
-            )));
-        }
-        let mut txn = store.write();
-        let mut point = index.to_le_bytes().to_vec();
-        point.extend_from_slice(&term.to_le_bytes());
-        txn.put_aux(&RAFT_BUCKET, SNAP_KEY, &point)
-            .map_err(store_err)?;
-        txn.put_aux(&RAFT_BUCKET, CONF_KEY, &encode_conf_state(conf_state))
-            .map_err(store_err)?;
-        txn.commit().map_err(store_err)?;
-        store.force_commit().map_err(store_err)?;
+) -> Result<Prepared<B>, NodeError> {
+    let store =
+        Store::open(backend, store_options.clone()).map_err(|e| NodeError::Store(e.to_string()))?;
+    let held = store.consistent_index();
+    if held != index {
+        return Err(NodeError::Store(format!(
+            "snapshot stream holds index {held}, its metadata says {index}"
+        )));
     }
-    fs::rename(&tmp, &new).map_err(|e| NodeError::io(&tmp, "rename", e))?;
-    fsync_dir(dir)
+    let mut txn = store.write();
+    let mut point = index.to_le_bytes().to_vec();
+    point.extend_from_slice(&term.to_le_bytes());
+    txn.put_aux(&RAFT_BUCKET, SNAP_KEY, &point)
+        .map_err(store_err)?;
+    txn.put_aux(&RAFT_BUCKET, CONF_KEY, &encode_conf_state(conf_state))
+        .map_err(store_err)?;
+    txn.commit().map_err(store_err)?;
+    store.force_commit().map_err(store_err)?;
+    Ok(Prepared {
+        generation,
+        index,
+        store,
+    })
 }
 
-/// Restores the snapshot stream in `file` into a fresh backend at `<dir>/backend.tmp` and
+/// Restores the snapshot stream in `file` into the next generation's directory and
 /// completes it with [`finish_restore`]. The current backend is untouched.
 pub(crate) fn prepare_snapshot<B: Backend>(
     dir: &Path,
@@ -230,13 +246,16 @@ pub(crate) fn prepare_snapshot<B: Backend>(
     index: u64,
     term: u64,
     conf_state: &ConfState,
-) -> Result<(), NodeError> {
-    let backend = begin_restore::<B>(dir, backend_options)?;
-    let mut input =
-        std::io::BufReader::new(fs::File::open(file).map_err(|e| NodeError::io(file, "open", e))?);
-    keel_mvcc::backend::snapshot::restore(&backend, &mut input)
+) -> Result<Prepared<B>, NodeError> {
+    let (generation, backend) = begin_restore::<B>(dir, backend_options)?;
+    let mut input = std::io::BufReader::with_capacity(
+        1 << 20,
+        fs::File::open(file).map_err(|e| NodeError::io(file, "open", e))?,
+    );
+    backend
+        .restore(&mut input)
         .map_err(|e| NodeError::Store(format!("restoring snapshot: {e}")))?;
-    finish_restore(dir, backend, store_options, index, term, conf_state)
+    finish_restore(generation, backend, store_options, index, term, conf_state)
 }
 
 /// Removes a prepared snapshot that raft-rs did not take.
@@ -289,11 +308,13 @@ pub(crate) type Applied = (u64, u64, Result<Response, NodeError>);
 /// The MVCC store and lessor of one member and how entries reach them.
 pub(crate) struct StateMachine<B: Backend> {
     dir: PathBuf,
-    backend_options: B::Options,
-    store_options: StoreOptions,
     lease: LeaseSetup,
     /// The current store and lessor, shared with readers.
     current: SharedCurrent<B>,
+    /// The generation of the current backend's directory.
+    generation: parking_lot::Mutex<u64>,
+    /// A restored snapshot waiting to be installed.
+    prepared: PreparedSlot<B>,
 }
 
 impl<B: Backend> StateMachine<B> {
@@ -304,6 +325,7 @@ impl<B: Backend> StateMachine<B> {
         store_options: StoreOptions,
         lease: LeaseSetup,
     ) -> Result<StateMachine<B>, NodeError> {
+        // An older layout's interrupted install (before generations).
         let cur = dir.join(BACKEND);
         let new = dir.join(BACKEND_NEW);
         if new.exists() {
@@ -320,14 +342,27 @@ impl<B: Backend> StateMachine<B> {
                 fs::remove_dir_all(&p).map_err(|e| NodeError::io(&p, "remove", e))?;
             }
         }
-        let current = open_current::<B>(&cur, &backend_options, &store_options, &lease)?;
+        // A crash at any step of a generation switch leaves the old or the new one whole.
+        let current_gen = generation::repair(dir)?;
+        let current = open_current::<B>(
+            &generation::backend_dir(dir, current_gen),
+            &backend_options,
+            &store_options,
+            &lease,
+        )?;
         Ok(StateMachine {
             dir: dir.to_path_buf(),
-            backend_options,
-            store_options,
             lease,
             current: Arc::new(RwLock::new(Arc::new(current))),
+            generation: parking_lot::Mutex::new(current_gen),
+            prepared: Arc::new(parking_lot::Mutex::new(None)),
         })
+    }
+
+    /// Where the snapshot receiver leaves a restored snapshot for
+    /// [`install_prepared`](Self::install_prepared).
+    pub fn prepared_slot(&self) -> PreparedSlot<B> {
+        self.prepared.clone()
     }
 
     /// The shared handle readers use.
@@ -526,37 +561,39 @@ impl<B: Backend> StateMachine<B> {
         }
     }
 
-    /// Swaps in the backend prepared by [`prepare_snapshot`](Self::prepare_snapshot) for
-    /// `index`. Fails (and changes nothing) when none is prepared for that index.
+    /// Installs the snapshot for `index` restored by [`finish_restore`] and left in the
+    /// [`prepared_slot`](Self::prepared_slot): makes its generation current (the `CURRENT`
+    /// switch is the commit point), swaps its open store in with a lessor over it, and
+    /// removes the previous generation. Fails (and changes nothing) when none is prepared for
+    /// that index.
     pub fn install_prepared(&self, index: u64) -> Result<(), NodeError> {
-        let cur = self.dir.join(BACKEND);
-        let new = self.dir.join(BACKEND_NEW);
-        let old = self.dir.join(BACKEND_OLD);
-        if !new.exists() {
+        let prepared = self.prepared.lock().take();
+        let Some(prepared) = prepared.filter(|p| p.index == index) else {
             return Err(NodeError::Store(format!(
                 "no verified snapshot is prepared for index {index}"
             )));
-        }
-        fs::rename(&cur, &old).map_err(|e| NodeError::io(&cur, "rename", e))?;
-        fs::rename(&new, &cur).map_err(|e| NodeError::io(&new, "rename", e))?;
-        fsync_dir(&self.dir)?;
-        let current = open_current::<B>(
-            &cur,
-            &self.backend_options,
-            &self.store_options,
-            &self.lease,
-        )?;
-        if current.store.consistent_index() != index {
-            return Err(NodeError::Store(format!(
-                "installed snapshot holds index {}, expected {index}",
-                current.store.consistent_index()
-            )));
-        }
+        };
+        let Prepared {
+            generation: new_gen,
+            store,
+            ..
+        } = prepared;
+        let store = Arc::new(store);
+        let lessor = Lessor::open(
+            store.clone(),
+            self.lease.clock.clone(),
+            self.lease.options.clone(),
+        )
+        .map_err(|e| NodeError::Lease(format!("opening the lessor: {e}")))?;
+        generation::switch(&self.dir, new_gen, None)?;
+        let current = Current {
+            store,
+            lessor: Arc::new(lessor),
+        };
         let previous = std::mem::replace(&mut *self.current.write(), Arc::new(current));
         drop(previous);
-        if let Err(e) = fs::remove_dir_all(&old) {
-            tracing::warn!(path = %old.display(), error = %e, "cannot remove the replaced backend");
-        }
+        let old_gen = std::mem::replace(&mut *self.generation.lock(), new_gen);
+        generation::remove(&self.dir, old_gen);
         Ok(())
     }
 }

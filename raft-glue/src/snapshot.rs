@@ -20,15 +20,16 @@
 //! transfer: the temporary file is deleted and a negative ack sent, nothing is installed. A
 //! complete stream is fsynced and renamed to `<dir>/snap/<index>-<term>.snap` (directory
 //! fsynced). Normally, though, each accepted chunk is fed, as it arrives, to a
-//! `LiveRestore` that rebuilds a fresh backend directory (`<dir>/backend.tmp`, see
-//! [`crate::apply`]) on its own thread, so the backend is ready soon after the stream ends;
-//! such a transfer is not stored in a file at all (the restored backend is its durable
-//! copy). The file is used only when no restore could be started; a transfer whose restore
-//! was displaced by a newer transfer is refused, and the leader sends it again. Only once the whole
-//! stream is verified is the restored backend completed and renamed to `backend.new`, and
-//! only then is the `MsgSnapshot` handed to raft-rs, which makes the node swap the prepared
-//! backend in. An aborted transfer drops its restore; the partial directory is never
-//! installed and is removed by the next restore or at open.
+//! `LiveRestore` that rebuilds the next backend generation (`<dir>/backend-<n>`, see
+//! [`generation`] and [`crate::apply`]) on its own thread, so the backend is ready soon after
+//! the stream ends; such a transfer is not stored in a file at all (the restored backend is
+//! its durable copy). The file is used only when no restore could be started; a transfer
+//! whose restore was displaced by a newer transfer is refused, and the leader sends it again.
+//! Only once the whole stream is verified is the restored store opened, completed and synced
+//! (the learner then holds the snapshot durably), and only then is the `MsgSnapshot` handed
+//! to raft-rs, which makes the node switch to that generation, keeping the same open store.
+//! The ack goes back once the switch is done. An aborted transfer drops its restore; the
+//! partial directory is never installed and is removed by the next restore or at open.
 
 use std::collections::HashMap;
 use std::fs::{self, File};
@@ -43,6 +44,8 @@ use raft::eraftpb::Message;
 
 use crate::error::NodeError;
 use crate::transport::{SnapshotAck, SnapshotChunk, SnapshotFrame, Transport};
+
+pub mod generation;
 
 /// Waiting senders, by transfer id.
 pub(crate) type AckWaiters = Arc<Mutex<HashMap<u64, Sender<SnapshotAck>>>>;
@@ -72,7 +75,9 @@ impl ChunkWriter<'_> {
             l.acquire(data.len() as u64);
         }
         (self.progress)(data.len() as u64);
-        self.hasher.update(&data);
+        // The data is hashed once; the stream's CRC is extended by combination.
+        let crc = crc32fast::hash(&data);
+        extend_crc(&mut self.hasher, crc, data.len());
         self.total += data.len() as u64;
         let chunk = SnapshotChunk {
             from: self.from,
@@ -80,7 +85,7 @@ impl ChunkWriter<'_> {
             transfer: self.transfer,
             seq: self.seq,
             message: self.message.take(),
-            crc: crc32fast::hash(&data),
+            crc,
             data,
             end: end.then(|| (self.total, self.hasher.clone().finalize())),
         };
@@ -104,6 +109,11 @@ impl Write for ChunkWriter<'_> {
     fn flush(&mut self) -> io::Result<()> {
         Ok(())
     }
+}
+
+/// Extends `hasher` by a block of `len` bytes whose CRC-32 is `crc`, without reading it.
+fn extend_crc(hasher: &mut crc32fast::Hasher, crc: u32, len: usize) {
+    hasher.combine(&crc32fast::Hasher::new_with_initial_len(crc, len as u64));
 }
 
 /// Streams `txn` to `msg.to` and waits for the ack. Runs on its own thread.
@@ -273,14 +283,15 @@ impl Assembler {
                 c.seq, inc.next
             )));
         }
-        if crc32fast::hash(&c.data) != c.crc {
+        let crc = crc32fast::hash(&c.data);
+        if crc != c.crc {
             return Err(fail(format!("chunk {} fails its checksum", c.seq)));
         }
         if let Some(file) = &mut inc.file {
             file.write_all(&c.data)
                 .map_err(|e| NodeError::io(&inc.path, "write", e))?;
         }
-        inc.hasher.update(&c.data);
+        extend_crc(&mut inc.hasher, crc, c.data.len());
         inc.len += c.data.len() as u64;
         inc.next += 1;
         let Some((len, crc)) = c.end else {
@@ -354,7 +365,7 @@ impl io::Read for ChunkReader {
     }
 }
 
-/// Restores one incoming transfer into a fresh backend at `<dir>/backend.tmp` while its
+/// Restores one incoming transfer into the next backend generation's directory while its
 /// chunks arrive, on a thread of its own, so that the backend is rebuilt by the time the
 /// stream ends. Only chunks the [`Assembler`] accepted are fed to it; the result is handed
 /// on ([`finish`](Self::finish)) only once the whole stream is verified, and installing it
@@ -364,7 +375,7 @@ pub(crate) struct LiveRestore<B: keel_mvcc::Backend> {
     /// `(from, transfer)` of the transfer being restored.
     pub key: (u64, u64),
     tx: Option<Sender<Vec<u8>>>,
-    handle: Option<std::thread::JoinHandle<Result<B, NodeError>>>,
+    handle: Option<std::thread::JoinHandle<Result<(u64, B), NodeError>>>,
 }
 
 impl<B: keel_mvcc::Backend> LiveRestore<B> {
@@ -380,15 +391,16 @@ impl<B: keel_mvcc::Backend> LiveRestore<B> {
         let handle = std::thread::Builder::new()
             .name(format!("keel-snap-restore-{}", key.0))
             .spawn(move || {
-                let backend = crate::apply::begin_restore::<B>(&dir, &options)?;
+                let (generation, backend) = crate::apply::begin_restore::<B>(&dir, &options)?;
                 let mut input = ChunkReader {
                     rx,
                     buf: Vec::new(),
                     pos: 0,
                 };
-                keel_mvcc::backend::snapshot::restore(&backend, &mut input)
+                backend
+                    .restore(&mut input)
                     .map_err(|e| NodeError::Store(format!("restoring snapshot: {e}")))?;
-                Ok(backend)
+                Ok((generation, backend))
             })
             .map_err(|e| NodeError::io(PathBuf::from("keel-snap-restore"), "spawn thread", e))?;
         Ok(LiveRestore {
@@ -406,9 +418,9 @@ impl<B: keel_mvcc::Backend> LiveRestore<B> {
         }
     }
 
-    /// Ends the stream and waits for the restore: the backend holding the whole stream,
-    /// checked against its own end frame and checksum.
-    pub fn finish(mut self) -> Result<B, NodeError> {
+    /// Ends the stream and waits for the restore: the generation and the backend holding the
+    /// whole stream, checked against its own end frame and checksum.
+    pub fn finish(mut self) -> Result<(u64, B), NodeError> {
         self.tx = None;
         match self.handle.take().map(|h| h.join()) {
             Some(Ok(result)) => result,

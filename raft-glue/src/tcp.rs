@@ -225,8 +225,22 @@ impl Conn {
         path: Path,
         bytes: &[u8],
     ) -> Result<(), NodeError> {
+        self.write_parts(inner, to, addr, path, bytes, &[])
+    }
+
+    /// Writes `head` then `tail` (a snapshot chunk's data, sent without copying it into the
+    /// frame).
+    fn write_parts(
+        &mut self,
+        inner: &Inner,
+        to: u64,
+        addr: SocketAddr,
+        path: Path,
+        head: &[u8],
+        tail: &[u8],
+    ) -> Result<(), NodeError> {
         let stream = self.get(inner, to, addr, path)?;
-        let r = stream.write_all(bytes).and_then(|()| stream.flush());
+        let r = write_two(stream, head, tail).and_then(|()| stream.flush());
         if let Err(e) = r {
             self.stream = None;
             self.next_attempt = Instant::now();
@@ -237,6 +251,22 @@ impl Conn {
         }
         Ok(())
     }
+}
+
+/// Writes `a` then `b`, gathering both into the same system calls.
+fn write_two(s: &mut TcpStream, mut a: &[u8], mut b: &[u8]) -> io::Result<()> {
+    while !a.is_empty() || !b.is_empty() {
+        let n = match s.write_vectored(&[io::IoSlice::new(a), io::IoSlice::new(b)]) {
+            Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "wrote nothing")),
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        let from_a = n.min(a.len());
+        a = &a[from_a..];
+        b = &b[n - from_a..];
+    }
+    Ok(())
 }
 
 fn connect(inner: &Inner, addr: SocketAddr, path: Path) -> io::Result<TcpStream> {
@@ -446,19 +476,26 @@ impl Transport for TcpTransport {
                 reason: "unknown member".into(),
             });
         };
-        let mut bytes = Vec::with_capacity(data_len + 256);
-        let f = match frame {
-            SnapshotFrame::Chunk(c) => Frame::Chunk(c),
-            SnapshotFrame::Ack(a) => Frame::Ack(a),
+        // A chunk goes out as its frame head followed by its data, never copied.
+        let mut head = Vec::with_capacity(256);
+        let data: &[u8] = match &frame {
+            SnapshotFrame::Chunk(c) => {
+                frame::encode_chunk_head(c, &mut head)?;
+                &c.data
+            }
+            SnapshotFrame::Ack(a) => {
+                frame::encode(&Frame::Ack(a.clone()), &mut head)?;
+                &[]
+            }
         };
-        frame::encode(&f, &mut bytes)?;
-        if bytes.len() - HEADER_BYTES > inner.options.max_frame_bytes {
+        let payload = head.len() - HEADER_BYTES + data.len();
+        if payload > inner.options.max_frame_bytes {
             return Err(NodeError::Snapshot {
                 from: inner.id,
                 to,
                 reason: format!(
                     "a frame of {} bytes exceeds max_frame_bytes {}",
-                    bytes.len(),
+                    payload + HEADER_BYTES,
                     inner.options.max_frame_bytes
                 ),
             });
@@ -467,7 +504,7 @@ impl Transport for TcpTransport {
         let addr = *peer.addr.lock();
         peer.snapshot
             .lock()
-            .write(inner, to, addr, Path::Snapshot, &bytes)?;
+            .write_parts(inner, to, addr, Path::Snapshot, &head, data)?;
         inner.counters.frames_sent.fetch_add(1, Ordering::Relaxed);
         inner
             .counters
@@ -628,7 +665,7 @@ fn read_frame(inner: &Inner, s: &mut TcpStream) -> Result<ReadOutcome, NodeError
     if !read_full(inner, s, &mut payload).map_err(io_err)? && h.len > 0 {
         return Ok(ReadOutcome::Closed);
     }
-    Ok(ReadOutcome::Frame(frame::decode(&h, &payload)?))
+    Ok(ReadOutcome::Frame(frame::decode_owned(&h, payload)?))
 }
 
 fn read_loop(inner: &Inner, mut s: TcpStream, peer: SocketAddr) {

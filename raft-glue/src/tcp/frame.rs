@@ -21,6 +21,13 @@
 //!
 //! A frame whose magic, version, kind, length or CRC is wrong ends the connection: after a
 //! bad frame the stream cannot be resynchronised safely, and the sender reconnects.
+//!
+//! A chunk's data is read once on each side: its frame CRC is computed (and checked) by
+//! combining the CRC of everything before the data with `data_crc32` (CRC-32 combination,
+//! the same value as hashing the whole payload when `data_crc32` is right), and the data
+//! itself is checked against `data_crc32` by the snapshot receiver, which aborts the transfer
+//! on a mismatch. So a chunk frame is sent as its head followed by the data as it is
+//! ([`encode_chunk_head`]), without copying it into the frame.
 
 use protobuf::Message as _;
 use raft::eraftpb::Message;
@@ -95,26 +102,10 @@ pub fn encode(frame: &Frame, out: &mut Vec<u8>) -> Result<(), NodeError> {
             KIND_RAFT
         }
         Frame::Chunk(c) => {
-            out.extend_from_slice(&c.from.to_le_bytes());
-            out.extend_from_slice(&c.to.to_le_bytes());
-            out.extend_from_slice(&c.transfer.to_le_bytes());
-            out.extend_from_slice(&c.seq.to_le_bytes());
-            let flags = u8::from(c.message.is_some()) | (u8::from(c.end.is_some()) << 1);
-            out.push(flags);
-            if let Some(m) = &c.message {
-                let bytes = m
-                    .write_to_bytes()
-                    .map_err(|e| bad(0, format!("cannot encode a snapshot message: {e}")))?;
-                out.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
-                out.extend_from_slice(&bytes);
-            }
-            if let Some((len, crc)) = c.end {
-                out.extend_from_slice(&len.to_le_bytes());
-                out.extend_from_slice(&crc.to_le_bytes());
-            }
-            out.extend_from_slice(&c.crc.to_le_bytes());
+            out.truncate(start);
+            encode_chunk_head(c, out)?;
             out.extend_from_slice(&c.data);
-            KIND_CHUNK
+            return Ok(());
         }
         Frame::Ack(a) => {
             out.extend_from_slice(&a.from.to_le_bytes());
@@ -141,6 +132,68 @@ pub fn encode(frame: &Frame, out: &mut Vec<u8>) -> Result<(), NodeError> {
     let crc = h.finalize();
     out[start + 12..start + 16].copy_from_slice(&crc.to_le_bytes());
     Ok(())
+}
+
+/// Appends a chunk frame's header and payload up to its data; the data follows on the wire
+/// as it is. The frame CRC covers the data through `c.crc` (see the module doc).
+pub fn encode_chunk_head(c: &SnapshotChunk, out: &mut Vec<u8>) -> Result<(), NodeError> {
+    let start = out.len();
+    out.extend_from_slice(&MAGIC);
+    out.push(VERSION);
+    out.push(KIND_CHUNK);
+    out.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+    out.extend_from_slice(&c.from.to_le_bytes());
+    out.extend_from_slice(&c.to.to_le_bytes());
+    out.extend_from_slice(&c.transfer.to_le_bytes());
+    out.extend_from_slice(&c.seq.to_le_bytes());
+    let flags = u8::from(c.message.is_some()) | (u8::from(c.end.is_some()) << 1);
+    out.push(flags);
+    if let Some(m) = &c.message {
+        let bytes = m
+            .write_to_bytes()
+            .map_err(|e| bad(0, format!("cannot encode a snapshot message: {e}")))?;
+        out.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
+        out.extend_from_slice(&bytes);
+    }
+    if let Some((len, crc)) = c.end {
+        out.extend_from_slice(&len.to_le_bytes());
+        out.extend_from_slice(&crc.to_le_bytes());
+    }
+    out.extend_from_slice(&c.crc.to_le_bytes());
+    let len = out.len() - start - HEADER_BYTES + c.data.len();
+    let len32 = u32::try_from(len).map_err(|_| bad(0, format!("payload of {len} bytes")))?;
+    out[start + 8..start + 12].copy_from_slice(&len32.to_le_bytes());
+    let mut h = crc32fast::Hasher::new();
+    h.update(&out[start..start + 12]);
+    h.update(&out[start + HEADER_BYTES..]);
+    h.combine(&crc32fast::Hasher::new_with_initial_len(
+        c.crc,
+        c.data.len() as u64,
+    ));
+    let crc = h.finalize();
+    out[start + 12..start + 16].copy_from_slice(&crc.to_le_bytes());
+    Ok(())
+}
+
+/// Where a chunk payload's data starts (bounds checked, nothing parsed).
+fn chunk_data_offset(payload: &[u8]) -> Result<usize, NodeError> {
+    let short = |at: usize| bad(HEADER_BYTES + at, "chunk payload too short");
+    let mut pos = 8 + 8 + 8 + 4;
+    let flags = *payload.get(pos).ok_or_else(|| short(pos))?;
+    pos += 1;
+    if flags & 1 != 0 {
+        let b = payload.get(pos..pos + 4).ok_or_else(|| short(pos))?;
+        let len = u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize;
+        pos = pos.checked_add(4 + len).ok_or_else(|| short(pos))?;
+    }
+    if flags & 2 != 0 {
+        pos += 12;
+    }
+    pos += 4;
+    if pos > payload.len() {
+        return Err(short(payload.len()));
+    }
+    Ok(pos)
 }
 
 /// A checked header: the frame's kind, payload length and CRC.
@@ -236,9 +289,41 @@ fn parse_message(bytes: &[u8], offset: usize) -> Result<Message, NodeError> {
 
 /// Verifies the payload against the header's CRC and decodes the frame.
 pub fn decode(h: &Header, payload: &[u8]) -> Result<Frame, NodeError> {
+    let data_at = check(h, payload)?;
+    parse(h, payload, data_at, |d| d.to_vec())
+}
+
+/// [`decode`] taking the payload by value: a chunk's data becomes the chunk's buffer without
+/// a copy of its own.
+pub fn decode_owned(h: &Header, mut payload: Vec<u8>) -> Result<Frame, NodeError> {
+    let data_at = check(h, &payload)?;
+    let mut frame = parse(h, &payload, data_at, |_| Vec::new())?;
+    if let Frame::Chunk(c) = &mut frame {
+        payload.drain(..data_at);
+        c.data = payload;
+    }
+    Ok(frame)
+}
+
+/// Checks the frame CRC; returns where a chunk's data starts (the payload's end for other
+/// kinds).
+fn check(h: &Header, payload: &[u8]) -> Result<usize, NodeError> {
     let mut hasher = crc32fast::Hasher::new();
     hasher.update(&h.bytes[0..12]);
-    hasher.update(payload);
+    let data_at = if h.kind == KIND_CHUNK {
+        let at = chunk_data_offset(payload)?;
+        hasher.update(&payload[..at]);
+        let c = &payload[at - 4..at];
+        let data_crc = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        hasher.combine(&crc32fast::Hasher::new_with_initial_len(
+            data_crc,
+            (payload.len() - at) as u64,
+        ));
+        at
+    } else {
+        hasher.update(payload);
+        payload.len()
+    };
     let actual = hasher.finalize();
     if actual != h.crc {
         return Err(bad(
@@ -249,6 +334,15 @@ pub fn decode(h: &Header, payload: &[u8]) -> Result<Frame, NodeError> {
             ),
         ));
     }
+    Ok(data_at)
+}
+
+fn parse(
+    h: &Header,
+    payload: &[u8],
+    data_at: usize,
+    data: impl FnOnce(&[u8]) -> Vec<u8>,
+) -> Result<Frame, NodeError> {
     let mut r = Reader {
         buf: payload,
         pos: 0,
@@ -289,7 +383,8 @@ pub fn decode(h: &Header, payload: &[u8]) -> Result<Frame, NodeError> {
                 None
             };
             let crc = r.u32()?;
-            let data = r.rest().to_vec();
+            debug_assert_eq!(r.pos, data_at);
+            let data = data(r.rest());
             Frame::Chunk(SnapshotChunk {
                 from,
                 to,
@@ -420,6 +515,60 @@ mod tests {
                 })
                 .is_ok();
             assert!(!ok, "flip at byte {i} accepted");
+        }
+    }
+
+    /// A chunk frame: any flipped byte before the data fails the frame check; a flipped data
+    /// byte passes it but no longer matches the chunk's own CRC, which the receiver checks.
+    #[test]
+    fn chunk_frames_check_their_head_and_carry_their_data_crc() {
+        let data: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
+        let chunk = SnapshotChunk {
+            from: 1,
+            to: 2,
+            transfer: 3,
+            seq: 4,
+            message: None,
+            crc: crc32fast::hash(&data),
+            data,
+            end: Some((4096, 0x1234_5678)),
+        };
+        let mut out = Vec::new();
+        encode(&Frame::Chunk(chunk.clone()), &mut out).expect("encode");
+        // The combined frame CRC equals hashing the whole frame.
+        let mut h = crc32fast::Hasher::new();
+        h.update(&out[..12]);
+        h.update(&out[HEADER_BYTES..]);
+        assert_eq!(out[12..16], h.finalize().to_le_bytes());
+        let data_at = out.len() - chunk.data.len();
+        for i in 0..out.len() {
+            let mut b = out.clone();
+            b[i] ^= 0x01;
+            let mut hb = [0u8; HEADER_BYTES];
+            hb.copy_from_slice(&b[..HEADER_BYTES]);
+            let got = parse_header(hb, 1 << 20).and_then(|h| {
+                if h.len != b.len() - HEADER_BYTES {
+                    return Err(bad(8, "length"));
+                }
+                decode_owned(&h, b[HEADER_BYTES..].to_vec())
+            });
+            match got {
+                Ok(Frame::Chunk(c)) if i >= data_at => {
+                    assert_ne!(crc32fast::hash(&c.data), c.crc, "flip at data byte {i}");
+                }
+                Ok(other) => panic!("flip at byte {i} accepted: {other:?}"),
+                Err(_) => assert!(i < data_at, "data flip at {i} must reach the receiver"),
+            }
+        }
+        let mut hb = [0u8; HEADER_BYTES];
+        hb.copy_from_slice(&out[..HEADER_BYTES]);
+        let h = parse_header(hb, 1 << 20).expect("header");
+        match decode_owned(&h, out[HEADER_BYTES..].to_vec()).expect("decode") {
+            Frame::Chunk(c) => {
+                assert_eq!(c.data, chunk.data);
+                assert_eq!((c.seq, c.crc, c.end), (4, chunk.crc, chunk.end));
+            }
+            other => panic!("{other:?}"),
         }
     }
 
