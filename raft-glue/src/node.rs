@@ -3,12 +3,18 @@
 //! # Threads
 //!
 //! - The **Raft thread** owns the `RawNode`, the Raft log storage and the state machine. It
-//!   waits on four sources — client commands, Raft messages, ticks and snapshot events — and
-//!   after each one handles the `Ready` in raft-rs's documented order: send messages (the
-//!   leader before persisting, so replication overlaps its own fsync), install a snapshot,
-//!   persist entries and hard state (synced when `must_sync`), send the messages that had to
-//!   wait for persistence (followers' and candidates'), apply committed entries, answer
-//!   read-index requests, `advance`, and handle the light ready the same way.
+//!   waits on five sources — client commands, Raft messages, ticks, snapshot events and the
+//!   persist thread's reports — takes every proposal queued in one turn into one append, and
+//!   handles the `Ready` with raft-rs's asynchronous persistence: send messages (the leader
+//!   before persisting, so replication overlaps its own fsync), append entries and hard
+//!   state to the WAL without syncing, hand the ready to the persist thread
+//!   (`advance_append_async`), apply committed entries (raft-rs hands out only entries this
+//!   member has persisted), answer read-index requests. A ready carrying a snapshot is
+//!   handled synchronously once nothing else is in flight: install, persist, `advance`.
+//! - The **persist thread** makes the handed readies durable with one `fdatasync` per group,
+//!   then sends the messages that had to wait for persistence (followers' and candidates':
+//!   a member never acknowledges or votes on what is not durable) and reports the last
+//!   ready's number, which the Raft thread passes to `on_persist_ready`.
 //! - The **snapshot receiver thread** reassembles incoming snapshot streams, prepares the
 //!   backend, and hands the `MsgSnapshot` to the Raft thread (see [`crate::snapshot`]).
 //! - A **snapshot sender thread** per outgoing transfer.
@@ -431,12 +437,19 @@ impl<B: Backend> Node<B> {
             let dir = config.dir.clone();
             let bopts = config.backend_options.clone();
             let sopts = config.store_options.clone();
-            let prepared = sm.prepared_slot();
             threads.push(spawn(&format!("keel-snap-recv-{id}"), move || {
                 receive_loop::<B>(
                     shared2, snap_rx, transport, acks, assembler, ev_tx, dir, bopts, sopts,
-                    prepared,
                 )
+            })?);
+        }
+        let (job_tx, job_rx) = unbounded();
+        let (persisted_tx, persisted_rx) = unbounded();
+        {
+            let storage = storage.clone();
+            let transport = transport.clone();
+            threads.push(spawn(&format!("keel-persist-{id}"), move || {
+                persist_loop(storage, transport, job_rx, persisted_tx)
             })?);
         }
         let mut driver = Driver {
@@ -444,6 +457,12 @@ impl<B: Backend> Node<B> {
             shared: shared.clone(),
             raw,
             storage,
+            persist_jobs: job_tx,
+            persisted_rx,
+            handed: 0,
+            persisted: 0,
+            proposals: Vec::new(),
+            deferred_members: Vec::new(),
             sm,
             transport,
             acks,
@@ -903,7 +922,6 @@ fn receive_loop<B: Backend>(
     dir: PathBuf,
     backend_options: B::Options,
     store_options: StoreOptions,
-    prepared_slot: apply::PreparedSlot<B>,
 ) {
     let id = shared.id;
     // The transfer being restored while it arrives, if any.
@@ -930,11 +948,9 @@ fn receive_loop<B: Backend>(
         let key = (from, transfer);
         if chunk.seq == 0 {
             // One restore at a time: a new transfer replaces the one in progress, which
-            // then completes (if ever) through the stored file. The old restore ends, and
-            // a prepared snapshot raft-rs did not take is closed, before the new restore
-            // clears their directories.
+            // then completes (if ever) through the stored file. The old restore ends
+            // before the new one reuses its directory.
             drop(live.take());
-            drop(prepared_slot.lock().take());
             live = match snapshot::LiveRestore::<B>::start(key, &dir, &backend_options) {
                 Ok(l) => Some(l),
                 Err(e) => {
@@ -957,9 +973,9 @@ fn receive_loop<B: Backend>(
             };
             let meta = received.message.get_snapshot().get_metadata().clone();
             let prepared = match live.take() {
-                Some(l) if l.key == key => l.finish().and_then(|(generation, backend)| {
+                Some(l) if l.key == key => l.finish().and_then(|backend| {
                     apply::finish_restore(
-                        generation,
+                        &dir,
                         backend,
                         &store_options,
                         meta.index,
@@ -990,7 +1006,7 @@ fn receive_loop<B: Backend>(
             if let Some(path) = &received.path {
                 let _ = fs::remove_file(path);
             }
-            *prepared_slot.lock() = Some(prepared?);
+            prepared?;
             let (done_tx, done_rx) = bounded(1);
             events
                 .send(Event::SnapshotReceived {
@@ -999,10 +1015,6 @@ fn receive_loop<B: Backend>(
                 })
                 .map_err(|_| NodeError::Stopped { id, reason: None })?;
             let installed = done_rx.recv().unwrap_or(false);
-            if !installed {
-                // Not taken by raft-rs: close it; the next restore removes its directory.
-                drop(prepared_slot.lock().take());
-            }
             tracing::info!(
                 member = id,
                 from,
@@ -1030,11 +1042,88 @@ fn receive_loop<B: Backend>(
     }
 }
 
+type DeferredMember = (u64, u64, MemberOp, Option<Reply>, Instant);
+
+/// A ready handed to the persist thread: its entries and hard state are already appended to
+/// the WAL (not synced).
+struct PersistJob {
+    number: u64,
+    /// raft-rs's `must_sync`.
+    sync: bool,
+    /// Messages to send once the ready is durable.
+    messages: Vec<Message>,
+}
+
+/// The persist thread's report: every ready up to `number` is durable (or the sync failed).
+struct Persisted {
+    number: u64,
+    result: Result<(), NodeError>,
+    /// Messages the Raft thread sends itself (snapshots).
+    held: Vec<Message>,
+}
+
+/// The persist thread: takes every queued ready, makes them durable with one `fdatasync`,
+/// sends the messages that waited for them, and reports the last ready's number.
+fn persist_loop(
+    storage: RaftStorage,
+    transport: Arc<dyn Transport>,
+    jobs: Receiver<PersistJob>,
+    done: Sender<Persisted>,
+) {
+    while let Ok(first) = jobs.recv() {
+        let mut batch = vec![first];
+        while let Ok(j) = jobs.try_recv() {
+            batch.push(j);
+        }
+        let number = batch.last().map_or(0, |j| j.number);
+        let result = if batch.iter().any(|j| j.sync) {
+            storage.sync()
+        } else {
+            Ok(())
+        };
+        let failed = result.is_err();
+        let mut held = Vec::new();
+        if !failed {
+            for m in batch.into_iter().flat_map(|j| j.messages) {
+                if m.get_msg_type() == MessageType::MsgSnapshot {
+                    held.push(m);
+                } else {
+                    transport.send(m);
+                }
+            }
+        }
+        if done
+            .send(Persisted {
+                number,
+                result,
+                held,
+            })
+            .is_err()
+            || failed
+        {
+            return;
+        }
+    }
+}
+
 struct Driver<B: Backend> {
     id: u64,
     shared: Arc<Shared<B>>,
     raw: RawNode<RaftStorage>,
     storage: RaftStorage,
+    /// Readies handed to the persist thread.
+    persist_jobs: Sender<PersistJob>,
+    /// Its reports.
+    persisted_rx: Receiver<Persisted>,
+    /// Number of the last ready handed to the persist thread.
+    handed: u64,
+    /// Number of the last ready the persist thread reported durable.
+    persisted: u64,
+    /// Proposals taken in this loop turn, proposed together in one message.
+    proposals: Vec<(u64, Vec<u8>, Reply)>,
+    /// Membership operations held back until the leader commits in its term:
+    /// `(origin, seq, op, local caller, since)`.
+    deferred_members: Vec<DeferredMember>,
     sm: StateMachine<B>,
     transport: Arc<dyn Transport>,
     acks: AckWaiters,
@@ -1077,6 +1166,7 @@ struct Driver<B: Backend> {
 impl<B: Backend> Driver<B> {
     fn run(mut self, cmds: Receiver<Cmd>, msgs: Receiver<Message>, events: Receiver<Event>) {
         let ticker = crossbeam_channel::tick(self.shared.options.tick_interval);
+        let persisted = self.persisted_rx.clone();
         let mut last_sweep = Instant::now();
         let result: Result<(), NodeError> = (|| {
             loop {
@@ -1091,6 +1181,16 @@ impl<B: Backend> Driver<B> {
                     recv(events) -> e => if let Ok(e) = e {
                         pending_snapshot_done = self.event(e);
                     },
+                    recv(persisted) -> p => match p {
+                        Ok(p) => self.on_persisted(p)?,
+                        Err(_) => return Err(NodeError::Stopped {
+                            id: self.id,
+                            reason: Some("the persist thread ended".into()),
+                        }),
+                    },
+                }
+                while let Ok(p) = persisted.try_recv() {
+                    self.on_persisted(p)?;
                 }
                 // Take what else is queued, bounded, so one turn persists a batch.
                 let max = self.shared.options.max_proposals_per_turn;
@@ -1101,6 +1201,7 @@ impl<B: Backend> Driver<B> {
                         Err(_) => break,
                     }
                 }
+                self.flush_proposals();
                 for _ in 0..max {
                     match msgs.try_recv() {
                         Ok(m) => self.step(m),
@@ -1110,6 +1211,7 @@ impl<B: Backend> Driver<B> {
                 self.flush_reads();
                 let installed_before = self.snapshots_installed;
                 self.on_ready()?;
+                self.retry_deferred_members();
                 self.member_duties();
                 if self.removed {
                     return Err(self.removed_self());
@@ -1160,16 +1262,37 @@ impl<B: Backend> Driver<B> {
         for r in self.read_batch.drain(..) {
             let _ = r.send(Err(err()));
         }
+        for (_, _, r) in self.proposals.drain(..) {
+            let _ = r.send(Err(err()));
+        }
+        for (_, _, _, r, _) in self.deferred_members.drain(..) {
+            if let Some(r) = r {
+                let _ = r.send(Err(err()));
+            }
+        }
         if let Err(e) = self.sm.store().force_commit() {
             tracing::warn!(member = self.id, error = %e, "final backend commit failed");
         }
     }
 
-    /// Drops waiters whose callers have given up.
+    /// Drops waiters whose callers have given up, and asks again for the read index of
+    /// rounds still unanswered (a leader that had not committed in its term yet, or a lost
+    /// message, drops them silently).
     fn sweep(&mut self) {
         let limit = self.shared.options.request_timeout * 2;
         self.waiters.retain(|_, (t, _)| t.elapsed() < limit);
         self.reads.retain(|_, (t, _)| t.elapsed() < limit);
+        if self.leader().is_some() {
+            let stale: Vec<u64> = self
+                .reads
+                .iter()
+                .filter(|(_, (t, _))| t.elapsed() >= Duration::from_millis(500))
+                .map(|(ctx, _)| *ctx)
+                .collect();
+            for ctx in stale {
+                self.raw.read_index(ctx.to_le_bytes().to_vec());
+            }
+        }
     }
 
     fn leader(&self) -> Option<u64> {
@@ -1179,14 +1302,7 @@ impl<B: Backend> Driver<B> {
 
     fn command(&mut self, c: Cmd) {
         match c {
-            Cmd::Propose { seq, data, reply } => match self.raw.propose(Vec::new(), data) {
-                Ok(()) => {
-                    self.waiters.insert(seq, (Instant::now(), reply));
-                }
-                Err(e) => {
-                    let _ = reply.send(Err(self.propose_error(e)));
-                }
-            },
+            Cmd::Propose { seq, data, reply } => self.proposals.push((seq, data, reply)),
             Cmd::ConfChange {
                 seq,
                 cc,
@@ -1212,14 +1328,7 @@ impl<B: Backend> Driver<B> {
             Cmd::Read { reply } => self.read_batch.push(reply),
             Cmd::Member { seq, op, reply } => {
                 if self.raw.raft.state == StateRole::Leader {
-                    match self.propose_member(self.id, seq, op) {
-                        Ok(()) => {
-                            self.waiters.insert(seq, (Instant::now(), reply));
-                        }
-                        Err(e) => {
-                            let _ = reply.send(Err(e));
-                        }
-                    }
+                    self.leader_member_op(self.id, seq, op, Some(reply), Instant::now());
                 } else if let Some(leader) = self.leader() {
                     let fwd = Control::Forward {
                         origin: self.id,
@@ -1239,6 +1348,73 @@ impl<B: Backend> Driver<B> {
             }
             Cmd::Stop => {}
         }
+    }
+
+    /// Proposes every proposal taken in this loop turn as one message: one append on the
+    /// leader, one message to each follower.
+    fn flush_proposals(&mut self) {
+        if self.proposals.is_empty() {
+            return;
+        }
+        let batch = std::mem::take(&mut self.proposals);
+        let mut m = Message::default();
+        m.set_msg_type(MessageType::MsgPropose);
+        m.from = self.id;
+        let mut seqs = Vec::with_capacity(batch.len());
+        let mut entries = Vec::with_capacity(batch.len());
+        for (seq, data, reply) in batch {
+            let e = Entry {
+                data: data.into(),
+                ..Entry::default()
+            };
+            entries.push(e);
+            seqs.push((seq, reply));
+        }
+        m.set_entries(entries.into());
+        match self.raw.step(m) {
+            Ok(()) => {
+                let now = Instant::now();
+                for (seq, reply) in seqs {
+                    self.waiters.insert(seq, (now, reply));
+                }
+            }
+            Err(e) => {
+                // Every entry of the batch shares the fate of the one message.
+                let dropped = matches!(e, raft::Error::ProposalDropped);
+                let mut first = Some(e);
+                for (_, reply) in seqs {
+                    let e = match first.take() {
+                        Some(e) => e,
+                        None if dropped => raft::Error::ProposalDropped,
+                        None => raft::Error::ConfChangeError(
+                            "an earlier proposal of the same batch was refused".into(),
+                        ),
+                    };
+                    let _ = reply.send(Err(self.propose_error(e)));
+                }
+            }
+        }
+    }
+
+    /// Takes the persist thread's report: the readies up to its number are durable.
+    fn on_persisted(&mut self, p: Persisted) -> Result<(), NodeError> {
+        p.result?;
+        self.persisted = self.persisted.max(p.number);
+        self.raw.on_persist_ready(p.number);
+        self.send_messages(p.held);
+        Ok(())
+    }
+
+    /// Waits until every ready handed to the persist thread is durable.
+    fn wait_persisted(&mut self) -> Result<(), NodeError> {
+        while self.persisted < self.handed {
+            let p = self.persisted_rx.recv().map_err(|_| NodeError::Stopped {
+                id: self.id,
+                reason: Some("the persist thread ended".into()),
+            })?;
+            self.on_persisted(p)?;
+        }
+        Ok(())
     }
 
     fn propose_error(&self, e: raft::Error) -> NodeError {
@@ -1275,6 +1451,11 @@ impl<B: Backend> Driver<B> {
 
     fn flush_reads(&mut self) {
         if self.read_batch.is_empty() {
+            return;
+        }
+        if self.raw.raft.state == StateRole::Leader && !self.raw.raft.commit_to_current_term() {
+            // raft-rs drops a read index asked of a leader that has not committed an entry
+            // of its term yet: wait for that commit (it comes within a round trip).
             return;
         }
         let batch = std::mem::take(&mut self.read_batch);
@@ -1411,6 +1592,10 @@ impl<B: Backend> Driver<B> {
     }
 
     fn on_ready(&mut self) -> Result<(), NodeError> {
+        if self.handed > self.persisted && self.raw.snap().is_some_and(|s| !s.is_empty()) {
+            // A snapshot is installed with nothing else in flight.
+            self.wait_persisted()?;
+        }
         if !self.raw.has_ready() {
             self.update_status();
             self.lease_duties();
@@ -1419,6 +1604,16 @@ impl<B: Backend> Driver<B> {
         let mut rd = self.raw.ready();
         if let Some(ss) = rd.ss() {
             tracing::debug!(member = self.id, leader = ss.leader_id, role = ?ss.raft_state, "soft state changed");
+        }
+        if rd.snapshot().is_empty() && self.handed == self.persisted {
+            // Nothing in flight: if this ready needs nothing durable either, finish it here.
+            if rd.entries().is_empty() && rd.hs().is_none() && rd.persisted_messages().is_empty() {
+                self.handed = rd.number();
+                self.persisted = rd.number();
+            }
+        }
+        if rd.snapshot().is_empty() {
+            return self.on_ready_async(rd);
         }
         // The leader sends before persisting (Raft thesis 10.2.1).
         let msgs = rd.take_messages();
@@ -1434,12 +1629,59 @@ impl<B: Backend> Driver<B> {
         self.apply(committed)?;
         let reads = rd.take_read_states();
         self.read_states(reads);
+        self.handed = rd.number();
+        self.persisted = rd.number();
         let mut light = self.raw.advance(rd);
         let msgs = light.take_messages();
         self.send_messages(msgs);
         let committed = light.take_committed_entries();
         self.apply(committed)?;
         self.raw.advance_apply();
+        self.after_apply()
+    }
+
+    /// Handles a ready without a snapshot: its entries and hard state are appended to the
+    /// WAL here and made durable by the persist thread, which then sends the messages that
+    /// had to wait for them (followers' and candidates'); meanwhile this thread applies what
+    /// is committed and goes on stepping messages and taking proposals. raft-rs hands out
+    /// committed entries only up to what this member has persisted.
+    fn on_ready_async(&mut self, mut rd: raft::Ready) -> Result<(), NodeError> {
+        // The leader sends before persisting (Raft thesis 10.2.1).
+        let msgs = rd.take_messages();
+        self.send_messages(msgs);
+        let number = rd.number();
+        let sync = rd.must_sync();
+        let needs_persist = number > self.persisted;
+        if needs_persist {
+            self.storage.persist(rd.entries(), rd.hs(), false)?;
+        }
+        let persisted_msgs = rd.take_persisted_messages();
+        let committed = rd.take_committed_entries();
+        let reads = rd.take_read_states();
+        self.raw.advance_append_async(rd);
+        if needs_persist {
+            self.handed = number;
+            self.persist_jobs
+                .send(PersistJob {
+                    number,
+                    sync,
+                    messages: persisted_msgs,
+                })
+                .map_err(|_| NodeError::Stopped {
+                    id: self.id,
+                    reason: Some("the persist thread ended".into()),
+                })?;
+        } else {
+            self.raw.on_persist_ready(number);
+            self.send_messages(persisted_msgs);
+        }
+        self.apply(committed)?;
+        self.raw.advance_apply();
+        self.read_states(reads);
+        self.after_apply()
+    }
+
+    fn after_apply(&mut self) -> Result<(), NodeError> {
         self.maybe_snapshot_point()?;
         self.complete_reads();
         self.update_status();
@@ -1626,6 +1868,86 @@ impl<B: Backend> Driver<B> {
         Ok(())
     }
 
+    /// A membership operation on the leader. A leader that has not applied an entry of its
+    /// term yet holds it back until it has (raft-rs counts every entry before its term as
+    /// a possibly pending configuration change until then), at most a request timeout.
+    fn leader_member_op(
+        &mut self,
+        origin: u64,
+        seq: u64,
+        op: MemberOp,
+        reply: Option<Reply>,
+        since: Instant,
+    ) {
+        if !self.applied_in_term() && since.elapsed() < self.shared.options.request_timeout {
+            self.deferred_members.push((origin, seq, op, reply, since));
+            return;
+        }
+        match self.propose_member(origin, seq, op) {
+            Ok(()) => {
+                if let Some(reply) = reply {
+                    self.waiters.insert(seq, (since, reply));
+                }
+            }
+            Err(e) => self.member_refused(origin, seq, reply, e),
+        }
+    }
+
+    /// Whether this member has applied an entry of its current term (a new leader: its
+    /// own first entry).
+    fn applied_in_term(&self) -> bool {
+        let log = &self.raw.raft.raft_log;
+        log.term(log.applied).is_ok_and(|t| t == self.raw.raft.term)
+    }
+
+    /// Answers a refused membership operation: to the local caller, or to the member that
+    /// forwarded it.
+    fn member_refused(&mut self, origin: u64, seq: u64, reply: Option<Reply>, e: NodeError) {
+        match reply {
+            Some(reply) => {
+                let _ = reply.send(Err(e));
+            }
+            None => {
+                let error = match e {
+                    NodeError::Membership(text) => text,
+                    other => other.to_string(),
+                };
+                self.transport
+                    .send(Control::Refused { seq, error }.to_message(self.id, origin));
+            }
+        }
+    }
+
+    /// Proposes the membership operations held back while the leader had not committed in
+    /// its term; refuses them if it is no longer the leader.
+    fn retry_deferred_members(&mut self) {
+        if self.deferred_members.is_empty() {
+            return;
+        }
+        let leader = self.raw.raft.state == StateRole::Leader;
+        if leader && !self.applied_in_term() {
+            let timeout = self.shared.options.request_timeout;
+            if self
+                .deferred_members
+                .iter()
+                .all(|d| d.4.elapsed() < timeout)
+            {
+                return;
+            }
+        }
+        for (origin, seq, op, reply, since) in std::mem::take(&mut self.deferred_members) {
+            if leader {
+                self.leader_member_op(origin, seq, op, reply, since);
+            } else {
+                let e = NodeError::NotLeader {
+                    id: self.id,
+                    leader: self.leader(),
+                };
+                self.member_refused(origin, seq, reply, e);
+            }
+        }
+    }
+
     /// Checks a membership operation on the leader and proposes it: the operation itself
     /// (etcd's validation, learner limit), the strict reconfiguration check, the promotion
     /// gate for a manual promote, one change at a time.
@@ -1709,21 +2031,14 @@ impl<B: Backend> Driver<B> {
     fn control(&mut self, from: u64, c: Control) {
         match c {
             Control::Forward { origin, seq, op } => {
-                let result = if self.raw.raft.state == StateRole::Leader {
-                    self.propose_member(origin, seq, op)
+                if self.raw.raft.state == StateRole::Leader {
+                    self.leader_member_op(origin, seq, op, None, Instant::now());
                 } else {
-                    Err(NodeError::NotLeader {
+                    let e = NodeError::NotLeader {
                         id: self.id,
                         leader: self.leader(),
-                    })
-                };
-                if let Err(e) = result {
-                    let error = match e {
-                        NodeError::Membership(text) => text,
-                        other => other.to_string(),
                     };
-                    self.transport
-                        .send(Control::Refused { seq, error }.to_message(self.id, origin));
+                    self.member_refused(origin, seq, None, e);
                 }
             }
             Control::Refused { seq, error } => {

@@ -4,9 +4,11 @@
 //! # What lives where
 //!
 //! - **Entries and the hard state** are written to the WAL by [`RaftStorage::persist`] as one
-//!   durability point (synced when raft-rs says `must_sync`), then mirrored in memory; raft-rs
-//!   reads entries and terms from memory only. On open, every entry the WAL still holds is
-//!   read back, so the cache is exactly the durable log.
+//!   append, then mirrored in memory; raft-rs reads entries and terms from memory only. The
+//!   node appends without syncing on its Raft thread and makes the appends durable with
+//!   [`RaftStorage::sync`] on its persist thread, so the memory copy may run ahead of the
+//!   durable log, never behind it. On open, every entry the WAL still holds is read back, so
+//!   the cache is exactly the durable log.
 //! - **The compaction point** (the index before the first entry held, with its term) is the
 //!   WAL's snapshot marker. [`RaftStorage::compact`] moves it forward after the node records a
 //!   snapshot point, always keeping `snapshot_catch_up_entries` entries behind the applied
@@ -191,8 +193,10 @@ impl RaftStorage {
         &self.wal
     }
 
-    /// Makes `entries` and `hard_state` durable (one WAL append; synced when `sync`), then
-    /// visible to raft-rs. Entries at or below the last index replace the log's suffix.
+    /// Appends `entries` and `hard_state` to the WAL (one append; synced when `sync`), then
+    /// makes them visible to raft-rs. Entries at or below the last index replace the log's
+    /// suffix. Without `sync` they are durable only after a later [`sync`](Self::sync): the
+    /// node persists that way off its Raft thread.
     pub fn persist(
         &self,
         entries: &[Entry],
@@ -242,6 +246,12 @@ impl RaftStorage {
             inner.hard_state = hs.clone();
         }
         Ok(())
+    }
+
+    /// Makes everything [`persist`](Self::persist)ed so far durable (one `fdatasync`, shared
+    /// with concurrent callers; none when nothing new was written).
+    pub fn sync(&self) -> Result<(), NodeError> {
+        self.wal.sync().map_err(log_err)
     }
 
     /// Installs a snapshot received from the leader: the log restarts after its index. The
