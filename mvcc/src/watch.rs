@@ -1,15 +1,25 @@
 //! Watch: streams of changes to a key or range, from a revision on.
 //!
-//! Every watcher owns a bounded channel ([`StoreOptions::watch_channel_capacity`] responses,
-//! one response per revision). A watcher is either *synced* — the committing writer hands it
-//! the events of each new revision with a non-blocking send — or *unsynced*: it started in the
-//! past, or its channel was full when a writer tried to deliver. Writers never wait for a
-//! watcher: a full channel just turns the watcher unsynced, remembering the first revision it
-//! missed. The syncer thread then reads the missed revisions back from the store (pending
-//! buffers and backend, through a read view), for up to 512 unsynced watchers in one scan of
-//! at most [`StoreOptions::watch_sync_batch`] revisions, and moves a watcher back to synced
-//! once it has everything up to the last revision writers dispatched. Memory therefore stays
-//! bounded by the channels, whatever the consumers do.
+//! Every watcher is either *synced* — the committing writer hands it the events of each new
+//! revision with a non-blocking send — or *unsynced*: it started in the past, or its channel
+//! was full when a writer tried to deliver. Writers never wait for a watcher: a full channel
+//! just turns the watcher unsynced, remembering the first revision it missed.
+//!
+//! Matching is by key, not by watcher: every watcher sits in one [`index::Matcher`] (single
+//! keys in a hash map, ranges in an interval index), so a change is matched with one lookup
+//! plus one stab, whatever the number of watchers. The writer copies the matched changes of a
+//! revision once into a shared [`RevChanges`] and sends each matching watcher an `Arc` of it
+//! with the positions it should see; the receiving side decodes its events from there, so a
+//! revision costs the writer one copy and one channel send per matching watcher.
+//!
+//! The syncer thread ([`sync`]) catches unsynced watchers up: each round takes every unsynced
+//! watcher whose channel has room, reads the revisions from the lowest revision any of them
+//! still needs (at most [`StoreOptions::watch_sync_batch`] of them) from the store in one scan
+//! (pending buffers and backend, through a read view), decodes each change once, matches it
+//! through a matcher built over those watchers, and sends every watcher its whole share of the
+//! batch in one message. A watcher that has everything up to the last revision writers
+//! dispatched goes back to synced. Memory therefore stays bounded by the channels (each
+//! message holds at most one batch), whatever the consumers do.
 //!
 //! A [`WatchStream`] multiplexes many watchers onto one bounded channel, like etcd's
 //! `watchStream` (its `chanBufLen` is our channel capacity): a consumer of thousands of
@@ -19,13 +29,18 @@
 //! catches it up once the consumer made room. Watchers ending (compaction) are queued beside
 //! the channel, so that news never waits for room.
 //!
+//! Receivers always see one response per revision: a batch message is split on receipt.
+//!
 //! A watcher whose next revision falls below the compaction point receives
 //! [`MvccError::Compacted`] and ends (etcd's "required revision has been compacted").
 //!
-//! [`StoreOptions::watch_channel_capacity`]: crate::StoreOptions::watch_channel_capacity
 //! [`StoreOptions::watch_sync_batch`]: crate::StoreOptions::watch_sync_batch
 
-use std::collections::{HashMap, HashSet};
+mod index;
+mod stream;
+mod sync;
+
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -35,7 +50,7 @@ use parking_lot::Mutex;
 
 use crate::backend::Backend;
 use crate::error::MvccError;
-use crate::kv::{KeyValue, decode_record};
+use crate::kv::{KeyValue, RecordRef};
 use crate::options::StoreOptions;
 use crate::pending::Pending;
 use crate::read::ReadView;
@@ -43,8 +58,9 @@ use crate::request::{RangeRequest, check_range};
 use crate::revision::Revision;
 use crate::store::Inner;
 
-/// Unsynced watchers caught up per store scan (etcd's `maxWatchersPerSync`).
-const WATCHERS_PER_SYNC: usize = 512;
+use index::{End, FxMap, FxSet, Matcher};
+pub use stream::{StreamItem, WatchStream};
+pub(crate) use sync::syncer_loop;
 
 /// What to watch.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -107,42 +123,127 @@ pub struct Event {
     pub prev_kv: Option<KeyValue>,
 }
 
-/// An event read back by the syncer, shared by the watchers it catches up.
-#[derive(Clone, Debug)]
-struct RawEvent {
-    kind: EventKind,
-    kv: KeyValue,
+/// The key of a record, read without checking its checksum: for records the store holds in
+/// memory (written by itself, or read back and checked once). Layout: [`crate::kv`].
+fn record_key(record: &[u8]) -> Option<&[u8]> {
+    let len = u32::from_be_bytes(record.get(33..37)?.try_into().ok()?) as usize;
+    record.get(37..37 + len)
 }
 
-#[derive(Clone, Debug)]
-enum KeyBound {
-    Single,
-    Until(Vec<u8>),
-    Unbounded,
+/// [`decode_record`] without the checksum, for the same records as [`record_key`].
+fn record_ref(record: &[u8]) -> Option<RecordRef<'_>> {
+    let key = record_key(record)?;
+    let be = |at: usize| -> Option<u64> {
+        Some(u64::from_be_bytes(record.get(at..at + 8)?.try_into().ok()?))
+    };
+    let value = record.get(37 + key.len()..record.len().checked_sub(4)?)?;
+    Some(RecordRef {
+        key,
+        value,
+        create_revision: be(1)?,
+        mod_revision: be(9)?,
+        version: be(17)?,
+        lease: be(25)? as i64,
+    })
 }
 
-struct WatcherState {
-    key: Vec<u8>,
-    bound: KeyBound,
+/// One change of a shared revision: its stored record (checked) and, when a watcher asked
+/// for it, the previous pair.
+struct Change {
+    tombstone: bool,
+    record: Box<[u8]>,
+    prev: Option<KeyValue>,
+}
+
+/// The changes of one revision that some watcher matched, shared by all their deliveries.
+struct RevChanges {
+    changes: Vec<Change>,
+}
+
+/// Which changes of a [`RevChanges`] a delivery holds.
+enum Pick {
+    All,
+    Some(Box<[u32]>),
+}
+
+/// One revision for one watcher.
+struct Part {
+    rev: Arc<RevChanges>,
+    pick: Pick,
     prev_kv: bool,
-    tx: Target,
-    end: Arc<WatchEnd>,
-    /// First revision this watcher has not received (for a synced watcher: the lowest
-    /// revision it may still receive).
-    next_rev: u64,
-    synced: bool,
 }
 
-impl WatcherState {
-    /// Hands `out` to the watcher's channel (its own or its stream's); on a full stream
-    /// channel the stream is marked lagging so its consumer wakes the syncer.
-    fn try_send(&self, id: u64, out: Vec<Event>) -> Result<(), TrySendError<()>> {
-        match &self.tx {
-            Target::Own(tx) => tx.try_send(out).map_err(|e| match e {
+impl Part {
+    /// The watcher's response for this revision.
+    fn events(&self) -> Vec<Event> {
+        let one = |c: &Change| -> Option<Event> {
+            let r = record_ref(&c.record)?;
+            Some(Event {
+                kind: if c.tombstone {
+                    EventKind::Delete
+                } else {
+                    EventKind::Put
+                },
+                kv: r.to_kv(true),
+                prev_kv: if self.prev_kv { c.prev.clone() } else { None },
+            })
+        };
+        match &self.pick {
+            Pick::All => self.rev.changes.iter().filter_map(one).collect(),
+            Pick::Some(at) => at
+                .iter()
+                .filter_map(|&i| self.rev.changes.get(i as usize).and_then(one))
+                .collect(),
+        }
+    }
+}
+
+/// What travels in a watcher's channel.
+enum Msg {
+    /// The writer's delivery of one revision.
+    One(Part),
+    /// A catch-up batch, ascending revisions.
+    Many(Vec<Part>),
+    /// Nothing: wakes a stream's consumer to look at its ended watchers.
+    Wake,
+}
+
+impl Msg {
+    /// Appends the message's responses, one per revision, to `out`.
+    fn split_into(self, out: &mut VecDeque<Vec<Event>>) {
+        let mut push = |p: &Part| {
+            let events = p.events();
+            if !events.is_empty() {
+                out.push_back(events);
+            }
+        };
+        match self {
+            Msg::One(p) => push(&p),
+            Msg::Many(parts) => parts.iter().for_each(push),
+            Msg::Wake => {}
+        }
+    }
+}
+
+/// Where a watcher's responses go.
+#[derive(Clone)]
+enum Target {
+    /// A lone watcher's own channel.
+    Own(Sender<Msg>),
+    /// The channel of the watcher's stream, shared by all its watchers.
+    Stream(Sender<(u64, Msg)>, Arc<stream::StreamShared>),
+}
+
+impl Target {
+    /// Hands `msg` to the channel; on a full stream channel the stream is marked lagging so
+    /// its consumer wakes the syncer.
+    fn try_send(&self, id: u64, msg: Msg) -> Result<(), TrySendError<()>> {
+        match self {
+            Target::Own(tx) => tx.try_send(msg).map_err(|e| match e {
                 TrySendError::Full(_) => TrySendError::Full(()),
                 TrySendError::Disconnected(_) => TrySendError::Disconnected(()),
             }),
-            Target::Stream(tx, shared) => tx.try_send((id, out)).map_err(|e| match e {
+            Target::Stream(tx, shared) => tx.try_send((id, msg)).map_err(|e| match e {
                 TrySendError::Full(_) => {
                     shared.lagging.store(true, Ordering::Release);
                     TrySendError::Full(())
@@ -152,44 +253,40 @@ impl WatcherState {
         }
     }
 
+    /// True when a send would fail for want of room.
+    fn is_full(&self) -> bool {
+        match self {
+            Target::Own(tx) => tx.is_full(),
+            Target::Stream(tx, _) => tx.is_full(),
+        }
+    }
+}
+
+struct WatcherState {
+    key: Arc<[u8]>,
+    /// `None` for a single key.
+    end: Option<End>,
+    prev_kv: bool,
+    tx: Target,
+    info: Arc<WatchEnd>,
+    /// First revision this watcher has not received (for a synced watcher: the lowest
+    /// revision it may still receive).
+    next_rev: u64,
+    synced: bool,
+}
+
+impl WatcherState {
     /// Records why the watcher ended: in its stream's queue, or for its own receiver.
     fn ended(&self, id: u64, error: MvccError) {
         match &self.tx {
             Target::Stream(tx, shared) => {
-                shared.ended.lock().push((id, error));
+                shared.ended.lock().push_back((id, error));
                 // A wake-up for a blocked consumer; a full channel wakes it anyway.
-                let _ = tx.try_send((id, Vec::new()));
+                let _ = tx.try_send((id, Msg::Wake));
             }
-            Target::Own(_) => *self.end.error.lock() = Some(error),
+            Target::Own(_) => *self.info.error.lock() = Some(error),
         }
     }
-
-    fn matches(&self, key: &[u8]) -> bool {
-        match &self.bound {
-            KeyBound::Single => key == self.key.as_slice(),
-            KeyBound::Until(end) => key >= self.key.as_slice() && key < end.as_slice(),
-            KeyBound::Unbounded => key >= self.key.as_slice(),
-        }
-    }
-}
-
-/// Where a watcher's responses go.
-#[derive(Clone)]
-enum Target {
-    /// A lone watcher's own channel.
-    Own(Sender<Vec<Event>>),
-    /// The channel of the watcher's stream, shared by all its watchers.
-    Stream(Sender<(u64, Vec<Event>)>, Arc<StreamShared>),
-}
-
-/// What the hub and a [`WatchStream`] share besides the channel.
-#[derive(Default)]
-struct StreamShared {
-    /// Watchers of the stream that ended, with why.
-    ended: Mutex<Vec<(u64, MvccError)>>,
-    /// Set when a watcher of the stream found the channel full: receiving then wakes the
-    /// syncer once the channel has room.
-    lagging: AtomicBool,
 }
 
 /// Why a watcher ended, read by its receiver once the channel is drained.
@@ -202,58 +299,40 @@ struct WatchEnd {
 
 #[derive(Default)]
 struct HubState {
-    watchers: HashMap<u64, WatcherState>,
-    synced_keys: HashMap<Vec<u8>, Vec<u64>>,
-    synced_ranges: HashSet<u64>,
-    unsynced: HashSet<u64>,
+    watchers: FxMap<u64, WatcherState>,
+    /// Every watcher, synced or not, by what it watches.
+    matcher: Matcher,
+    unsynced: FxSet<u64>,
     /// Last revision whose events writers dispatched.
     last_notified: u64,
+    /// The writer's scratch list of `(watcher, change)` matches, kept to spare allocations.
+    scratch: Vec<(u64, u32)>,
 }
 
 impl HubState {
-    fn add_synced(&mut self, id: u64) {
-        let Some(w) = self.watchers.get_mut(&id) else {
-            return;
-        };
-        w.synced = true;
-        w.end.lagging.store(false, Ordering::Release);
-        match w.bound {
-            KeyBound::Single => self.synced_keys.entry(w.key.clone()).or_default().push(id),
-            _ => {
-                self.synced_ranges.insert(id);
-            }
+    fn set_synced(&mut self, id: u64) {
+        if let Some(w) = self.watchers.get_mut(&id) {
+            w.synced = true;
+            w.info.lagging.store(false, Ordering::Release);
+            self.unsynced.remove(&id);
         }
-        self.unsynced.remove(&id);
     }
 
-    fn remove_synced(&mut self, id: u64) {
-        let Some(w) = self.watchers.get_mut(&id) else {
-            return;
-        };
-        if !w.synced {
-            return;
-        }
-        w.synced = false;
-        w.end.lagging.store(true, Ordering::Release);
-        match w.bound {
-            KeyBound::Single => {
-                if let Some(ids) = self.synced_keys.get_mut(&w.key) {
-                    ids.retain(|&i| i != id);
-                    if ids.is_empty() {
-                        self.synced_keys.remove(&w.key);
-                    }
-                }
-            }
-            _ => {
-                self.synced_ranges.remove(&id);
-            }
+    /// Turns a synced watcher unsynced from `next` on.
+    fn set_unsynced(&mut self, id: u64, next: u64) {
+        if let Some(w) = self.watchers.get_mut(&id) {
+            w.synced = false;
+            w.next_rev = next;
+            w.info.lagging.store(true, Ordering::Release);
+            self.unsynced.insert(id);
         }
     }
 
     fn remove(&mut self, id: u64) -> Option<WatcherState> {
-        self.remove_synced(id);
+        let w = self.watchers.remove(&id)?;
+        self.matcher.remove(id, &w.key, w.end.as_ref());
         self.unsynced.remove(&id);
-        self.watchers.remove(&id)
+        Some(w)
     }
 }
 
@@ -314,7 +393,8 @@ impl WatchHub {
 
     /// Hands the events of `revision` to synced watchers; called by the committing writer,
     /// in revision order, with the buffer its changes went to (`buf.revs[start..]`, one
-    /// entry of `prev_revs` each). Never blocks on a watcher; allocates only for matches.
+    /// entry of `prev_revs` each). Never blocks on a watcher. A change no watcher matches
+    /// costs one key lookup; matched changes are copied once and shared.
     pub fn notify<B: Backend>(
         &self,
         inner: &Arc<Inner<B>>,
@@ -323,79 +403,103 @@ impl WatchHub {
         start: usize,
         prev_revs: &[Option<Revision>],
     ) {
-        let mut st = self.shared.state.lock();
+        let mut guard = self.shared.state.lock();
+        let st = &mut *guard;
         st.last_notified = revision;
-        let changes = buf.changes.read();
-        let end = (start + prev_revs.len()).min(changes.revs.len());
-        let revs = &changes.revs[start.min(end)..end];
-        let mut matches: Vec<(u64, usize)> = Vec::new();
-        for (i, p) in revs.iter().enumerate() {
-            let Ok(rec) = decode_record(p.rev, &p.record) else {
-                continue;
-            };
-            if let Some(ids) = st.synced_keys.get(rec.key) {
-                matches.extend(ids.iter().map(|&id| (id, i)));
+        let mut matches = std::mem::take(&mut st.scratch);
+        matches.clear();
+        let rev_changes = {
+            let changes = buf.changes.read();
+            let end = (start + prev_revs.len()).min(changes.revs.len());
+            let revs = &changes.revs[start.min(end)..end];
+            for (i, p) in revs.iter().enumerate() {
+                let Some(key) = record_key(&p.record) else {
+                    continue;
+                };
+                let watchers = &st.watchers;
+                st.matcher.for_each_match(key, |id| {
+                    if watchers
+                        .get(&id)
+                        .is_some_and(|w| w.synced && w.next_rev <= revision)
+                    {
+                        matches.push((id, i as u32));
+                    }
+                });
             }
-            for &id in &st.synced_ranges {
-                if st.watchers.get(&id).is_some_and(|w| w.matches(rec.key)) {
-                    matches.push((id, i));
+            if matches.is_empty() {
+                st.scratch = matches;
+                return;
+            }
+            if matches.len() > 1 {
+                matches.sort_unstable();
+            }
+            // The changes someone matched, ascending, each copied once; previous pairs only
+            // for changes a prev_kv watcher matched.
+            let mut used: Vec<(u32, bool)> = matches
+                .iter()
+                .map(|&(id, i)| (i, st.watchers.get(&id).is_some_and(|w| w.prev_kv)))
+                .collect();
+            used.sort_unstable();
+            // One entry per change, wanting the previous pair if any of its watchers does.
+            used.dedup_by(|later, earlier| {
+                if later.0 == earlier.0 {
+                    earlier.1 |= later.1;
+                    true
+                } else {
+                    false
                 }
+            });
+            let mut view: Option<Option<ReadView<B>>> = None;
+            let changes: Vec<Change> = used
+                .iter()
+                .map(|&(i, want_prev)| {
+                    let p = &revs[i as usize];
+                    let prev = if want_prev {
+                        let v = view.get_or_insert_with(|| ReadView::open(inner).ok());
+                        resolve_prev(
+                            inner,
+                            v.as_ref(),
+                            prev_revs.get(i as usize).copied().flatten(),
+                        )
+                    } else {
+                        None
+                    };
+                    Change {
+                        tombstone: p.tombstone,
+                        record: p.record.as_slice().into(),
+                        prev,
+                    }
+                })
+                .collect();
+            for m in matches.iter_mut() {
+                m.1 = used.partition_point(|u| u.0 < m.1) as u32;
             }
-        }
-        if matches.is_empty() {
-            return;
-        }
-        matches.sort_unstable();
-        let mut prevs: HashMap<usize, Option<KeyValue>> = HashMap::new();
-        let mut view: Option<Option<ReadView<B>>> = None;
+            Arc::new(RevChanges { changes })
+        };
+        let total = rev_changes.changes.len();
         let mut gone = Vec::new();
         for group in matches.chunk_by(|a, b| a.0 == b.0) {
             let id = group[0].0;
             let Some(w) = st.watchers.get(&id) else {
                 continue;
             };
-            if revision < w.next_rev {
-                continue;
-            }
-            let mut out = Vec::with_capacity(group.len());
-            for &(_, i) in group {
-                let p = &revs[i];
-                let Ok(rec) = decode_record(p.rev, &p.record) else {
-                    continue;
-                };
-                let prev_kv = if w.prev_kv {
-                    prevs
-                        .entry(i)
-                        .or_insert_with(|| {
-                            let v = view.get_or_insert_with(|| ReadView::open(inner).ok());
-                            resolve_prev(inner, v.as_ref(), prev_revs.get(i).copied().flatten())
-                        })
-                        .clone()
-                } else {
-                    None
-                };
-                out.push(Event {
-                    kind: if p.tombstone {
-                        EventKind::Delete
-                    } else {
-                        EventKind::Put
-                    },
-                    kv: rec.to_kv(true),
-                    prev_kv,
-                });
-            }
-            match w.try_send(id, out) {
+            let pick = if group.len() == total {
+                Pick::All
+            } else {
+                Pick::Some(group.iter().map(|m| m.1).collect())
+            };
+            let part = Part {
+                rev: rev_changes.clone(),
+                pick,
+                prev_kv: w.prev_kv,
+            };
+            match w.tx.try_send(id, Msg::One(part)) {
                 Ok(()) => {}
-                Err(TrySendError::Full(_)) => {
-                    st.remove_synced(id);
-                    if let Some(w) = st.watchers.get_mut(&id) {
-                        w.next_rev = revision;
-                    }
-                    st.unsynced.insert(id);
-                }
-                Err(TrySendError::Disconnected(_)) => gone.push(id),
+                Err(TrySendError::Full(())) => st.set_unsynced(id, revision),
+                Err(TrySendError::Disconnected(())) => gone.push(id),
             }
         }
+        st.scratch = matches;
         for id in gone {
             if st.remove(id).is_some() {
                 self.shared.count.fetch_sub(1, Ordering::AcqRel);
@@ -420,7 +524,9 @@ fn resolve_prev<B: Backend>(
 /// A stream of changes; see the module docs. Dropping it cancels the watch.
 pub struct Watcher {
     id: u64,
-    rx: Receiver<Vec<Event>>,
+    rx: Receiver<Msg>,
+    /// Responses of a received batch not yet handed out.
+    ready: Mutex<VecDeque<Vec<Event>>>,
     end: Arc<WatchEnd>,
     hub: Weak<HubShared>,
 }
@@ -455,36 +561,69 @@ impl Watcher {
         }
     }
 
+    /// The next response already split from a received message.
+    fn pop_ready(&self) -> Option<Vec<Event>> {
+        self.ready.lock().pop_front()
+    }
+
+    /// Splits `msg` and returns its first response, keeping the rest.
+    fn unpack(&self, msg: Msg) -> Option<Vec<Event>> {
+        self.received();
+        let mut ready = self.ready.lock();
+        msg.split_into(&mut ready);
+        ready.pop_front()
+    }
+
     /// Waits for the events of the next revision that touched the watched keys. Fails with
     /// [`MvccError::Compacted`] when the watcher fell below the compaction point, or
     /// [`MvccError::WatchClosed`] after the store was dropped.
     pub fn recv(&self) -> Result<Vec<Event>, MvccError> {
-        let events = self.rx.recv().map_err(|_| self.ended())?;
-        self.received();
-        Ok(events)
+        loop {
+            if let Some(events) = self.pop_ready() {
+                return Ok(events);
+            }
+            let msg = self.rx.recv().map_err(|_| self.ended())?;
+            if let Some(events) = self.unpack(msg) {
+                return Ok(events);
+            }
+        }
     }
 
     /// Like [`recv`](Watcher::recv) but gives up after `timeout` with `Ok(None)`.
     pub fn recv_timeout(&self, timeout: Duration) -> Result<Option<Vec<Event>>, MvccError> {
-        match self.rx.recv_timeout(timeout) {
-            Ok(events) => {
-                self.received();
-                Ok(Some(events))
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            if let Some(events) = self.pop_ready() {
+                return Ok(Some(events));
             }
-            Err(RecvTimeoutError::Timeout) => Ok(None),
-            Err(RecvTimeoutError::Disconnected) => Err(self.ended()),
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match self.rx.recv_timeout(left) {
+                Ok(msg) => {
+                    if let Some(events) = self.unpack(msg) {
+                        return Ok(Some(events));
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => return Ok(None),
+                Err(RecvTimeoutError::Disconnected) => return Err(self.ended()),
+            }
         }
     }
 
     /// The next revision's events if already delivered.
     pub fn try_recv(&self) -> Result<Option<Vec<Event>>, MvccError> {
-        match self.rx.try_recv() {
-            Ok(events) => {
-                self.received();
-                Ok(Some(events))
+        loop {
+            if let Some(events) = self.pop_ready() {
+                return Ok(Some(events));
             }
-            Err(TryRecvError::Empty) => Ok(None),
-            Err(TryRecvError::Disconnected) => Err(self.ended()),
+            match self.rx.try_recv() {
+                Ok(msg) => {
+                    if let Some(events) = self.unpack(msg) {
+                        return Ok(Some(events));
+                    }
+                }
+                Err(TryRecvError::Empty) => return Ok(None),
+                Err(TryRecvError::Disconnected) => return Err(self.ended()),
+            }
         }
     }
 
@@ -523,10 +662,10 @@ fn watch_in<B: Backend>(
         });
     }
     let hub = &inner.watch;
-    let bound = match req.range_end.as_deref() {
-        None => KeyBound::Single,
-        Some([0]) => KeyBound::Unbounded,
-        Some(e) => KeyBound::Until(e.to_vec()),
+    let end = match req.range_end.as_deref() {
+        None => None,
+        Some([0]) => Some(End::Unbounded),
+        Some(e) => Some(End::Key(e.into())),
     };
     let (tx, rx) = match stream {
         Some(t) => (t, crossbeam_channel::never()),
@@ -535,8 +674,9 @@ fn watch_in<B: Backend>(
             (Target::Own(tx), rx)
         }
     };
-    let end = Arc::new(WatchEnd::default());
+    let info = Arc::new(WatchEnd::default());
     let id = hub.next_id.fetch_add(1, Ordering::Relaxed);
+    let key: Arc<[u8]> = req.key.into();
     // The write lock orders registration against commits: nothing is published meanwhile.
     let _w = inner.write_lock.lock();
     let current = inner.state.lock().revision;
@@ -552,400 +692,33 @@ fn watch_in<B: Backend>(
     } else {
         req.start_revision
     };
+    let synced = start > current;
     let mut st = hub.shared.state.lock();
     st.last_notified = st.last_notified.max(current);
+    st.matcher.insert(id, &key, end.as_ref());
     st.watchers.insert(
         id,
         WatcherState {
-            key: req.key,
-            bound,
+            key,
+            end,
             prev_kv: req.prev_kv,
             tx,
-            end: end.clone(),
+            info: info.clone(),
             next_rev: start,
-            synced: false,
+            synced,
         },
     );
     hub.shared.count.fetch_add(1, Ordering::AcqRel);
-    if start > current {
-        st.add_synced(id);
-    } else {
-        end.lagging.store(true, Ordering::Release);
+    if !synced {
+        info.lagging.store(true, Ordering::Release);
         st.unsynced.insert(id);
         let _ = hub.shared.wake.0.try_send(());
     }
     Ok(Watcher {
         id,
         rx,
-        end,
+        ready: Mutex::new(VecDeque::new()),
+        end: info,
         hub: Arc::downgrade(&hub.shared),
     })
-}
-
-/// A watcher's parameters copied out for one catch-up round.
-struct SyncTarget {
-    id: u64,
-    next: u64,
-    matcher: WatcherState,
-}
-
-/// The syncer thread: catches unsynced watchers up until the store shuts down.
-pub(crate) fn syncer_loop<B: Backend>(inner: &Arc<Inner<B>>) {
-    let hub = &inner.watch;
-    loop {
-        match hub
-            .shared
-            .wake
-            .1
-            .recv_timeout(inner.options.watch_sync_interval)
-        {
-            Ok(()) | Err(RecvTimeoutError::Timeout) => {}
-            Err(RecvTimeoutError::Disconnected) => return,
-        }
-        if hub.shared.closed.load(Ordering::Acquire) || inner.shutdown.load(Ordering::Acquire) {
-            return;
-        }
-        // Keep going while rounds make progress; a round with only full channels waits.
-        for _ in 0..64 {
-            match sync_round(inner) {
-                Ok(true) => {}
-                Ok(false) => break,
-                Err(e) => {
-                    tracing::warn!(error = %e, "watch catch-up failed; retrying later");
-                    break;
-                }
-            }
-        }
-    }
-}
-
-/// One catch-up pass; true when some watcher made progress and more work may remain.
-fn sync_round<B: Backend>(inner: &Arc<Inner<B>>) -> Result<bool, MvccError> {
-    let hub = &inner.watch;
-    let view = ReadView::open(inner)?;
-    let compacted = inner.compacted.load(Ordering::Acquire);
-    let mut targets = Vec::new();
-    {
-        let mut st = hub.shared.state.lock();
-        let ids: Vec<u64> = st
-            .unsynced
-            .iter()
-            .copied()
-            .take(WATCHERS_PER_SYNC)
-            .collect();
-        for id in ids {
-            let Some(w) = st.watchers.get(&id) else {
-                continue;
-            };
-            if w.next_rev <= compacted {
-                if let Some(w) = st.remove(id) {
-                    hub.shared.count.fetch_sub(1, Ordering::AcqRel);
-                    let error = MvccError::Compacted {
-                        requested: w.next_rev,
-                        compacted,
-                    };
-                    w.ended(id, error);
-                }
-                continue;
-            }
-            targets.push(SyncTarget {
-                id,
-                next: w.next_rev,
-                matcher: WatcherState {
-                    key: w.key.clone(),
-                    bound: w.bound.clone(),
-                    prev_kv: w.prev_kv,
-                    tx: w.tx.clone(),
-                    end: w.end.clone(),
-                    next_rev: w.next_rev,
-                    synced: false,
-                },
-            });
-        }
-    }
-    if targets.is_empty() {
-        return Ok(false);
-    }
-    let min_next = targets.iter().map(|t| t.next).min().unwrap_or(u64::MAX);
-    let upto = view
-        .revision()
-        .min(min_next.saturating_add(inner.options.watch_sync_batch as u64 - 1));
-    // Events of [min_next, upto], grouped by revision.
-    let mut revs: Vec<(u64, Vec<RawEvent>)> = Vec::new();
-    if min_next <= upto {
-        view.sources(None).for_each_change(
-            Revision::new(min_next, 0),
-            upto,
-            |rev, tomb, _, rec| {
-                let kv = decode_record(rev, rec)?.to_kv(true);
-                let ev = RawEvent {
-                    kind: if tomb {
-                        EventKind::Delete
-                    } else {
-                        EventKind::Put
-                    },
-                    kv,
-                };
-                match revs.last_mut() {
-                    Some((main, evs)) if *main == rev.main => evs.push(ev),
-                    _ => revs.push((rev.main, vec![ev])),
-                }
-                Ok(true)
-            },
-        )?;
-    }
-    let mut progressed = false;
-    for t in &mut targets {
-        let start = revs.partition_point(|(main, _)| *main < t.next);
-        let mut blocked = false;
-        for (main, evs) in &revs[start..] {
-            let out: Vec<Event> = evs
-                .iter()
-                .filter(|e| t.matcher.matches(&e.kv.key))
-                .map(|e| Event {
-                    kind: e.kind,
-                    kv: e.kv.clone(),
-                    prev_kv: if t.matcher.prev_kv {
-                        prev_at(inner, &view, &e.kv.key, *main)
-                    } else {
-                        None
-                    },
-                })
-                .collect();
-            if out.is_empty() {
-                continue;
-            }
-            match t.matcher.try_send(t.id, out) {
-                Ok(()) => {}
-                Err(TrySendError::Full(_)) => {
-                    t.next = *main;
-                    blocked = true;
-                    break;
-                }
-                Err(TrySendError::Disconnected(_)) => {
-                    blocked = true;
-                    break;
-                }
-            }
-            t.next = main + 1;
-            progressed = true;
-        }
-        if !blocked && t.next <= upto {
-            t.next = upto + 1;
-            progressed = true;
-        }
-    }
-    let mut st = hub.shared.state.lock();
-    let last = st.last_notified;
-    for t in targets {
-        let Some(w) = st.watchers.get_mut(&t.id) else {
-            continue;
-        };
-        if w.synced {
-            continue;
-        }
-        w.next_rev = t.next;
-        if t.next > last {
-            st.add_synced(t.id);
-            progressed = true;
-        }
-    }
-    Ok(progressed && !st.unsynced.is_empty())
-}
-
-/// The pair `key` had just before revision `main`, read through `view`.
-fn prev_at<B: Backend>(
-    inner: &Inner<B>,
-    view: &ReadView<B>,
-    key: &[u8],
-    main: u64,
-) -> Option<KeyValue> {
-    let at = main.checked_sub(1).filter(|&r| r > 0)?;
-    let req = RangeRequest::key(key.to_vec()).at(at);
-    crate::read::range(inner, &view.sources(None), &req, view.revision())
-        .ok()?
-        .kvs
-        .pop()
-}
-
-/// What a [`WatchStream`] yields.
-#[derive(Debug)]
-pub enum StreamItem {
-    /// The events of one revision for one watcher of the stream.
-    Events {
-        /// The watcher's id (as returned by [`WatchStream::watch`]).
-        id: u64,
-        /// The changes, in revision order within the revision.
-        events: Vec<Event>,
-    },
-    /// A watcher of the stream ended (e.g. [`MvccError::Compacted`]); it is removed from the
-    /// stream.
-    Ended {
-        /// The watcher's id.
-        id: u64,
-        /// Why it ended.
-        error: MvccError,
-    },
-}
-
-/// Many watchers behind one channel (etcd's `watchStream`); see the module docs. Dropping
-/// the stream cancels its watchers.
-pub struct WatchStream<B: Backend> {
-    inner: Weak<Inner<B>>,
-    tx: Option<Sender<(u64, Vec<Event>)>>,
-    rx: Receiver<(u64, Vec<Event>)>,
-    shared: Arc<StreamShared>,
-    hub: Weak<HubShared>,
-    /// The stream's watchers; their handles carry no channel of their own.
-    watchers: HashMap<u64, Watcher>,
-}
-
-impl<B: Backend> std::fmt::Debug for WatchStream<B> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("WatchStream")
-            .field("watchers", &self.watchers.len())
-            .finish()
-    }
-}
-
-impl<B: Backend> WatchStream<B> {
-    pub(crate) fn new(inner: &Arc<Inner<B>>, capacity: usize) -> WatchStream<B> {
-        let (tx, rx) = crossbeam_channel::bounded(capacity.max(1));
-        WatchStream {
-            inner: Arc::downgrade(inner),
-            tx: Some(tx),
-            rx,
-            shared: Arc::new(StreamShared::default()),
-            hub: Arc::downgrade(&inner.watch.shared),
-            watchers: HashMap::new(),
-        }
-    }
-
-    /// Adds a watcher to the stream and returns its id; its events come out of
-    /// [`recv`](WatchStream::recv). Fails like [`Store::watch`](crate::Store::watch), or with
-    /// [`MvccError::WatchClosed`] once the store is gone.
-    pub fn watch(&mut self, req: WatchRequest) -> Result<u64, MvccError> {
-        let (Some(inner), Some(tx)) = (self.inner.upgrade(), self.tx.as_ref()) else {
-            return Err(MvccError::WatchClosed { id: 0 });
-        };
-        if inner.watch.shared.closed.load(Ordering::Acquire) {
-            return Err(MvccError::WatchClosed { id: 0 });
-        }
-        let target = Target::Stream(tx.clone(), self.shared.clone());
-        let w = watch_in(&inner, req, Some(target))?;
-        let id = w.id();
-        self.watchers.insert(id, w);
-        Ok(id)
-    }
-
-    /// Cancels one watcher of the stream; false if the stream has no such watcher. Responses
-    /// of it still in the channel are dropped.
-    pub fn cancel(&mut self, id: u64) -> bool {
-        self.watchers.remove(&id).is_some()
-    }
-
-    /// Number of watchers in the stream.
-    pub fn len(&self) -> usize {
-        self.watchers.len()
-    }
-
-    /// True when the stream has no watcher.
-    pub fn is_empty(&self) -> bool {
-        self.watchers.is_empty()
-    }
-
-    /// The next ended watcher, if any.
-    fn next_ended(&mut self) -> Option<StreamItem> {
-        let mut ended = self.shared.ended.lock();
-        while let Some((id, error)) = (!ended.is_empty()).then(|| ended.remove(0)) {
-            if self.watchers.remove(&id).is_some() {
-                return Some(StreamItem::Ended { id, error });
-            }
-        }
-        None
-    }
-
-    /// Turns a received message into an item; `None` for a wake-up or a cancelled watcher.
-    fn take(&mut self, (id, events): (u64, Vec<Event>)) -> Option<StreamItem> {
-        if self.shared.lagging.load(Ordering::Acquire)
-            && self.rx.len() * 2 <= self.rx.capacity().unwrap_or(0)
-        {
-            self.shared.lagging.store(false, Ordering::Release);
-            if let Some(hub) = self.hub.upgrade() {
-                let _ = hub.wake.0.try_send(());
-            }
-        }
-        if events.is_empty() || !self.watchers.contains_key(&id) {
-            return self.next_ended();
-        }
-        Some(StreamItem::Events { id, events })
-    }
-
-    /// Waits for the next response of any watcher of the stream. Fails with
-    /// [`MvccError::WatchClosed`] once the store is gone and everything was received.
-    pub fn recv(&mut self) -> Result<StreamItem, MvccError> {
-        loop {
-            if let Some(item) = self.recv_timeout(Duration::from_millis(100))? {
-                return Ok(item);
-            }
-        }
-    }
-
-    /// Like [`recv`](WatchStream::recv) but gives up after `timeout` with `Ok(None)`.
-    pub fn recv_timeout(&mut self, timeout: Duration) -> Result<Option<StreamItem>, MvccError> {
-        let deadline = std::time::Instant::now() + timeout;
-        loop {
-            if let Some(item) = self.try_recv()? {
-                return Ok(Some(item));
-            }
-            let left = deadline.saturating_duration_since(std::time::Instant::now());
-            if left.is_zero() {
-                return Ok(None);
-            }
-            // Short waits so a closed store is noticed even with no message.
-            match self.rx.recv_timeout(left.min(Duration::from_millis(100))) {
-                Ok(msg) => {
-                    if let Some(item) = self.take(msg) {
-                        return Ok(Some(item));
-                    }
-                }
-                Err(RecvTimeoutError::Timeout) => {}
-                Err(RecvTimeoutError::Disconnected) => return self.closed_out(),
-            }
-        }
-    }
-
-    /// A response already delivered to the stream, if any.
-    pub fn try_recv(&mut self) -> Result<Option<StreamItem>, MvccError> {
-        loop {
-            match self.rx.try_recv() {
-                Ok(msg) => {
-                    if let Some(item) = self.take(msg) {
-                        return Ok(Some(item));
-                    }
-                }
-                Err(TryRecvError::Empty) => {
-                    if let Some(item) = self.next_ended() {
-                        return Ok(Some(item));
-                    }
-                    if self
-                        .inner
-                        .upgrade()
-                        .is_none_or(|i| i.watch.shared.closed.load(Ordering::Acquire))
-                    {
-                        return self.closed_out();
-                    }
-                    return Ok(None);
-                }
-                Err(TryRecvError::Disconnected) => return self.closed_out(),
-            }
-        }
-    }
-
-    /// The store closed and the channel is drained.
-    fn closed_out(&mut self) -> Result<Option<StreamItem>, MvccError> {
-        self.tx = None;
-        self.watchers.clear();
-        Err(MvccError::WatchClosed { id: 0 })
-    }
 }

@@ -1,0 +1,257 @@
+//! The syncer: catches unsynced watchers up from the store, one shared scan per round.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use crossbeam_channel::{RecvTimeoutError, TrySendError};
+
+use super::index::{End, Matcher};
+use super::{Change, Msg, Part, Pick, RevChanges, Target};
+use crate::backend::Backend;
+use crate::error::MvccError;
+use crate::kv::{KeyValue, decode_record};
+use crate::read::ReadView;
+use crate::request::RangeRequest;
+use crate::revision::Revision;
+use crate::store::Inner;
+
+/// An unsynced watcher's parameters copied out for one catch-up round.
+struct SyncTarget {
+    id: u64,
+    /// First revision it has not received.
+    next: u64,
+    key: Arc<[u8]>,
+    end: Option<End>,
+    prev_kv: bool,
+    tx: Target,
+    /// Its share of the round, ascending revisions.
+    parts: Vec<Part>,
+}
+
+/// The syncer thread: catches unsynced watchers up until the store shuts down.
+pub(crate) fn syncer_loop<B: Backend>(inner: &Arc<Inner<B>>) {
+    let hub = &inner.watch;
+    let stopped =
+        || hub.shared.closed.load(Ordering::Acquire) || inner.shutdown.load(Ordering::Acquire);
+    loop {
+        match hub
+            .shared
+            .wake
+            .1
+            .recv_timeout(inner.options.watch_sync_interval)
+        {
+            Ok(()) | Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => return,
+        }
+        // Keep going while rounds make progress; a round with only full channels waits.
+        loop {
+            if stopped() {
+                return;
+            }
+            match sync_round(inner) {
+                Ok(true) => {}
+                Ok(false) => break,
+                Err(e) => {
+                    tracing::warn!(error = %e, "watch catch-up failed; retrying later");
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// The revision being gathered during a scan: its matched changes and who matched them.
+#[derive(Default)]
+struct Gather {
+    main: u64,
+    changes: Vec<Change>,
+    /// `(target, change)` pairs.
+    hits: Vec<(u32, u32)>,
+    /// Per change: the key, and whether a prev_kv watcher matched it.
+    keys: Vec<(Vec<u8>, bool)>,
+}
+
+/// One catch-up pass; true when some watcher made progress and more work may remain.
+fn sync_round<B: Backend>(inner: &Arc<Inner<B>>) -> Result<bool, MvccError> {
+    let hub = &inner.watch;
+    let view = ReadView::open(inner)?;
+    let compacted = inner.compacted.load(Ordering::Acquire);
+    let mut targets = Vec::new();
+    {
+        let mut st = hub.shared.state.lock();
+        let mut overtaken = Vec::new();
+        for &id in &st.unsynced {
+            let Some(w) = st.watchers.get(&id) else {
+                continue;
+            };
+            if w.next_rev <= compacted {
+                overtaken.push(id);
+                continue;
+            }
+            // A full channel cannot take a batch; its receiver wakes the syncer on draining.
+            if w.tx.is_full() {
+                continue;
+            }
+            targets.push(SyncTarget {
+                id,
+                next: w.next_rev,
+                key: w.key.clone(),
+                end: w.end.clone(),
+                prev_kv: w.prev_kv,
+                tx: w.tx.clone(),
+                parts: Vec::new(),
+            });
+        }
+        for id in overtaken {
+            if let Some(w) = st.remove(id) {
+                hub.shared.count.fetch_sub(1, Ordering::AcqRel);
+                let error = MvccError::Compacted {
+                    requested: w.next_rev,
+                    compacted,
+                };
+                w.ended(id, error);
+            }
+        }
+    }
+    if targets.is_empty() {
+        return Ok(false);
+    }
+    let min_next = targets.iter().map(|t| t.next).min().unwrap_or(u64::MAX);
+    let upto = view
+        .revision()
+        .min(min_next.saturating_add(inner.options.watch_sync_batch as u64 - 1));
+    if min_next <= upto {
+        let mut matcher = Matcher::default();
+        for (i, t) in targets.iter().enumerate() {
+            matcher.insert(i as u64, &t.key, t.end.as_ref());
+        }
+        let mut cur = Gather::default();
+        view.sources(None).for_each_change(
+            Revision::new(min_next, 0),
+            upto,
+            |rev, tomb, _, rec| {
+                if rev.main != cur.main {
+                    flush(inner, &view, &mut cur, &mut targets);
+                    cur.main = rev.main;
+                }
+                let r = decode_record(rev, rec)?;
+                let at = cur.changes.len() as u32;
+                let mut hit = false;
+                let mut want_prev = false;
+                matcher.for_each_match(r.key, |ti| {
+                    let t = &targets[ti as usize];
+                    if t.next <= rev.main {
+                        cur.hits.push((ti as u32, at));
+                        hit = true;
+                        want_prev |= t.prev_kv;
+                    }
+                });
+                if hit {
+                    cur.keys.push((
+                        if want_prev {
+                            r.key.to_vec()
+                        } else {
+                            Vec::new()
+                        },
+                        want_prev,
+                    ));
+                    cur.changes.push(Change {
+                        tombstone: tomb,
+                        record: rec.into(),
+                        prev: None,
+                    });
+                }
+                Ok(true)
+            },
+        )?;
+        flush(inner, &view, &mut cur, &mut targets);
+    }
+    let mut progressed = false;
+    for t in &mut targets {
+        if !t.parts.is_empty() {
+            let parts = std::mem::take(&mut t.parts);
+            let msg = if parts.len() == 1 {
+                Msg::One(parts.into_iter().next().expect("one part"))
+            } else {
+                Msg::Many(parts)
+            };
+            match t.tx.try_send(t.id, msg) {
+                Ok(()) => {}
+                // Retried from `t.next` once the receiver made room (or the watcher is gone).
+                Err(TrySendError::Full(())) | Err(TrySendError::Disconnected(())) => continue,
+            }
+        }
+        if t.next <= upto {
+            t.next = upto + 1;
+            progressed = true;
+        }
+    }
+    let mut st = hub.shared.state.lock();
+    let last = st.last_notified;
+    for t in targets {
+        let Some(w) = st.watchers.get_mut(&t.id) else {
+            continue;
+        };
+        if w.synced {
+            continue;
+        }
+        w.next_rev = t.next;
+        if t.next > last {
+            st.set_synced(t.id);
+            progressed = true;
+        }
+    }
+    // Writers went past the view: the next round reads on with a newer one.
+    Ok(!st.unsynced.is_empty() && (progressed || upto < last))
+}
+
+/// Shares the gathered revision with the targets that matched it.
+fn flush<B: Backend>(
+    inner: &Inner<B>,
+    view: &ReadView<B>,
+    cur: &mut Gather,
+    targets: &mut [SyncTarget],
+) {
+    if cur.changes.is_empty() {
+        return;
+    }
+    for (c, (key, want_prev)) in cur.changes.iter_mut().zip(cur.keys.drain(..)) {
+        if want_prev {
+            c.prev = prev_at(inner, view, key, cur.main);
+        }
+    }
+    let total = cur.changes.len();
+    let rev = Arc::new(RevChanges {
+        changes: std::mem::take(&mut cur.changes),
+    });
+    cur.hits.sort_unstable();
+    for group in cur.hits.chunk_by(|a, b| a.0 == b.0) {
+        let t = &mut targets[group[0].0 as usize];
+        let pick = if group.len() == total {
+            Pick::All
+        } else {
+            Pick::Some(group.iter().map(|h| h.1).collect())
+        };
+        t.parts.push(Part {
+            rev: rev.clone(),
+            pick,
+            prev_kv: t.prev_kv,
+        });
+    }
+    cur.hits.clear();
+}
+
+/// The pair `key` had just before revision `main`, read through `view`.
+fn prev_at<B: Backend>(
+    inner: &Inner<B>,
+    view: &ReadView<B>,
+    key: Vec<u8>,
+    main: u64,
+) -> Option<KeyValue> {
+    let at = main.checked_sub(1).filter(|&r| r > 0)?;
+    let req = RangeRequest::key(key).at(at);
+    crate::read::range(inner, &view.sources(None), &req, view.revision())
+        .ok()?
+        .kvs
+        .pop()
+}
