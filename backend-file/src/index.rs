@@ -1,17 +1,20 @@
-//! The per-bucket ordered index: a two-level, copy-on-write B+tree.
+//! The per-bucket ordered index: a three-level, copy-on-write B+tree.
 //!
-//! Keys live in sorted leaves of at most [`LEAF_MAX`] entries; a top level holds the first
-//! key of every leaf in one contiguous array, small enough to stay in cache (8 000 keys for a
-//! million entries), so a lookup is a binary search there and one in a single leaf.
+//! Keys live in sorted leaves of at most [`LEAF_MAX`] entries; a branch holds the first key
+//! of each of up to [`BRANCH_MAX`] leaves, and the top the first key of every branch, each in
+//! contiguous arrays, so a lookup is three binary searches (the top has 62 entries for a
+//! million keys).
 //!
-//! Cloning a map is O(1) (two `Arc`s). A published version is never changed: the writer's
-//! copy shares everything with it, and its first change in a commit copies the top level
-//! (pointers and first keys) and each leaf it touches, once per commit; later changes in the
-//! same commit find them unshared and change them in place (`Arc::make_mut`).
+//! Cloning a map is O(1) (three `Arc`s). A published version is never changed: the writer's
+//! copy shares everything with it, and its first change in a commit copies the top level,
+//! and each branch and leaf it touches, once per commit; later changes in the same commit find
+//! them unshared and change them in place (`Arc::make_mut`). So a commit of 1 000 appended
+//! revisions copies about 10 leaves, one or two branches and a top of one entry per 16 000
+//! keys, not an array over every leaf of the bucket.
 //!
-//! Appending past the last key (keel's revision keys) fills the last leaf completely and
-//! starts a new one, so such data ends up in full leaves; other splits are halves. A leaf that
-//! becomes empty is removed.
+//! Appending past the last key (keel's revision keys) fills the last leaf and the last branch
+//! completely and starts new ones, so such data ends up in full nodes; other splits are
+//! halves. A leaf or branch that becomes empty is removed.
 
 use std::cmp::Ordering;
 use std::sync::Arc;
@@ -21,6 +24,8 @@ use crate::version::Loc;
 
 /// Most entries in a leaf.
 const LEAF_MAX: usize = 128;
+/// Most leaves in a branch (few in unit tests, so that they split and merge branches).
+const BRANCH_MAX: usize = if cfg!(test) { 4 } else { 128 };
 
 /// The first 8 bytes of a key as a big-endian integer (zero-padded): comparing prefixes
 /// orders keys correctly except between keys with equal prefixes, which then compare in full.
@@ -98,14 +103,83 @@ impl Leaf {
     }
 }
 
+/// A run of at most [`BRANCH_MAX`] consecutive leaves with their first keys.
+#[derive(Clone, Default)]
+struct Branch {
+    pre: Vec<u64>,
+    firsts: Vec<Key>,
+    leaves: Vec<Arc<Leaf>>,
+}
+
+impl Branch {
+    /// The leaf that holds `key` if anything in this branch does (the first leaf when `key`
+    /// is below all of them).
+    fn leaf_for(&self, key: &[u8]) -> usize {
+        bound(&self.pre, &self.firsts, key, false).saturating_sub(1)
+    }
+
+    fn insert_leaf(&mut self, at: usize, leaf: Leaf) {
+        self.pre.insert(at, leaf.pre[0]);
+        self.firsts.insert(at, leaf.keys[0].clone());
+        self.leaves.insert(at, Arc::new(leaf));
+    }
+
+    fn remove_leaf(&mut self, at: usize) -> Arc<Leaf> {
+        self.pre.remove(at);
+        self.firsts.remove(at);
+        self.leaves.remove(at)
+    }
+
+    /// Records the first key of leaf `l` after it changed.
+    fn refresh_first(&mut self, l: usize) {
+        let leaf = &self.leaves[l];
+        self.pre[l] = leaf.pre[0];
+        self.firsts[l] = leaf.keys[0].clone();
+    }
+
+    fn split_off(&mut self, at: usize) -> Branch {
+        Branch {
+            pre: self.pre.split_off(at),
+            firsts: self.firsts.split_off(at),
+            leaves: self.leaves.split_off(at),
+        }
+    }
+}
+
+/// Position of an entry: (branch, leaf in the branch, entry in the leaf); the end is
+/// `(branches, 0, 0)`.
+type Pos = (usize, usize, usize);
+
 /// One bucket's ordered map from key to value location.
+///
+/// Three levels: the top holds the first key of every branch, a branch the first key of each
+/// of its leaves. A commit copies the top (one entry per [`BRANCH_MAX`] leaves), and the
+/// branches and leaves it touches, so the copying per commit stays small however many keys
+/// the bucket holds.
 #[derive(Clone, Default)]
 pub(crate) struct BucketMap {
-    /// `firsts[i]` is the first key of `leaves[i]`, `first_pre[i]` its prefix.
+    /// `firsts[b]` is the first key of `branches[b]`, `pre[b]` its prefix.
+    pre: Arc<Vec<u64>>,
     firsts: Arc<Vec<Key>>,
-    first_pre: Arc<Vec<u64>>,
-    leaves: Arc<Vec<Arc<Leaf>>>,
+    branches: Arc<Vec<Arc<Branch>>>,
     len: usize,
+}
+
+/// After branch `b` changed: removes it if it is empty, else records its first key.
+fn refresh_branch(
+    pre: &mut Arc<Vec<u64>>,
+    firsts: &mut Arc<Vec<Key>>,
+    branches: &mut Vec<Arc<Branch>>,
+    b: usize,
+) {
+    if branches[b].leaves.is_empty() {
+        branches.remove(b);
+        Arc::make_mut(pre).remove(b);
+        Arc::make_mut(firsts).remove(b);
+    } else if pre[b] != branches[b].pre[0] || firsts[b] != branches[b].firsts[0] {
+        Arc::make_mut(pre)[b] = branches[b].pre[0];
+        Arc::make_mut(firsts)[b] = branches[b].firsts[0].clone();
+    }
 }
 
 impl BucketMap {
@@ -114,27 +188,39 @@ impl BucketMap {
     }
 
     /// The leaf that holds `key` if anything does: the last whose first key is <= `key`.
-    fn leaf_for(&self, key: &[u8]) -> Option<usize> {
-        bound(&self.first_pre, &self.firsts, key, false).checked_sub(1)
+    fn leaf_for(&self, key: &[u8]) -> Option<(usize, usize)> {
+        let b = bound(&self.pre, &self.firsts, key, false).checked_sub(1)?;
+        Some((b, self.branches[b].leaf_for(key)))
     }
 
     pub(crate) fn get(&self, key: &[u8]) -> Option<&Loc> {
-        let leaf = &self.leaves[self.leaf_for(key)?];
+        let (b, l) = self.leaf_for(key)?;
+        let leaf = &self.branches[b].leaves[l];
         leaf.search(key).ok().map(|i| &leaf.locs[i])
     }
 
-    /// Position of the first entry >= `key`: (leaf, index), normalised so that the index is
-    /// inside the leaf, or `(leaves.len(), 0)` at the end.
-    fn lower_bound(&self, key: &[u8]) -> (usize, usize) {
-        let li = self.leaf_for(key).unwrap_or(0);
-        match self.leaves.get(li) {
-            None => (self.leaves.len(), 0),
-            Some(leaf) => {
+    /// The position after the last entry of leaf `(b, l)`.
+    fn after_leaf(&self, b: usize, l: usize) -> Pos {
+        if l + 1 < self.branches[b].leaves.len() {
+            (b, l + 1, 0)
+        } else {
+            (b + 1, 0, 0)
+        }
+    }
+
+    /// Position of the first entry >= `key`, normalised so that it names an entry, or is the
+    /// end.
+    fn lower_bound(&self, key: &[u8]) -> Pos {
+        let (b, l) = self.leaf_for(key).unwrap_or((0, 0));
+        match self.branches.get(b) {
+            None => (self.branches.len(), 0, 0),
+            Some(br) => {
+                let leaf = &br.leaves[l];
                 let i = leaf.lower_bound(key);
                 if i == leaf.keys.len() {
-                    (li + 1, 0)
+                    self.after_leaf(b, l)
                 } else {
-                    (li, i)
+                    (b, l, i)
                 }
             }
         }
@@ -142,32 +228,34 @@ impl BucketMap {
 
     /// Sets `key` to `loc`; returns the previous location.
     pub(crate) fn insert(&mut self, key: &[u8], loc: Loc) -> Option<Loc> {
-        if self.leaves.is_empty() {
-            Arc::make_mut(&mut self.firsts).push(Key::new(key));
-            Arc::make_mut(&mut self.first_pre).push(prefix(key));
-            Arc::make_mut(&mut self.leaves).push(Arc::new(Leaf {
+        if self.branches.is_empty() {
+            let leaf = Leaf {
                 pre: vec![prefix(key)],
                 keys: vec![Key::new(key)],
                 locs: vec![loc],
-            }));
+            };
+            let mut branch = Branch::default();
+            branch.insert_leaf(0, leaf);
+            Arc::make_mut(&mut self.pre).push(prefix(key));
+            Arc::make_mut(&mut self.firsts).push(Key::new(key));
+            Arc::make_mut(&mut self.branches).push(Arc::new(branch));
             self.len = 1;
             return None;
         }
-        let li = self.leaf_for(key).unwrap_or(0);
-        let leaves = Arc::make_mut(&mut self.leaves);
-        let last_leaf = li + 1 == leaves.len();
-        let leaf = Arc::make_mut(&mut leaves[li]);
+        let (b, l) = self.leaf_for(key).unwrap_or((0, 0));
+        let last_branch = b + 1 == self.branches.len();
+        let branches = Arc::make_mut(&mut self.branches);
+        let br = Arc::make_mut(&mut branches[b]);
+        let last_leaf = last_branch && l + 1 == br.leaves.len();
+        let leaf = Arc::make_mut(&mut br.leaves[l]);
         let at = match leaf.search(key) {
             Ok(i) => return Some(std::mem::replace(&mut leaf.locs[i], loc)),
             Err(i) => i,
         };
         leaf.insert(at, key, loc);
         self.len += 1;
-        if at == 0 {
-            Arc::make_mut(&mut self.firsts)[li] = Key::new(key);
-            Arc::make_mut(&mut self.first_pre)[li] = prefix(key);
-        }
-        if leaf.keys.len() > LEAF_MAX {
+        let overfull = leaf.keys.len() > LEAF_MAX;
+        if overfull {
             // Appending at the very end keeps the old leaf full; otherwise split in halves.
             let cut = if last_leaf && at + 1 == leaf.keys.len() {
                 leaf.keys.len() - 1
@@ -175,32 +263,43 @@ impl BucketMap {
                 leaf.keys.len() / 2
             };
             let right = leaf.split_off(cut);
-            let first = right.keys[0].clone();
-            let first_pre = right.pre[0];
-            leaves.insert(li + 1, Arc::new(right));
-            Arc::make_mut(&mut self.firsts).insert(li + 1, first);
-            Arc::make_mut(&mut self.first_pre).insert(li + 1, first_pre);
+            br.insert_leaf(l + 1, right);
+        }
+        if at == 0 {
+            br.refresh_first(l);
+        }
+        if br.leaves.len() > BRANCH_MAX {
+            let cut = if last_branch && l + 2 == br.leaves.len() {
+                br.leaves.len() - 1
+            } else {
+                br.leaves.len() / 2
+            };
+            let right = br.split_off(cut);
+            Arc::make_mut(&mut self.pre).insert(b + 1, right.pre[0]);
+            Arc::make_mut(&mut self.firsts).insert(b + 1, right.firsts[0].clone());
+            branches.insert(b + 1, Arc::new(right));
+        }
+        if at == 0 && l == 0 {
+            refresh_branch(&mut self.pre, &mut self.firsts, branches, b);
         }
         None
     }
 
     /// Removes `key`; returns its location.
     pub(crate) fn remove(&mut self, key: &[u8]) -> Option<Loc> {
-        let li = self.leaf_for(key)?;
-        let at = self.leaves[li].search(key).ok()?;
-        let leaves = Arc::make_mut(&mut self.leaves);
-        let leaf = Arc::make_mut(&mut leaves[li]);
+        let (b, l) = self.leaf_for(key)?;
+        let at = self.branches[b].leaves[l].search(key).ok()?;
+        let branches = Arc::make_mut(&mut self.branches);
+        let br = Arc::make_mut(&mut branches[b]);
+        let leaf = Arc::make_mut(&mut br.leaves[l]);
         let loc = leaf.remove(at);
         self.len -= 1;
         if leaf.keys.is_empty() {
-            leaves.remove(li);
-            Arc::make_mut(&mut self.firsts).remove(li);
-            Arc::make_mut(&mut self.first_pre).remove(li);
+            br.remove_leaf(l);
         } else if at == 0 {
-            let first = leaf.keys[0].clone();
-            Arc::make_mut(&mut self.firsts)[li] = first;
-            Arc::make_mut(&mut self.first_pre)[li] = leaf.pre[0];
+            br.refresh_first(l);
         }
+        refresh_branch(&mut self.pre, &mut self.firsts, branches, b);
         Some(loc)
     }
 
@@ -214,9 +313,9 @@ impl BucketMap {
         if end.is_some_and(|e| e <= start) {
             return;
         }
-        let (mut li, mut at) = self.lower_bound(start);
-        while li < self.leaves.len() {
-            let leaf = &self.leaves[li];
+        let (mut b, mut l, mut at) = self.lower_bound(start);
+        while b < self.branches.len() {
+            let leaf = &self.branches[b].leaves[l];
             let stop = match end {
                 Some(e) => leaf.lower_bound(e),
                 None => leaf.keys.len(),
@@ -224,33 +323,38 @@ impl BucketMap {
             if stop <= at {
                 break;
             }
-            let whole = at == 0 && stop == leaf.keys.len();
             let len = leaf.keys.len();
-            let leaves = Arc::make_mut(&mut self.leaves);
-            if whole {
-                let leaf = leaves.remove(li);
-                Arc::make_mut(&mut self.firsts).remove(li);
-                Arc::make_mut(&mut self.first_pre).remove(li);
-                for (k, l) in leaf.keys.iter().zip(&leaf.locs) {
-                    removed(k.as_bytes(), *l);
+            let branches = Arc::make_mut(&mut self.branches);
+            let br = Arc::make_mut(&mut branches[b]);
+            if at == 0 && stop == len {
+                let leaf = br.remove_leaf(l);
+                for (k, loc) in leaf.keys.iter().zip(&leaf.locs) {
+                    removed(k.as_bytes(), *loc);
                 }
-                self.len -= leaf.keys.len();
+                self.len -= len;
+                let left = br.leaves.len();
+                refresh_branch(&mut self.pre, &mut self.firsts, branches, b);
+                // The next leaf now sits at `(b, l)`, or starts the next branch.
+                if left == 0 {
+                    l = 0;
+                } else if l == left {
+                    (b, l) = (b + 1, 0);
+                }
             } else {
-                let leaf = Arc::make_mut(&mut leaves[li]);
+                let leaf = Arc::make_mut(&mut br.leaves[l]);
                 leaf.pre.drain(at..stop);
-                for (k, l) in leaf.keys.drain(at..stop).zip(leaf.locs.drain(at..stop)) {
-                    removed(k.as_bytes(), l);
+                for (k, loc) in leaf.keys.drain(at..stop).zip(leaf.locs.drain(at..stop)) {
+                    removed(k.as_bytes(), loc);
                 }
                 self.len -= stop - at;
                 if at == 0 {
-                    let first = leaf.keys[0].clone();
-                    Arc::make_mut(&mut self.firsts)[li] = first;
-                    Arc::make_mut(&mut self.first_pre)[li] = leaf.pre[0];
+                    br.refresh_first(l);
+                    refresh_branch(&mut self.pre, &mut self.firsts, branches, b);
                 }
                 if stop < len {
                     break;
                 }
-                li += 1;
+                (b, l, _) = self.after_leaf(b, l);
             }
             at = 0;
         }
@@ -262,10 +366,10 @@ impl BucketMap {
         let to = match end {
             Some(e) if e > start => self.lower_bound(e),
             Some(_) => from,
-            None => (self.leaves.len(), 0),
+            None => (self.branches.len(), 0, 0),
         };
         Iter {
-            leaves: &self.leaves,
+            branches: &self.branches,
             at: from,
             to,
         }
@@ -279,9 +383,9 @@ impl BucketMap {
 
 /// Iterator over a [`BucketMap`] range.
 pub(crate) struct Iter<'a> {
-    leaves: &'a [Arc<Leaf>],
-    at: (usize, usize),
-    to: (usize, usize),
+    branches: &'a [Arc<Branch>],
+    at: Pos,
+    to: Pos,
 }
 
 impl<'a> Iterator for Iter<'a> {
@@ -291,13 +395,16 @@ impl<'a> Iterator for Iter<'a> {
         if self.at >= self.to {
             return None;
         }
-        let (li, i) = self.at;
-        let leaf = self.leaves.get(li)?;
+        let (b, l, i) = self.at;
+        let br = self.branches.get(b)?;
+        let leaf = br.leaves.get(l)?;
         let item = (leaf.keys[i].as_bytes(), leaf.locs[i]);
-        self.at = if i + 1 == leaf.keys.len() {
-            (li + 1, 0)
+        self.at = if i + 1 < leaf.keys.len() {
+            (b, l, i + 1)
+        } else if l + 1 < br.leaves.len() {
+            (b, l + 1, 0)
         } else {
-            (li, i + 1)
+            (b + 1, 0, 0)
         };
         Some(item)
     }
@@ -386,13 +493,22 @@ mod tests {
                     .collect();
                 assert_eq!(got, want);
                 assert_eq!(m.range(&b, Some(&a)).count(), 0);
-                for (i, leaf) in m.leaves.iter().enumerate() {
-                    assert!(!leaf.keys.is_empty() && leaf.keys.len() <= LEAF_MAX);
-                    assert_eq!(m.firsts[i], leaf.keys[0]);
-                    assert_eq!(m.first_pre[i], leaf.pre[0]);
-                    assert_eq!(leaf.pre.len(), leaf.keys.len());
-                    for (p, k) in leaf.pre.iter().zip(&leaf.keys) {
-                        assert_eq!(*p, prefix(k.as_bytes()));
+                assert_eq!(m.pre.len(), m.branches.len());
+                assert_eq!(m.firsts.len(), m.branches.len());
+                for (bi, br) in m.branches.iter().enumerate() {
+                    assert!(!br.leaves.is_empty() && br.leaves.len() <= BRANCH_MAX);
+                    assert_eq!(m.firsts[bi], br.firsts[0]);
+                    assert_eq!(m.pre[bi], br.pre[0]);
+                    assert_eq!(br.firsts.len(), br.leaves.len());
+                    assert_eq!(br.pre.len(), br.leaves.len());
+                    for (i, leaf) in br.leaves.iter().enumerate() {
+                        assert!(!leaf.keys.is_empty() && leaf.keys.len() <= LEAF_MAX);
+                        assert_eq!(br.firsts[i], leaf.keys[0]);
+                        assert_eq!(br.pre[i], leaf.pre[0]);
+                        assert_eq!(leaf.pre.len(), leaf.keys.len());
+                        for (p, k) in leaf.pre.iter().zip(&leaf.keys) {
+                            assert_eq!(*p, prefix(k.as_bytes()));
+                        }
                     }
                 }
             }
@@ -402,9 +518,11 @@ mod tests {
     #[test]
     fn appends_fill_leaves() {
         let mut map = BucketMap::default();
-        for i in 0..10_000u32 {
+        for i in 0..100_000u32 {
             map.insert(&i.to_be_bytes(), loc(i));
         }
-        assert_eq!(map.leaves.len(), 10_000usize.div_ceil(LEAF_MAX));
+        let leaves: usize = map.branches.iter().map(|b| b.leaves.len()).sum();
+        assert_eq!(leaves, 100_000usize.div_ceil(LEAF_MAX));
+        assert_eq!(map.branches.len(), leaves.div_ceil(BRANCH_MAX));
     }
 }

@@ -18,8 +18,9 @@
 //!
 //! The preparer and the writer never write the same bytes. The preparer writes only at or
 //! past `zeroed`, and only it advances `zeroed` while it works; the writer's fast path writes
-//! below `zeroed`, and its slow path first waits for the preparer's step to end and keeps it
-//! from starting another until the frame is durable.
+//! below `zeroed`. When zeros are written, the writer's slow path first waits for the
+//! preparer's step to end and keeps it from starting another until the frame is durable; an
+//! allocation never changes bytes already written, so with allocation it does not wait.
 
 use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
@@ -186,10 +187,13 @@ impl Preparer {
         if end <= s.zeroed {
             return true;
         }
-        while s.busy {
-            self.cv.wait(&mut s);
+        if self.how == PrepareWith::Zeros {
+            // Zeros being written past `zeroed` must not land on the frame.
+            while s.busy {
+                self.cv.wait(&mut s);
+            }
+            s.appending = true;
         }
-        s.appending = true;
         false
     }
 

@@ -9,6 +9,9 @@
 //!   Goal: ≤ 1.3× LMDB's time.
 //! - space: the file size after 10 rounds of overwriting the whole data set, each round
 //!   followed by a defragment, against the live data (keys + values). Goal: ≤ 1.5×.
+//! - `restore`: a 48 MB snapshot stream (48 000 pairs of 1 KiB) restored into a fresh file
+//!   store through its own restore (one sync at the end), against the generic restore that
+//!   commits durably every 8 MiB, and against keel's LMDB backend. Ratios reported.
 //!
 //! `cargo bench -p keel-benches --bench backend` (a few minutes);
 //! `cargo bench -p keel-benches --bench backend -- --test` runs every workload once on small
@@ -23,7 +26,7 @@ use criterion::Criterion;
 use heed::types::Bytes;
 use heed::{Database, Env, WithoutTls};
 use keel_backend_file::{FileBackend, FileOptions};
-use keel_backend_lmdb::{LmdbOptions, RawLmdb};
+use keel_backend_lmdb::{LmdbBackend, LmdbOptions, RawLmdb};
 use keel_benches::{Better, Recorder};
 use keel_mvcc::{Backend, Bucket, ReadTxn, WriteBatch};
 use rand::rngs::StdRng;
@@ -362,10 +365,72 @@ fn space(_c: &mut Criterion) {
     }
 }
 
+fn restore(c: &mut Criterion) {
+    let rec = Recorder::new();
+    let pairs = if smoke() { 2_000 } else { 48_000 };
+    let stream = {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let source = FileBackend::open(dir.path(), &file_options()).expect("open");
+        let mut rng = StdRng::seed_from_u64(4);
+        for chunk in random_pairs(&mut rng, pairs, 24, 1024).chunks(BATCH) {
+            source.commit(&batch_of(chunk)).expect("commit");
+        }
+        let mut out = Vec::new();
+        source.snapshot(&mut out).expect("snapshot");
+        out
+    };
+    let mut g = configure(c);
+    g.bench_function("restore/file", |b| {
+        rec.iter(b, "restore/file", |_| {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let target = FileBackend::open(dir.path(), &file_options()).expect("open");
+            let n = target.restore(&mut stream.as_slice()).expect("restore");
+            assert_eq!(n as usize, pairs);
+        })
+    });
+    g.bench_function("restore/file_generic", |b| {
+        rec.iter(b, "restore/file_generic", |_| {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let target = FileBackend::open(dir.path(), &file_options()).expect("open");
+            let n = keel_mvcc::backend::snapshot::restore(&target, &mut stream.as_slice())
+                .expect("restore");
+            assert_eq!(n as usize, pairs);
+        })
+    });
+    g.bench_function("restore/lmdb", |b| {
+        rec.iter(b, "restore/lmdb", |_| {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let options = LmdbOptions {
+                map_size: 64 << 30,
+                ..LmdbOptions::default()
+            };
+            let target = LmdbBackend::open(dir.path(), &options).expect("open");
+            let n = target.restore(&mut stream.as_slice()).expect("restore");
+            assert_eq!(n as usize, pairs);
+        })
+    });
+    g.finish();
+    rec.ratio(
+        "restore of a 48 MB stream, file backend's own vs generic (durable commit per 8 MiB)",
+        "restore/file",
+        "restore/file_generic",
+        Better::Faster,
+        None,
+    );
+    rec.ratio(
+        "restore of a 48 MB stream, file backend vs keel's LMDB backend",
+        "restore/file",
+        "restore/lmdb",
+        Better::Faster,
+        None,
+    );
+}
+
 fn main() {
     let mut c = Criterion::default().configure_from_args();
     writes(&mut c);
     reads(&mut c);
     space(&mut c);
+    restore(&mut c);
     c.final_summary();
 }
