@@ -15,8 +15,8 @@ use std::io;
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::thread::JoinHandle;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
@@ -65,6 +65,12 @@ impl EntryRef<'_> {
     }
 }
 
+/// A durable request parked until a sync covers `target`.
+struct Waiter {
+    target: u64,
+    thread: Thread,
+}
+
 /// A segment of the log.
 #[derive(Debug)]
 struct SegInfo {
@@ -107,6 +113,8 @@ struct Inner {
     last_group: u64,
     /// A leader is waiting on `arrived` for its group to fill.
     gathering: bool,
+    /// Durable requests parked until a sync covers them (or one of them must lead).
+    waiters: Vec<Waiter>,
     /// Moving average of the `fdatasync` time.
     sync_time: Duration,
     stats: WalStats,
@@ -124,7 +132,9 @@ pub struct Wal {
     options: WalOptions,
     fs: Arc<dyn FileSystem>,
     inner: Mutex<Inner>,
-    synced: Condvar,
+    /// `Inner::durable`, readable without the mutex: a parked request woken by a sync
+    /// checks it and returns without queueing for the mutex.
+    durable: AtomicU64,
     /// Wakes a gathering leader once its group is complete.
     arrived: Condvar,
     _lock: File,
@@ -496,6 +506,7 @@ impl Wal {
             started: 0,
             last_group: 0,
             gathering: false,
+            waiters: Vec::new(),
             sync_time: Duration::ZERO,
             stats: WalStats::default(),
             prealloc: Prealloc::None,
@@ -555,7 +566,7 @@ impl Wal {
             dir: dir.to_path_buf(),
             fs,
             inner: Mutex::new(inner),
-            synced: Condvar::new(),
+            durable: AtomicU64::new(0),
             arrived: Condvar::new(),
             _lock: lock,
             options,
@@ -631,7 +642,7 @@ impl Wal {
         g.durable = g.written;
         g.started = g.written;
         g.covered = g.requests;
-        self.synced.notify_all();
+        self.wake(g);
         let seq = g.writer.seq + 1;
         let tmp = self.dir.join(segment::tmp_name(seq));
         let background = match std::mem::replace(&mut g.prealloc, Prealloc::None) {
@@ -840,7 +851,11 @@ impl Wal {
     /// [`WalOptions::group_commit_wait`]) until as many requests are pending again: the
     /// appenders that sync released are usually on their way back, and without the wait the
     /// first of them would sync alone while the rest queue for the sync after.
-    fn wait_durable(&self, mut g: MutexGuard<'_, Inner>, target: u64) -> Result<(), WalError> {
+    fn wait_durable<'a>(
+        &'a self,
+        mut g: MutexGuard<'a, Inner>,
+        target: u64,
+    ) -> Result<(), WalError> {
         if g.durable >= target {
             return Ok(());
         }
@@ -852,21 +867,44 @@ impl Wal {
                 self.arrived.notify_one();
             }
         }
+        let me = std::thread::current();
+        let mut parked = false;
         loop {
             if g.durable >= target {
+                if parked {
+                    // Woken by something else than the sync that covered it: still listed.
+                    g.waiters.retain(|w| w.thread.id() != me.id());
+                }
                 return Ok(());
             }
             check_poison(&g)?;
             if g.syncing {
-                self.synced.wait(&mut g);
+                if !g.waiters.iter().any(|w| w.thread.id() == me.id()) {
+                    g.waiters.push(Waiter {
+                        target,
+                        thread: me.clone(),
+                    });
+                }
+                parked = true;
+                drop(g);
+                std::thread::park();
+                if self.durable.load(Ordering::Acquire) >= target {
+                    // The sync that covered this request unlisted it when it woke it.
+                    return Ok(());
+                }
+                g = self.inner.lock();
                 continue;
+            }
+            if parked {
+                g.waiters.retain(|w| w.thread.id() != me.id());
+                parked = false;
             }
             g.syncing = true;
             self.gather(&mut g);
             if g.durable >= g.written || g.poisoned.is_some() {
                 // A rotation made everything durable (or failed) meanwhile.
                 g.syncing = false;
-                self.synced.notify_all();
+                self.wake(&mut g);
                 continue;
             }
             let upto = g.written;
@@ -875,7 +913,7 @@ impl Wal {
             g.covered = g.requests;
             if let Err(e) = flush(&mut g) {
                 g.syncing = false;
-                self.synced.notify_all();
+                self.wake(&mut g);
                 return Err(e);
             }
             let file = g.writer.file.clone();
@@ -890,16 +928,43 @@ impl Wal {
             };
             g.stats.syncs += 1;
             g.syncing = false;
-            self.synced.notify_all();
-            match res {
-                Ok(()) => g.durable = g.durable.max(upto),
+            let res = match res {
+                Ok(()) => {
+                    g.durable = g.durable.max(upto);
+                    Ok(())
+                }
                 Err(e) => {
                     let err = WalError::io("fdatasync", &path, e);
                     g.poisoned = Some(err.to_string());
-                    return Err(err);
+                    Err(err)
                 }
-            }
+            };
+            self.wake(&mut g);
+            res?;
         }
+    }
+
+    /// After `durable` moved (or the log was poisoned, or a leader stepped down): wakes every
+    /// parked request it covers (all of them once poisoned), and, if requests remain and no
+    /// sync is running, one of them to lead the next.
+    fn wake(&self, g: &mut Inner) {
+        self.durable.store(g.durable, Ordering::Release);
+        let durable = g.durable;
+        let all = g.poisoned.is_some();
+        let mut need_leader = !g.syncing;
+        g.waiters.retain(|w| {
+            if all || w.target <= durable {
+                w.thread.unpark();
+                false
+            } else if need_leader {
+                // It relists itself if it finds a leader after all.
+                need_leader = false;
+                w.thread.unpark();
+                false
+            } else {
+                true
+            }
+        });
     }
 
     /// As a sync leader (`syncing` set), waits until as many requests are pending as the

@@ -1,6 +1,8 @@
 //! Pins down behaviour under injected I/O faults: a failed fdatasync poisons the log, disk
 //! full while starting a segment is a clean error that leaves the log readable and usable,
-//! disk full on a write poisons with a disk-full error, and short writes are completed.
+//! disk full on a write poisons with a disk-full error, short writes are completed, and a
+//! failed sync under concurrent appenders fails every waiting one (none hangs, none is
+//! acknowledged after the failure).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -59,6 +61,69 @@ fn fsync_error_poisons_every_later_write() {
     let wal = Wal::open(dir.path(), opts(fs)).unwrap();
     assert!(wal.last_index() >= 10);
     assert_eq!(wal.entries(1, 11, None).unwrap(), entries(1, 11, 1));
+}
+
+#[test]
+fn a_failed_sync_fails_every_concurrent_waiter() {
+    let dir = tempfile::tempdir().unwrap();
+    let (fs, faults) = FaultFs::new();
+    faults.sync_delay_us.store(3000, Ordering::SeqCst);
+    let wal = Arc::new(Wal::open(dir.path(), opts(fs)).unwrap());
+    let next = Arc::new(parking_lot::Mutex::new(1u64));
+    let acked = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    for t in 0..8 {
+        let (wal, next, acked, done) = (wal.clone(), next.clone(), acked.clone(), done_tx.clone());
+        std::thread::spawn(move || {
+            let mut errors = 0;
+            for k in 0..200 {
+                let index = {
+                    let mut n = next.lock();
+                    if wal.append(&[entry(*n, 1)], None, false).is_err() {
+                        errors += 1;
+                        break;
+                    }
+                    *n += 1;
+                    *n - 1
+                };
+                // Half the threads wait through `sync`, half through a durable empty append.
+                let res = if (t + k) % 2 == 0 {
+                    wal.sync()
+                } else {
+                    wal.append(&[], None, true)
+                };
+                match res {
+                    Ok(()) => acked.lock().push(index),
+                    Err(_) => {
+                        errors += 1;
+                        break;
+                    }
+                }
+            }
+            done.send(errors).unwrap();
+        });
+    }
+    std::thread::sleep(std::time::Duration::from_millis(60));
+    faults.fail_sync.store(true, Ordering::SeqCst);
+    let mut failed = 0;
+    for _ in 0..8 {
+        let errors = done_rx
+            .recv_timeout(std::time::Duration::from_secs(20))
+            .expect("an appender hung after a failed sync");
+        failed += errors;
+    }
+    assert_eq!(failed, 8, "every appender saw the failure");
+    assert!(matches!(wal.sync(), Err(WalError::Poisoned { .. })));
+    let acked = acked.lock().clone();
+    assert!(
+        !acked.is_empty(),
+        "some appends were acknowledged before the failure"
+    );
+    let last = *acked.iter().max().unwrap();
+    assert_eq!(
+        wal.entries(1, last + 1, None).unwrap(),
+        entries(1, last + 1, 1)
+    );
 }
 
 #[test]
