@@ -2,12 +2,21 @@
 //! release.
 //!
 //! Concurrency: one mutex guards the in-memory state and the active segment's buffer. An
-//! append encodes its records into the buffer under the mutex. A durable append then waits
-//! for a sync that started after its bytes were written: the first waiter that finds no
-//! sync running becomes the leader, writes the buffer out (one `pwrite`) and runs
-//! `fdatasync` with the mutex released, while later appenders fill the buffer and wait; when
-//! it finishes, everything written before it started is durable and all those waiters
-//! return. Reads copy the locations they need under the mutex and read the files without it.
+//! append encodes its records into the buffer under the mutex. A durable request then waits
+//! for a sync that started after its bytes were written. The first one that finds no sync
+//! running becomes the leader: if the previous sync served several requests, it first waits
+//! (briefly, [`WalOptions::group_commit_wait`]) for as many to be pending again, since the
+//! appenders that sync released are usually on their way back; then it writes the buffer
+//! out (one `pwrite`) and runs `fdatasync` with the mutex released, while later requests
+//! fill the buffer and park. When it finishes it wakes exactly the parked requests it made
+//! durable (they check an atomic durable mark and return without taking the mutex) and, if
+//! any remain, one of them to lead the next sync. Reads copy the locations they need under
+//! the mutex and read the files without it.
+//!
+//! Release and recycling: released segments are renamed to `<seq>.free` (up to
+//! [`WalOptions::recycle_segments`] of them) and become the next prepared segment instead of
+//! a new zero-filled file, so a log in steady state (appending while snapshots let it
+//! release) overwrites blocks it already owns, as a preallocated file would.
 
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions, TryLockError};
