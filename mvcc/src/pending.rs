@@ -53,14 +53,17 @@ impl Changes {
         self.aux.get(bucket)?.get(key).map(|v| v.as_deref())
     }
 
-    /// Moves everything of `other` (newer) into `self`.
-    pub fn absorb(&mut self, other: Changes) {
-        self.revs.extend(other.revs);
-        for (bucket, writes) in other.aux {
-            self.aux.entry(bucket).or_default().extend(writes);
+    /// Moves everything of `other` (newer) into `self`, leaving `other` empty with its
+    /// allocations.
+    pub fn absorb_from(&mut self, other: &mut Changes) {
+        self.revs.append(&mut other.revs);
+        if !other.aux.is_empty() {
+            for (bucket, writes) in std::mem::take(&mut other.aux) {
+                self.aux.entry(bucket).or_default().extend(writes);
+            }
         }
-        self.meta.extend(other.meta);
-        self.writes += other.writes;
+        self.meta.append(&mut other.meta);
+        self.writes += std::mem::take(&mut other.writes);
     }
 }
 

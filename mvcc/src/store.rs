@@ -42,7 +42,7 @@ use crate::request::{
 };
 use crate::revision::Revision;
 use crate::watch::{WatchHub, WatchRequest, WatchStream, Watcher};
-use crate::write::WriteTxn;
+use crate::write::{WriteScratch, WriteTxn};
 
 /// Bucket of the revision-keyed changes.
 pub const KEY_BUCKET: Bucket = Bucket::new("key");
@@ -82,7 +82,7 @@ pub(crate) enum Signal {
 pub(crate) struct Inner<B: Backend> {
     pub backend: B,
     pub options: StoreOptions,
-    pub write_lock: Mutex<()>,
+    pub write_lock: Mutex<WriteScratch>,
     pub index: RwLock<IndexState>,
     pub state: Mutex<State>,
     pub commit_lock: Mutex<()>,
@@ -198,7 +198,7 @@ impl<B: Backend> Store<B> {
             backend,
             watch: WatchHub::new(&options),
             options,
-            write_lock: Mutex::new(()),
+            write_lock: Mutex::new(WriteScratch::default()),
             index: RwLock::new(IndexState {
                 keys,
                 compacted: scheduled,

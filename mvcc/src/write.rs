@@ -30,12 +30,10 @@ use crate::store::{Inner, META_CONSISTENT_INDEX, Signal, check_aux_bucket};
 /// Reads through it ([`range`](WriteTxn::range)) see its own earlier writes.
 pub struct WriteTxn<'a, B: Backend> {
     inner: &'a Arc<Inner<B>>,
-    _guard: MutexGuard<'a, ()>,
+    /// The writer mutex's guard, and the buffers this transaction stages its changes in.
+    scratch: MutexGuard<'a, WriteScratch>,
     base: u64,
     next_sub: u64,
-    staged: Changes,
-    /// Per staged revision: the key's revision just before it (for watchers' `prev_kv`).
-    prev_revs: Vec<Option<Revision>>,
     consistent_index: Option<u64>,
     view: OnceCell<ReadView<B>>,
     done: bool,
@@ -47,11 +45,9 @@ impl<'a, B: Backend> WriteTxn<'a, B> {
         let base = inner.state.lock().revision;
         WriteTxn {
             inner,
-            _guard: guard,
+            scratch: guard,
             base,
             next_sub: 0,
-            staged: Changes::default(),
-            prev_revs: Vec::new(),
             consistent_index: None,
             view: OnceCell::new(),
             done: false,
@@ -61,7 +57,7 @@ impl<'a, B: Backend> WriteTxn<'a, B> {
     /// The revision reads in this transaction see: the one it will commit as once it changed
     /// a key, else the store's current revision.
     pub fn revision(&self) -> u64 {
-        if self.staged.revs.is_empty() {
+        if self.scratch.staged.revs.is_empty() {
             self.base
         } else {
             self.base + 1
@@ -86,7 +82,7 @@ impl<'a, B: Backend> WriteTxn<'a, B> {
         }
         let view = self.view()?;
         let compacted = || self.inner.index.read().compacted;
-        view.sources(Some(&self.staged))
+        view.sources(Some(&self.scratch.staged))
             .fetch(compacted, revs, true)
     }
 
@@ -103,7 +99,7 @@ impl<'a, B: Backend> WriteTxn<'a, B> {
         let view = self.view()?;
         range(
             self.inner,
-            &view.sources(Some(&self.staged)),
+            &view.sources(Some(&self.scratch.staged)),
             req,
             self.revision(),
         )
@@ -159,13 +155,13 @@ impl<'a, B: Backend> WriteTxn<'a, B> {
         };
         let record = encode_parts(key, value, create_revision, rev.main, version, lease);
         self.next_sub += 1;
-        self.staged.revs.push(PendingRev {
+        self.scratch.staged.revs.push(PendingRev {
             rev,
             tombstone: false,
             record,
         });
-        self.staged.writes += 1;
-        self.prev_revs.push(prev.map(|p| p.modified));
+        self.scratch.staged.writes += 1;
+        self.scratch.prev_revs.push(prev.map(|p| p.modified));
         Ok(PutResponse {
             revision: rev.main,
             prev_kv,
@@ -211,13 +207,13 @@ impl<'a, B: Backend> WriteTxn<'a, B> {
                 let rev = Revision::new(at, self.next_sub);
                 idx.keys.tombstone(k, rev);
                 self.next_sub += 1;
-                self.staged.revs.push(PendingRev {
+                self.scratch.staged.revs.push(PendingRev {
                     rev,
                     tombstone: true,
                     record: encode_parts(k, &[], 0, at, 0, 0),
                 });
-                self.staged.writes += 1;
-                self.prev_revs.push(Some(*prev));
+                self.scratch.staged.writes += 1;
+                self.scratch.prev_revs.push(Some(*prev));
             }
         }
         Ok(DeleteResponse {
@@ -238,12 +234,13 @@ impl<'a, B: Backend> WriteTxn<'a, B> {
     pub fn put_aux(&mut self, bucket: &Bucket, key: &[u8], value: &[u8]) -> Result<(), MvccError> {
         check_aux_bucket(bucket)?;
         self.check_size(key.len() + value.len())?;
-        self.staged
+        self.scratch
+            .staged
             .aux
             .entry(bucket.clone())
             .or_default()
             .insert(key.to_vec(), Some(value.to_vec()));
-        self.staged.writes += 1;
+        self.scratch.staged.writes += 1;
         Ok(())
     }
 
@@ -251,12 +248,13 @@ impl<'a, B: Backend> WriteTxn<'a, B> {
     pub fn delete_aux(&mut self, bucket: &Bucket, key: &[u8]) -> Result<(), MvccError> {
         check_aux_bucket(bucket)?;
         self.check_size(key.len())?;
-        self.staged
+        self.scratch
+            .staged
             .aux
             .entry(bucket.clone())
             .or_default()
             .insert(key.to_vec(), None);
-        self.staged.writes += 1;
+        self.scratch.staged.writes += 1;
         Ok(())
     }
 
@@ -283,22 +281,22 @@ impl<'a, B: Backend> WriteTxn<'a, B> {
     /// transaction is then discarded.
     pub fn commit(mut self) -> Result<u64, MvccError> {
         self.inner.check_poisoned()?;
-        let changed = !self.staged.revs.is_empty();
+        let changed = !self.scratch.staged.revs.is_empty();
         let revision = self.revision();
         if let Some(ci) = self.consistent_index {
-            self.staged
+            self.scratch
+                .staged
                 .meta
                 .insert(META_CONSISTENT_INDEX, ci.to_be_bytes().to_vec());
-            self.staged.writes += 1;
+            self.scratch.staged.writes += 1;
         }
-        let staged = std::mem::take(&mut self.staged);
         let notify = changed && self.inner.watch.has_watchers();
         let (buf, start, pending_writes) = {
             let mut st = self.inner.state.lock();
             let buf = st.current.clone();
             let mut current = buf.changes.write();
             let start = current.revs.len();
-            current.absorb(staged);
+            current.absorb_from(&mut self.scratch.staged);
             let writes = current.writes;
             drop(current);
             st.revision = revision;
@@ -311,7 +309,7 @@ impl<'a, B: Backend> WriteTxn<'a, B> {
         if notify {
             self.inner
                 .watch
-                .notify(self.inner, revision, &buf, start, &self.prev_revs);
+                .notify(self.inner, revision, &buf, start, &self.scratch.prev_revs);
         }
         let limit = self.inner.options.batch_limit;
         if pending_writes >= limit.saturating_mul(4) {
@@ -330,14 +328,41 @@ impl<'a, B: Backend> WriteTxn<'a, B> {
 
 impl<B: Backend> Drop for WriteTxn<'_, B> {
     fn drop(&mut self) {
-        if self.done || self.staged.revs.is_empty() {
-            return;
-        }
-        let mut idx = self.inner.index.write();
-        for p in self.staged.revs.iter().rev() {
-            if let Ok(rec) = decode_record(p.rev, &p.record) {
-                idx.keys.rollback(rec.key, p.rev);
+        if !self.done && !self.scratch.staged.revs.is_empty() {
+            let mut idx = self.inner.index.write();
+            for p in self.scratch.staged.revs.iter().rev() {
+                if let Ok(rec) = decode_record(p.rev, &p.record) {
+                    idx.keys.rollback(rec.key, p.rev);
+                }
             }
+        }
+        self.scratch.clear();
+    }
+}
+
+/// The buffers write transactions stage their changes in, kept under the writer mutex and
+/// reused from one transaction to the next (a put allocates no staging vectors).
+#[derive(Default)]
+pub(crate) struct WriteScratch {
+    staged: Changes,
+    /// Per staged revision: the key's revision just before it (for watchers' `prev_kv`).
+    prev_revs: Vec<Option<Revision>>,
+}
+
+impl WriteScratch {
+    /// Staged changes beyond this many are not kept for reuse.
+    const KEEP: usize = 1024;
+
+    fn clear(&mut self) {
+        let s = &mut self.staged;
+        s.revs.clear();
+        s.aux.clear();
+        s.meta.clear();
+        s.writes = 0;
+        self.prev_revs.clear();
+        if s.revs.capacity() > Self::KEEP {
+            s.revs = Vec::new();
+            self.prev_revs = Vec::new();
         }
     }
 }
