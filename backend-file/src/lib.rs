@@ -5,10 +5,16 @@
 //! is the commit point, so a batch is either wholly in the store after a crash or not at all.
 //! An in-memory index per bucket, a copy-on-write B+tree, maps keys to the place of their value
 //! in a segment; open rebuilds it by replaying the segments and cuts off a torn last frame.
-//! Reads go through read-only shared mappings: a read transaction ([`FileReadTxn`]) holds one
-//! immutable index version and the mappings it points into, so it never waits for the writer
-//! and the writer never waits for it. Writes only ever go past the committed end, which no
-//! mapping covers.
+//! Reads go through read-only shared mappings, one per segment made once at the segment size:
+//! a read transaction ([`FileReadTxn`]) holds one immutable index version, which records the
+//! committed end of every segment it reads, so it never waits for the writer and the writer
+//! never waits for it. Writes only ever go past the committed end, which no reader reads.
+//!
+//! A commit costs one positioned write and one `fdatasync`: a background thread prepares
+//! space ahead of the writer (allocated blocks, or zeros) and the next segment before the
+//! active one fills, so the sync changes no file size and allocates nothing, and a new segment
+//! is a rename. A restore from a snapshot stream writes its frames without syncing them and
+//! syncs once at its end, behind a marker that keeps an unfinished restore from opening.
 //!
 //! Space comes back through the reclaimer: it copies the live records of the oldest segments
 //! forward in small commits, then moves the floor in the META file and removes the old

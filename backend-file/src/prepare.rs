@@ -18,13 +18,16 @@
 //!
 //! The preparer and the writer never write the same bytes. The preparer writes only at or
 //! past `zeroed`, and only it advances `zeroed` while it works; the writer's fast path writes
-//! below `zeroed`. When zeros are written, the writer's slow path first waits for the
-//! preparer's step to end and keeps it from starting another until the frame is durable; an
-//! allocation never changes bytes already written, so with allocation it does not wait.
+//! below `zeroed`, and its slow path keeps the preparer from starting a step until the frame
+//! is written. When zeros are written, the slow path first waits for the preparer's step in
+//! progress to end; an allocation never changes bytes already written, so with allocation it
+//! does not wait. If the file system turns allocation down, the step fails (preparation of
+//! that segment stops) and later segments are prepared with zeros.
 
 use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 
 use keel_mvcc::BackendError;
@@ -109,6 +112,8 @@ pub(crate) struct Preparer {
     io: Io,
     segment_size: u64,
     how: PrepareWith,
+    /// Set once an allocation failed as unsupported.
+    no_allocate: AtomicBool,
 }
 
 impl Preparer {
@@ -120,6 +125,7 @@ impl Preparer {
             io,
             segment_size,
             how,
+            no_allocate: AtomicBool::new(false),
         })
     }
 
@@ -187,13 +193,14 @@ impl Preparer {
         if end <= s.zeroed {
             return true;
         }
-        if self.how == PrepareWith::Zeros {
+        if self.how() == PrepareWith::Zeros {
             // Zeros being written past `zeroed` must not land on the frame.
             while s.busy {
                 self.cv.wait(&mut s);
             }
-            s.appending = true;
         }
+        // No step starts until the frame is written.
+        s.appending = true;
         false
     }
 
@@ -274,7 +281,7 @@ impl Preparer {
             && !s.appending
             && s.zeroed < s.want
         {
-            let to = match self.how {
+            let to = match self.how() {
                 PrepareWith::Zeros => s.want.min(s.zeroed + STEP),
                 // Twice as far as asked, so allocations and their syncs come once per
                 // `ahead` bytes written rather than once per commit.
@@ -347,22 +354,42 @@ impl Preparer {
         }
     }
 
+    /// How space is prepared now: allocation falls back to zeros for good once the file
+    /// system turns it down.
+    fn how(&self) -> PrepareWith {
+        if self.no_allocate.load(Ordering::Relaxed) {
+            PrepareWith::Zeros
+        } else {
+            self.how
+        }
+    }
+
     /// Prepares `[from, to)` of a file (zeros written, or blocks allocated) and syncs it.
     fn zero(&self, file: &File, path: &Path, from: u64, to: u64) -> Result<(), BackendError> {
-        match self.how {
-            PrepareWith::Zeros => {
-                let mut at = from;
-                while at < to {
-                    let n = (to - at).min(STEP) as usize;
-                    self.io.write_at(file, path, at, &ZEROS[..n])?;
-                    at += n as u64;
+        if self.how() == PrepareWith::Allocate && to > from {
+            match self.io.allocate(file, path, from, to - from) {
+                Ok(()) => return self.io.sync_data(file, path),
+                Err(e) => {
+                    if let BackendError::Io { source, .. } = &e
+                        && source.kind() == std::io::ErrorKind::Unsupported
+                    {
+                        // Later steps write zeros. Not this one: a frame may be being
+                        // appended over these bytes right now.
+                        tracing::info!(
+                            path = %path.display(),
+                            "the file system cannot allocate ahead; zeros from the next segment on"
+                        );
+                        self.no_allocate.store(true, Ordering::Relaxed);
+                    }
+                    return Err(e);
                 }
             }
-            PrepareWith::Allocate => {
-                if to > from {
-                    self.io.allocate(file, path, from, to - from)?;
-                }
-            }
+        }
+        let mut at = from;
+        while at < to {
+            let n = (to - at).min(STEP) as usize;
+            self.io.write_at(file, path, at, &ZEROS[..n])?;
+            at += n as u64;
         }
         self.io.sync_data(file, path)
     }

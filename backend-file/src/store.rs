@@ -6,9 +6,10 @@
 //! for the pointer swap that publishes a commit.
 //!
 //! A commit encodes the batch as one frame (see [`crate::format`]), writes it with one
-//! positioned write at the committed end of the active segment — bytes no mapping covers —
-//! syncs it, applies it to the writer's copy of the index, maps the segment anew up to the
-//! new committed end, and publishes the result.
+//! positioned write at the committed end of the active segment — into space prepared ahead
+//! ([`crate::prepare`]) that no reader reads — syncs it, applies it to the writer's copy of
+//! the index, records the new committed end in that copy (the segment's mapping already
+//! covers it, unless the frame outgrew the segment size), and publishes the result.
 
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};

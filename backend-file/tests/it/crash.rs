@@ -1,5 +1,6 @@
 //! Real crashes: a child process commits batches (rolling segments, reclaiming and
-//! defragmenting as it goes) and is killed with SIGKILL at a random moment; after reopen
+//! defragmenting as it goes, preparing space ahead by allocation or by zeros in alternate
+//! rounds) and is killed with SIGKILL at a random moment; after reopen
 //! every acknowledged batch is there, no batch is partial, and the integrity check passes.
 //!
 //! 60 rounds by default; `KEEL_CRASH_ROUNDS=1000 cargo test -p keel-backend-file --test it
@@ -11,13 +12,15 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use keel_backend_file::{FileBackend, FileOptions};
+use keel_backend_file::{FileBackend, FileOptions, PrepareWith};
 use keel_mvcc::{Backend, ReadTxn, WriteBatch};
 use rand::{Rng, SeedableRng};
 
 use crate::support::{B, META_B};
 
 const DIR_ENV: &str = "KEEL_FILE_CRASH_DIR";
+/// How the child prepares space ahead: rounds alternate between allocation and zeros.
+const PREPARE_ENV: &str = "KEEL_FILE_CRASH_PREPARE";
 /// Batches kept alive: batch `i` deletes the keys of batch `i - KEEP`.
 const KEEP: u64 = 5;
 const PER_BATCH: u64 = 10;
@@ -55,7 +58,15 @@ fn child_writer() {
     let Ok(dir) = std::env::var(DIR_ENV) else {
         return;
     };
-    let b = FileBackend::open(Path::new(&dir), &options()).unwrap();
+    let how = match std::env::var(PREPARE_ENV).as_deref() {
+        Ok("zeros") => PrepareWith::Zeros,
+        _ => PrepareWith::Allocate,
+    };
+    let options = FileOptions {
+        prepare_with: how,
+        ..options()
+    };
+    let b = FileBackend::open(Path::new(&dir), &options).unwrap();
     let mut out = std::io::stdout().lock();
     let mut i = last_batch(&b);
     loop {
@@ -134,6 +145,10 @@ fn sigkill() {
             .args(["--exact", "crash::child_writer", "--ignored", "--nocapture"])
             .args(["--test-threads", "1"])
             .env(DIR_ENV, dir.path())
+            .env(
+                PREPARE_ENV,
+                if round % 2 == 0 { "allocate" } else { "zeros" },
+            )
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()

@@ -6,7 +6,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use keel_backend_file::{FileBackend, FileOptions};
+use keel_backend_file::{FileBackend, FileOptions, PrepareWith};
 use keel_mvcc::{Backend, BackendError, WriteBatch};
 
 use crate::support::{B, META_B, dump};
@@ -20,6 +20,14 @@ fn options() -> FileOptions {
         reclaim_min_garbage: 0,
         ..FileOptions::default()
     }
+}
+
+/// The options with each way of preparing space.
+fn both() -> [FileOptions; 2] {
+    [PrepareWith::Allocate, PrepareWith::Zeros].map(|how| FileOptions {
+        prepare_with: how,
+        ..options()
+    })
 }
 
 fn batch(i: u32) -> WriteBatch {
@@ -82,8 +90,14 @@ fn wait_for_zeros(dir: &Path, min: usize) -> usize {
 
 #[test]
 fn commits_fill_prepared_space_and_survive_reopen() {
+    for options in both() {
+        fill_and_reopen(&options);
+    }
+}
+
+fn fill_and_reopen(options: &FileOptions) {
     let dir = tempfile::tempdir().unwrap();
-    let b = FileBackend::open(dir.path(), &options()).unwrap();
+    let b = FileBackend::open(dir.path(), options).unwrap();
     for i in 0..60 {
         b.commit(&batch(i)).unwrap();
         if i % 10 == 0 {
@@ -99,7 +113,7 @@ fn commits_fill_prepared_space_and_survive_reopen() {
         .sum();
     assert!(size.on_disk >= files, "on_disk counts prepared space");
     drop(b);
-    let b = FileBackend::open(dir.path(), &options()).unwrap();
+    let b = FileBackend::open(dir.path(), options).unwrap();
     assert!(dump(&b) == before, "content after reopen");
     b.check_integrity().unwrap();
     for i in 60..70 {
@@ -107,7 +121,7 @@ fn commits_fill_prepared_space_and_survive_reopen() {
     }
     let after = dump(&b);
     drop(b);
-    let b = FileBackend::open(dir.path(), &options()).unwrap();
+    let b = FileBackend::open(dir.path(), options).unwrap();
     assert!(
         dump(&b) == after,
         "commits after reopen go into the prepared zeros"
@@ -117,9 +131,12 @@ fn commits_fill_prepared_space_and_survive_reopen() {
 
 #[test]
 fn torn_commit_inside_prepared_space_is_cut_off() {
-    for garbage in [1usize, 17, 300, 5000] {
+    for (options, garbage) in both()
+        .into_iter()
+        .flat_map(|o| [1usize, 17, 300, 5000].map(|g| (o.clone(), g)))
+    {
         let dir = tempfile::tempdir().unwrap();
-        let b = FileBackend::open(dir.path(), &options()).unwrap();
+        let b = FileBackend::open(dir.path(), &options).unwrap();
         for i in 0..5 {
             b.commit(&batch(i)).unwrap();
         }
@@ -132,7 +149,7 @@ fn torn_commit_inside_prepared_space_is_cut_off() {
         let frame: Vec<u8> = bytes[32..32 + garbage].to_vec();
         bytes[end..end + garbage].copy_from_slice(&frame);
         fs::write(&last, &bytes).unwrap();
-        let b = FileBackend::open(dir.path(), &options()).unwrap();
+        let b = FileBackend::open(dir.path(), &options).unwrap();
         assert!(
             dump(&b) == state,
             "torn commit of {garbage} bytes is not applied"
@@ -146,7 +163,7 @@ fn torn_commit_inside_prepared_space_is_cut_off() {
         b.commit(&batch(9)).unwrap();
         let now = dump(&b);
         drop(b);
-        let b = FileBackend::open(dir.path(), &options()).unwrap();
+        let b = FileBackend::open(dir.path(), &options).unwrap();
         assert!(dump(&b) == now);
         b.check_integrity().unwrap();
     }
