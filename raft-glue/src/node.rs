@@ -215,8 +215,67 @@ pub enum ReadConsistency {
     Serializable,
 }
 
-type Reply = Sender<Result<Response, NodeError>>;
-type ReadReply = Sender<Result<u64, NodeError>>;
+type Reply = ReplyTx<Result<Response, NodeError>>;
+type ReadReply = ReplyTx<Result<u64, NodeError>>;
+
+/// One answer from the Raft thread to a caller: a slot and a condition variable. The caller
+/// sleeps on the condition variable until the answer (or the sender's drop) arrives, without
+/// the spinning and yielding of a channel receive: with many callers waiting, those would
+/// take CPU from the Raft threads.
+struct ReplySlot<T> {
+    state: Mutex<(Option<T>, bool)>,
+    ready: parking_lot::Condvar,
+}
+
+/// The Raft thread's end of a [`ReplySlot`]; dropping it unanswered tells the caller the
+/// member stopped.
+struct ReplyTx<T>(Arc<ReplySlot<T>>);
+
+/// The caller's end of a [`ReplySlot`].
+struct ReplyRx<T>(Arc<ReplySlot<T>>);
+
+fn reply_slot<T>() -> (ReplyTx<T>, ReplyRx<T>) {
+    let slot = Arc::new(ReplySlot {
+        state: Mutex::new((None, false)),
+        ready: parking_lot::Condvar::new(),
+    });
+    (ReplyTx(slot.clone()), ReplyRx(slot))
+}
+
+impl<T> ReplyTx<T> {
+    /// Hands the answer to the caller (who may have given up already).
+    fn send(self, value: T) -> Result<(), ()> {
+        self.0.state.lock().0 = Some(value);
+        self.0.ready.notify_one();
+        Ok(())
+    }
+}
+
+impl<T> Drop for ReplyTx<T> {
+    fn drop(&mut self) {
+        self.0.state.lock().1 = true;
+        self.0.ready.notify_one();
+    }
+}
+
+impl<T> ReplyRx<T> {
+    /// The answer; `Err(true)` on timeout, `Err(false)` when the sender was dropped.
+    fn recv_timeout(&self, timeout: Duration) -> Result<T, bool> {
+        let deadline = Instant::now() + timeout;
+        let mut g = self.0.state.lock();
+        loop {
+            if let Some(v) = g.0.take() {
+                return Ok(v);
+            }
+            if g.1 {
+                return Err(false);
+            }
+            if self.0.ready.wait_until(&mut g, deadline).timed_out() {
+                return g.0.take().ok_or(true);
+            }
+        }
+    }
+}
 
 enum Cmd {
     Propose {
@@ -554,17 +613,17 @@ impl<B: Backend> Node<B> {
 
     fn wait<T>(
         &self,
-        rx: Receiver<Result<T, NodeError>>,
+        rx: ReplyRx<Result<T, NodeError>>,
         what: &'static str,
     ) -> Result<T, NodeError> {
         let timeout = self.shared.options.request_timeout;
         match rx.recv_timeout(timeout) {
             Ok(r) => r,
-            Err(crossbeam_channel::RecvTimeoutError::Timeout) => Err(NodeError::Timeout {
+            Err(true) => Err(NodeError::Timeout {
                 what,
                 millis: timeout.as_millis() as u64,
             }),
-            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => Err(self.stopped_error()),
+            Err(false) => Err(self.stopped_error()),
         }
     }
 
@@ -588,7 +647,7 @@ impl<B: Backend> Node<B> {
                 limit,
             });
         }
-        let (tx, rx) = bounded(1);
+        let (tx, rx) = reply_slot();
         let cmd = match env.request {
             Request::ConfChange(changes) => Cmd::ConfChange {
                 seq,
@@ -811,7 +870,7 @@ impl<B: Backend> Node<B> {
     pub fn read_index(&self) -> Result<u64, NodeError> {
         self.check_running()?;
         self.refuse_on_learner()?;
-        let (tx, rx) = bounded(1);
+        let (tx, rx) = reply_slot();
         self.shared
             .cmds
             .send(Cmd::Read { reply: tx })
@@ -1868,9 +1927,8 @@ impl<B: Backend> Driver<B> {
         Ok(())
     }
 
-    /// A membership operation on the leader. A leader that has not applied an entry of its
-    /// term yet holds it back until it has (raft-rs counts every entry before its term as
-    /// a possibly pending configuration change until then), at most a request timeout.
+    /// A membership operation on the leader, held back (at most a request timeout) while
+    /// [`member_op_must_wait`](Self::member_op_must_wait).
     fn leader_member_op(
         &mut self,
         origin: u64,
@@ -1879,7 +1937,7 @@ impl<B: Backend> Driver<B> {
         reply: Option<Reply>,
         since: Instant,
     ) {
-        if !self.applied_in_term() && since.elapsed() < self.shared.options.request_timeout {
+        if self.member_op_must_wait() && since.elapsed() < self.shared.options.request_timeout {
             self.deferred_members.push((origin, seq, op, reply, since));
             return;
         }
@@ -1893,11 +1951,17 @@ impl<B: Backend> Driver<B> {
         }
     }
 
-    /// Whether this member has applied an entry of its current term (a new leader: its
-    /// own first entry).
-    fn applied_in_term(&self) -> bool {
-        let log = &self.raw.raft.raft_log;
-        log.term(log.applied).is_ok_and(|t| t == self.raw.raft.term)
+    /// Whether a membership operation on the leader must wait a moment rather than be
+    /// refused: the leader has not applied an entry of its term yet (raft-rs counts every
+    /// earlier entry as a possibly pending configuration change until then), or the pending
+    /// change is committed and only this member's own apply of it is behind (its entries are
+    /// still being persisted here while a quorum of followers has them).
+    fn member_op_must_wait(&self) -> bool {
+        let raft = &self.raw.raft;
+        let log = &raft.raft_log;
+        let in_term = log.term(log.applied).is_ok_and(|t| t == raft.term);
+        !in_term
+            || (raft.pending_conf_index > log.applied && log.committed >= raft.pending_conf_index)
     }
 
     /// Answers a refused membership operation: to the local caller, or to the member that
@@ -1925,7 +1989,7 @@ impl<B: Backend> Driver<B> {
             return;
         }
         let leader = self.raw.raft.state == StateRole::Leader;
-        if leader && !self.applied_in_term() {
+        if leader && self.member_op_must_wait() {
             let timeout = self.shared.options.request_timeout;
             if self
                 .deferred_members
@@ -2127,6 +2191,8 @@ impl<B: Backend> Driver<B> {
             tracing::info!(member = self.id, index = e.index, op = ?op, "membership changed");
         }
         self.publish_members();
+        // The caller sees the new membership in the status as soon as it has its answer.
+        self.update_status();
         let mut voters = cs.voters.clone();
         voters.sort_unstable();
         let mut learners = cs.learners.clone();
