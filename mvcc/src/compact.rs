@@ -8,6 +8,10 @@
 //! revision `<= c` that the index compaction did not keep, and finally records
 //! `finished_compact_rev = c`. A store opened with `scheduled > finished` compacts again
 //! (deleting what is left is idempotent).
+//!
+//! Before each batch the compactor waits while a read view below `c` is open: such a view
+//! may still be reading, from fresh backend read transactions, revisions that this
+//! compaction deletes (see `read`).
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -21,6 +25,9 @@ use crate::read::ReadView;
 use crate::request::HashKv;
 use crate::revision::Revision;
 use crate::store::{Inner, KEY_BUCKET, META_BUCKET, META_FINISHED_COMPACT, META_SCHEDULED_COMPACT};
+
+/// How often the compactor looks again while an open view pins history it would delete.
+const PIN_POLL: std::time::Duration = std::time::Duration::from_millis(5);
 
 /// Physical deletion work for the compactor thread; revision 0 stops the thread.
 pub(crate) struct CompactJob {
@@ -106,6 +113,14 @@ fn delete_compacted<B: Backend>(
     loop {
         if inner.shutdown.load(Ordering::Acquire) {
             return Ok(false);
+        }
+        while inner.oldest_view().is_some_and(|r| r < job.revision) {
+            if inner.shutdown.load(Ordering::Acquire) {
+                return Ok(false);
+            }
+            if let Err(RecvTimeoutError::Disconnected) = stop.recv_timeout(PIN_POLL) {
+                return Ok(false);
+            }
         }
         let mut batch = WriteBatch::new();
         let mut next = None;

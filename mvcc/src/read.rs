@@ -5,8 +5,20 @@
 //! chunk) to find, per key, the revision visible at the view's revision; then it reads those
 //! revisions' records from the pending buffers it holds or from its backend read transaction,
 //! walking the backend in revision order with one cursor (re-seeking over gaps).
+//!
+//! A long read does not keep one backend read transaction for its whole life: after every
+//! [`REFRESH_RECORDS`] records read from the backend, the view moves to a fresh read
+//! transaction (and drops the old one), so a backend whose readers pin space (LMDB cannot
+//! reuse pages freed after its oldest reader began) reclaims it while the view keeps reading.
+//! The result is the same: revisions are immutable, every revision up to the view's is kept
+//! until a compaction above it, and a fresher transaction holds everything an older one held
+//! except what compaction deleted. Compaction's physical deletion is what could differ, so a
+//! view *pins* its revision while it lives (`Inner::pin_view`), and the compactor does not
+//! delete history of a compaction above the oldest pinned revision until that view is gone.
 
 use std::sync::Arc;
+
+use parking_lot::Mutex;
 
 use crate::backend::{Backend, ReadTxn};
 use crate::error::MvccError;
@@ -20,6 +32,9 @@ use crate::store::{INDEX_CHUNK, Inner, KEY_BUCKET};
 /// Entries a cursor may skip before a lookup re-seeks instead.
 const MAX_SKIP: usize = 16;
 
+/// Records a view reads from one backend read transaction before it moves to a fresh one.
+pub(crate) const REFRESH_RECORDS: usize = 1024;
+
 /// A consistent read-only view of the store at one revision.
 ///
 /// It sees every write transaction committed before it was opened, whether or not the
@@ -32,7 +47,8 @@ pub struct ReadView<B: Backend> {
     pub(crate) revision: u64,
     pub(crate) current: Arc<Pending>,
     pub(crate) committing: Option<Arc<Pending>>,
-    pub(crate) txn: B::ReadTxn,
+    /// The freshest backend read transaction this view has opened.
+    txn: Mutex<Arc<B::ReadTxn>>,
 }
 
 impl<B: Backend> ReadView<B> {
@@ -41,14 +57,21 @@ impl<B: Backend> ReadView<B> {
             let st = inner.state.lock();
             (st.revision, st.current.clone(), st.committing.clone())
         };
+        inner.pin_view(revision);
         // Opened after the buffers were taken: anything that left them since is in the backend.
-        let txn = inner.backend.read_txn()?;
+        let txn = match inner.backend.read_txn() {
+            Ok(txn) => txn,
+            Err(e) => {
+                inner.unpin_view(revision);
+                return Err(e.into());
+            }
+        };
         Ok(ReadView {
             inner: inner.clone(),
             revision,
             current,
             committing,
-            txn,
+            txn: Mutex::new(Arc::new(txn)),
         })
     }
 
@@ -67,9 +90,30 @@ impl<B: Backend> ReadView<B> {
             staged,
             current: &self.current,
             committing: self.committing.as_deref(),
-            txn: &self.txn,
+            txn: self.txn.lock().clone(),
+            refresh: Some(self),
         }
     }
+}
+
+impl<B: Backend> Refresh<B::ReadTxn> for ReadView<B> {
+    fn fresh_txn(&self) -> Result<Arc<B::ReadTxn>, MvccError> {
+        let txn = Arc::new(self.inner.backend.read_txn()?);
+        // The view's older transaction ends once no running read holds it.
+        *self.txn.lock() = txn.clone();
+        Ok(txn)
+    }
+}
+
+impl<B: Backend> Drop for ReadView<B> {
+    fn drop(&mut self) {
+        self.inner.unpin_view(self.revision);
+    }
+}
+
+/// Opens a fresh backend read transaction for a running read (see the module docs).
+pub(crate) trait Refresh<T> {
+    fn fresh_txn(&self) -> Result<Arc<T>, MvccError>;
 }
 
 /// Where a reader finds records: a write transaction's own changes, the pending buffers, the
@@ -78,7 +122,9 @@ pub(crate) struct Sources<'a, T: ReadTxn> {
     pub staged: Option<&'a Changes>,
     pub current: &'a Pending,
     pub committing: Option<&'a Pending>,
-    pub txn: &'a T,
+    pub txn: Arc<T>,
+    /// Where fresh read transactions come from; `None` reads from `txn` only.
+    pub refresh: Option<&'a dyn Refresh<T>>,
 }
 
 impl<T: ReadTxn> Sources<'_, T> {
@@ -148,12 +194,24 @@ impl<T: ReadTxn> Sources<'_, T> {
         }
         if !misses.is_empty() {
             misses.sort_unstable();
+            let mut txn = self.txn.clone();
+            let mut read = 0usize;
             let mut m = 0;
             while m < misses.len() {
+                if read >= REFRESH_RECORDS
+                    && let Some(refresh) = self.refresh
+                {
+                    txn = refresh.fresh_txn()?;
+                    read = 0;
+                }
                 let start = misses[m].0.to_bytes();
                 let mut skipped = 0;
-                let mut iter = self.txn.range(&KEY_BUCKET, &start, None)?;
+                let mut iter = txn.range(&KEY_BUCKET, &start, None)?;
                 loop {
+                    if read >= REFRESH_RECORDS && self.refresh.is_some() {
+                        break;
+                    }
+                    read += 1;
                     let Some(item) = iter.next() else {
                         return Err(missing(misses[m].0, &compacted));
                     };

@@ -94,6 +94,9 @@ pub(crate) struct Inner<B: Backend> {
     pub shutdown: AtomicBool,
     /// A commit signal is in flight to the committer.
     pub commit_requested: AtomicBool,
+    /// Revisions of open read views, with how many views read at each: compaction's physical
+    /// deletion waits while a view below its revision is open (see `read`).
+    pub view_pins: Mutex<std::collections::BTreeMap<u64, usize>>,
     pub watch: WatchHub,
 }
 
@@ -216,6 +219,7 @@ impl<B: Backend> Store<B> {
             compactor: compact_tx,
             shutdown: AtomicBool::new(false),
             commit_requested: AtomicBool::new(false),
+            view_pins: Mutex::new(std::collections::BTreeMap::new()),
         });
         if let Some(job) = job {
             tracing::info!(revision = job.revision, "resuming interrupted compaction");
@@ -448,6 +452,27 @@ impl<B: Backend> Inner<B> {
     pub(crate) fn pending_snapshot(&self) -> (Arc<Pending>, Option<Arc<Pending>>) {
         let st = self.state.lock();
         (st.current.clone(), st.committing.clone())
+    }
+
+    /// Registers an open read view at `revision`.
+    pub(crate) fn pin_view(&self, revision: u64) {
+        *self.view_pins.lock().entry(revision).or_insert(0) += 1;
+    }
+
+    /// Unregisters a read view opened at `revision`.
+    pub(crate) fn unpin_view(&self, revision: u64) {
+        let mut pins = self.view_pins.lock();
+        if let Some(n) = pins.get_mut(&revision) {
+            *n -= 1;
+            if *n == 0 {
+                pins.remove(&revision);
+            }
+        }
+    }
+
+    /// The revision of the oldest open read view.
+    pub(crate) fn oldest_view(&self) -> Option<u64> {
+        self.view_pins.lock().first_key_value().map(|(r, _)| *r)
     }
 
     pub(crate) fn check_poisoned(&self) -> Result<(), MvccError> {

@@ -6,6 +6,7 @@ mod compaction;
 mod concurrency;
 mod conformance;
 mod crash;
+mod long_read;
 mod model;
 mod ops;
 mod snapshot;
