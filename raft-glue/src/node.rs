@@ -496,9 +496,11 @@ impl<B: Backend> Node<B> {
             let dir = config.dir.clone();
             let bopts = config.backend_options.clone();
             let sopts = config.store_options.clone();
+            let prepared = sm.prepared_slot();
             threads.push(spawn(&format!("keel-snap-recv-{id}"), move || {
                 receive_loop::<B>(
                     shared2, snap_rx, transport, acks, assembler, ev_tx, dir, bopts, sopts,
+                    prepared,
                 )
             })?);
         }
@@ -981,6 +983,7 @@ fn receive_loop<B: Backend>(
     dir: PathBuf,
     backend_options: B::Options,
     store_options: StoreOptions,
+    prepared_slot: apply::PreparedSlot<B>,
 ) {
     let id = shared.id;
     // The transfer being restored while it arrives, if any.
@@ -1007,9 +1010,11 @@ fn receive_loop<B: Backend>(
         let key = (from, transfer);
         if chunk.seq == 0 {
             // One restore at a time: a new transfer replaces the one in progress, which
-            // then completes (if ever) through the stored file. The old restore ends
-            // before the new one reuses its directory.
+            // then completes (if ever) through the stored file. The old restore ends, and
+            // a prepared snapshot raft-rs did not take is closed, before the new restore
+            // clears their directories.
             drop(live.take());
+            drop(prepared_slot.lock().take());
             live = match snapshot::LiveRestore::<B>::start(key, &dir, &backend_options) {
                 Ok(l) => Some(l),
                 Err(e) => {
@@ -1032,9 +1037,9 @@ fn receive_loop<B: Backend>(
             };
             let meta = received.message.get_snapshot().get_metadata().clone();
             let prepared = match live.take() {
-                Some(l) if l.key == key => l.finish().and_then(|backend| {
+                Some(l) if l.key == key => l.finish().and_then(|(generation, backend)| {
                     apply::finish_restore(
-                        &dir,
+                        generation,
                         backend,
                         &store_options,
                         meta.index,
@@ -1065,7 +1070,7 @@ fn receive_loop<B: Backend>(
             if let Some(path) = &received.path {
                 let _ = fs::remove_file(path);
             }
-            prepared?;
+            *prepared_slot.lock() = Some(prepared?);
             let (done_tx, done_rx) = bounded(1);
             events
                 .send(Event::SnapshotReceived {
@@ -1074,6 +1079,10 @@ fn receive_loop<B: Backend>(
                 })
                 .map_err(|_| NodeError::Stopped { id, reason: None })?;
             let installed = done_rx.recv().unwrap_or(false);
+            if !installed {
+                // Not taken by raft-rs: close it; the next restore removes its directory.
+                drop(prepared_slot.lock().take());
+            }
             tracing::info!(
                 member = id,
                 from,
