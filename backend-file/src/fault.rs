@@ -1,4 +1,4 @@
-//! The I/O seam: every write, sync and truncation of the store goes through [`Io`], which
+//! The I/O seam: every write, sync and truncation of the store goes through `Io`, which
 //! consults an optional [`FaultHook`]. Tests install a [`FaultPlan`] to fail any single write
 //! or sync, or to tear a write (only a prefix reaches the file) and keep it there.
 

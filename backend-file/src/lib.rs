@@ -1,6 +1,6 @@
 //! keel's pure-Rust, memory-mapped, crash-safe, log-structured backend for keel-mvcc.
 //!
-//! The store is a directory of append-only segment files (byte layout in [`format`]). Each
+//! The store is a directory of append-only segment files (byte layout in [`format`](mod@format)). Each
 //! commit appends one checksummed frame holding the whole batch and syncs it once: that frame
 //! is the commit point, so a batch is either wholly in the store after a crash or not at all.
 //! An in-memory index per bucket, a copy-on-write B+tree, maps keys to the place of their value

@@ -579,7 +579,7 @@ impl Backend for FileBackend {
     }
 
     /// Loads a snapshot stream, syncing once at the end instead of once per batch; see
-    /// [`crate::restore`]. On error the store is incomplete and refuses to open again.
+    /// the `restore` module. On error the store is incomplete and refuses to open again.
     fn restore(&self, input: &mut dyn std::io::Read) -> Result<u64, BackendError> {
         self.restore_stream(input)
     }
