@@ -14,12 +14,14 @@
 //!
 //! The syncer thread ([`sync`]) catches unsynced watchers up: each round takes every unsynced
 //! watcher whose channel has room, reads the revisions from the lowest revision any of them
-//! still needs (at most [`StoreOptions::watch_sync_batch`] of them) from the store in one scan
-//! (pending buffers and backend, through a read view), decodes each change once, matches it
-//! through a matcher built over those watchers, and sends every watcher its whole share of the
-//! batch in one message. A watcher that has everything up to the last revision writers
-//! dispatched goes back to synced. Memory therefore stays bounded by the channels (each
-//! message holds at most one batch), whatever the consumers do.
+//! still needs from the store in one scan (pending buffers and backend, through a read view),
+//! decodes each change once, matches it through a matcher built over those watchers, and
+//! sends every watcher its whole share of the round in one message. A round reads
+//! [`StoreOptions::watch_sync_batch`] revisions, or as many as there are watchers in it if
+//! that is more (so the per-watcher setup of a round stays small against its scan). A watcher
+//! that has everything up to the last revision writers dispatched goes back to synced. Memory
+//! therefore stays bounded by the channels (each message holds at most one round's share),
+//! whatever the consumers do.
 //!
 //! A [`WatchStream`] multiplexes many watchers onto one bounded channel, like etcd's
 //! `watchStream` (its `chanBufLen` is our channel capacity): a consumer of thousands of
@@ -160,7 +162,17 @@ struct RevChanges {
     changes: Vec<Change>,
 }
 
-/// Which changes of a [`RevChanges`] a delivery holds.
+/// A revision's matched changes as shared between deliveries.
+#[derive(Clone)]
+enum Shared {
+    /// The common case, one change and no previous pair: its record alone, in one
+    /// allocation (a tombstone is the record with version 0, see [`crate::kv`]).
+    One(Arc<[u8]>),
+    /// Anything else.
+    Many(Arc<RevChanges>),
+}
+
+/// Which changes of a [`Shared::Many`] a delivery holds.
 enum Pick {
     All,
     Some(Box<[u32]>),
@@ -168,7 +180,7 @@ enum Pick {
 
 /// One revision for one watcher.
 struct Part {
-    rev: Arc<RevChanges>,
+    rev: Shared,
     pick: Pick,
     prev_kv: bool,
 }
@@ -176,23 +188,39 @@ struct Part {
 impl Part {
     /// The watcher's response for this revision.
     fn events(&self) -> Vec<Event> {
+        let kind = |tombstone: bool| {
+            if tombstone {
+                EventKind::Delete
+            } else {
+                EventKind::Put
+            }
+        };
+        let changes = match &self.rev {
+            Shared::One(record) => {
+                return record_ref(record)
+                    .map(|r| Event {
+                        kind: kind(r.version == 0),
+                        kv: r.to_kv(true),
+                        prev_kv: None,
+                    })
+                    .into_iter()
+                    .collect();
+            }
+            Shared::Many(rev) => &rev.changes,
+        };
         let one = |c: &Change| -> Option<Event> {
             let r = record_ref(&c.record)?;
             Some(Event {
-                kind: if c.tombstone {
-                    EventKind::Delete
-                } else {
-                    EventKind::Put
-                },
+                kind: kind(c.tombstone),
                 kv: r.to_kv(true),
                 prev_kv: if self.prev_kv { c.prev.clone() } else { None },
             })
         };
         match &self.pick {
-            Pick::All => self.rev.changes.iter().filter_map(one).collect(),
+            Pick::All => changes.iter().filter_map(one).collect(),
             Pick::Some(at) => at
                 .iter()
-                .filter_map(|&i| self.rev.changes.get(i as usize).and_then(one))
+                .filter_map(|&i| changes.get(i as usize).and_then(one))
                 .collect(),
         }
     }
@@ -408,6 +436,7 @@ impl WatchHub {
         st.last_notified = revision;
         let mut matches = std::mem::take(&mut st.scratch);
         matches.clear();
+        let mut any_prev = false;
         let rev_changes = {
             let changes = buf.changes.read();
             let end = (start + prev_revs.len()).min(changes.revs.len());
@@ -418,11 +447,12 @@ impl WatchHub {
                 };
                 let watchers = &st.watchers;
                 st.matcher.for_each_match(key, |id| {
-                    if watchers
-                        .get(&id)
-                        .is_some_and(|w| w.synced && w.next_rev <= revision)
+                    if let Some(w) = watchers.get(&id)
+                        && w.synced
+                        && w.next_rev <= revision
                     {
                         matches.push((id, i as u32));
+                        any_prev |= w.prev_kv;
                     }
                 });
             }
@@ -430,53 +460,61 @@ impl WatchHub {
                 st.scratch = matches;
                 return;
             }
-            if matches.len() > 1 {
-                matches.sort_unstable();
-            }
-            // The changes someone matched, ascending, each copied once; previous pairs only
-            // for changes a prev_kv watcher matched.
-            let mut used: Vec<(u32, bool)> = matches
-                .iter()
-                .map(|&(id, i)| (i, st.watchers.get(&id).is_some_and(|w| w.prev_kv)))
-                .collect();
-            used.sort_unstable();
-            // One entry per change, wanting the previous pair if any of its watchers does.
-            used.dedup_by(|later, earlier| {
-                if later.0 == earlier.0 {
-                    earlier.1 |= later.1;
-                    true
-                } else {
-                    false
+            // One change, watchers not asking for its previous pair: share the record alone.
+            if revs.len() == 1 && !any_prev {
+                Shared::One(Arc::from(revs[0].record.as_slice()))
+            } else {
+                if matches.len() > 1 {
+                    matches.sort_unstable();
                 }
-            });
-            let mut view: Option<Option<ReadView<B>>> = None;
-            let changes: Vec<Change> = used
-                .iter()
-                .map(|&(i, want_prev)| {
-                    let p = &revs[i as usize];
-                    let prev = if want_prev {
-                        let v = view.get_or_insert_with(|| ReadView::open(inner).ok());
-                        resolve_prev(
-                            inner,
-                            v.as_ref(),
-                            prev_revs.get(i as usize).copied().flatten(),
-                        )
+                // The changes someone matched, ascending, each copied once; previous pairs only
+                // for changes a prev_kv watcher matched.
+                let mut used: Vec<(u32, bool)> = matches
+                    .iter()
+                    .map(|&(id, i)| (i, st.watchers.get(&id).is_some_and(|w| w.prev_kv)))
+                    .collect();
+                used.sort_unstable();
+                // One entry per change, wanting the previous pair if any of its watchers does.
+                used.dedup_by(|later, earlier| {
+                    if later.0 == earlier.0 {
+                        earlier.1 |= later.1;
+                        true
                     } else {
-                        None
-                    };
-                    Change {
-                        tombstone: p.tombstone,
-                        record: p.record.as_slice().into(),
-                        prev,
+                        false
                     }
-                })
-                .collect();
-            for m in matches.iter_mut() {
-                m.1 = used.partition_point(|u| u.0 < m.1) as u32;
+                });
+                let mut view: Option<Option<ReadView<B>>> = None;
+                let changes: Vec<Change> = used
+                    .iter()
+                    .map(|&(i, want_prev)| {
+                        let p = &revs[i as usize];
+                        let prev = if want_prev {
+                            let v = view.get_or_insert_with(|| ReadView::open(inner).ok());
+                            resolve_prev(
+                                inner,
+                                v.as_ref(),
+                                prev_revs.get(i as usize).copied().flatten(),
+                            )
+                        } else {
+                            None
+                        };
+                        Change {
+                            tombstone: p.tombstone,
+                            record: p.record.as_slice().into(),
+                            prev,
+                        }
+                    })
+                    .collect();
+                for m in matches.iter_mut() {
+                    m.1 = used.partition_point(|u| u.0 < m.1) as u32;
+                }
+                Shared::Many(Arc::new(RevChanges { changes }))
             }
-            Arc::new(RevChanges { changes })
         };
-        let total = rev_changes.changes.len();
+        let total = match &rev_changes {
+            Shared::One(_) => 1,
+            Shared::Many(rev) => rev.changes.len(),
+        };
         let mut gone = Vec::new();
         for group in matches.chunk_by(|a, b| a.0 == b.0) {
             let id = group[0].0;

@@ -9,12 +9,13 @@
 //! rebuilt once the tail outgrows `16 + √n` or the marks a quarter of it, which keeps every
 //! update amortised `O(√n · log n)` and every query `O(log n + √n + matches)`.
 
+use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 
-/// A fast, non-cryptographic hasher (the `FxHash` of rustc) for keys chosen by the store's
-/// own callers and watcher ids.
+/// A fast, non-cryptographic hasher (the word-at-a-time `FxHash` of rustc, with a final
+/// avalanche) for watched keys and watcher ids.
 #[derive(Default, Clone, Copy)]
 pub(crate) struct FxHasher {
     hash: u64,
@@ -61,9 +62,17 @@ impl Hasher for FxHasher {
         self.add(i as u64);
     }
 
+    /// The multiply-rotate rounds leave the low bits (hashbrown's bucket index) depending
+    /// on the low input bytes only, which keys sharing a long suffix pattern share: a
+    /// final avalanche (MurmurHash3's `fmix64`) spreads every input bit over all of them.
     #[inline]
     fn finish(&self) -> u64 {
-        self.hash
+        let mut h = self.hash;
+        h ^= h >> 33;
+        h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+        h ^= h >> 33;
+        h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+        h ^ (h >> 33)
     }
 }
 
@@ -193,10 +202,36 @@ impl Intervals {
     }
 }
 
+/// The watchers of one key: most keys have one, kept without an allocation of its own.
+enum Ids {
+    One(u64),
+    Many(Vec<u64>),
+}
+
+impl Ids {
+    fn push(&mut self, id: u64) {
+        match self {
+            Ids::One(first) => *self = Ids::Many(vec![*first, id]),
+            Ids::Many(ids) => ids.push(id),
+        }
+    }
+
+    /// Removes `id`; true when none is left.
+    fn remove(&mut self, id: u64) -> bool {
+        match self {
+            Ids::One(only) => *only == id,
+            Ids::Many(ids) => {
+                ids.retain(|&i| i != id);
+                ids.is_empty()
+            }
+        }
+    }
+}
+
 /// Watchers by what they watch: one key, or a range `[key, end)`.
 #[derive(Default)]
 pub(crate) struct Matcher {
-    keys: FxMap<Arc<[u8]>, Vec<u64>>,
+    keys: FxMap<Arc<[u8]>, Ids>,
     ranges: Intervals,
 }
 
@@ -204,7 +239,12 @@ impl Matcher {
     /// Adds watcher `id` of `key` (`end = None`) or of the range `[key, end)`.
     pub fn insert(&mut self, id: u64, key: &Arc<[u8]>, end: Option<&End>) {
         match end {
-            None => self.keys.entry(key.clone()).or_default().push(id),
+            None => match self.keys.entry(key.clone()) {
+                Entry::Occupied(mut e) => e.get_mut().push(id),
+                Entry::Vacant(e) => {
+                    e.insert(Ids::One(id));
+                }
+            },
             Some(end) => self.ranges.insert(id, key.clone(), end.clone()),
         }
     }
@@ -213,11 +253,10 @@ impl Matcher {
     pub fn remove(&mut self, id: u64, key: &[u8], end: Option<&End>) {
         match end {
             None => {
-                if let Some(ids) = self.keys.get_mut(key) {
-                    ids.retain(|&i| i != id);
-                    if ids.is_empty() {
-                        self.keys.remove(key);
-                    }
+                if let Some(ids) = self.keys.get_mut(key)
+                    && ids.remove(id)
+                {
+                    self.keys.remove(key);
                 }
             }
             Some(_) => self.ranges.remove(id),
@@ -227,8 +266,10 @@ impl Matcher {
     /// Calls `f` with every watcher whose key or range holds `key`.
     #[inline]
     pub fn for_each_match(&self, key: &[u8], mut f: impl FnMut(u64)) {
-        if let Some(ids) = self.keys.get(key) {
-            ids.iter().for_each(|&id| f(id));
+        match self.keys.get(key) {
+            Some(Ids::One(id)) => f(*id),
+            Some(Ids::Many(ids)) => ids.iter().for_each(|&id| f(id)),
+            None => {}
         }
         if self.ranges.len() > 0 {
             self.ranges.stab(key, &mut f);
@@ -247,6 +288,18 @@ mod tests {
             .map(|_| r.random_range(b'a'..=b'e'))
             .collect::<Vec<u8>>()
             .into()
+    }
+
+    /// Keys that differ only in their last bytes (counters) still spread over the low bits
+    /// hashbrown picks buckets with.
+    #[test]
+    fn hash_low_bits_spread_counter_keys() {
+        use std::hash::BuildHasher;
+        let build = BuildHasherDefault::<FxHasher>::default();
+        let low: FxSet<u64> = (0..10_000u64)
+            .map(|i| build.hash_one(format!("key-{i:020}").as_bytes()) & 0x3fff)
+            .collect();
+        assert!(low.len() > 7_000, "{} distinct low bits", low.len());
     }
 
     /// Random inserts and removes of keys and ranges; every query equals a brute-force scan.

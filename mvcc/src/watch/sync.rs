@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use crossbeam_channel::{RecvTimeoutError, TrySendError};
 
 use super::index::{End, Matcher};
-use super::{Change, Msg, Part, Pick, RevChanges, Target};
+use super::{Change, Msg, Part, Pick, RevChanges, Shared, Target};
 use crate::backend::Backend;
 use crate::error::MvccError;
 use crate::kv::{KeyValue, decode_record};
@@ -117,9 +117,10 @@ fn sync_round<B: Backend>(inner: &Arc<Inner<B>>) -> Result<bool, MvccError> {
         return Ok(false);
     }
     let min_next = targets.iter().map(|t| t.next).min().unwrap_or(u64::MAX);
-    let upto = view
-        .revision()
-        .min(min_next.saturating_add(inner.options.watch_sync_batch as u64 - 1));
+    // A round costs a setup per watcher and a decode per revision: with many watchers
+    // behind, read as many revisions as there are watchers, so the setup stays a fraction.
+    let span = inner.options.watch_sync_batch.max(targets.len()) as u64;
+    let upto = view.revision().min(min_next.saturating_add(span - 1));
     if min_next <= upto {
         let mut matcher = Matcher::default();
         for (i, t) in targets.iter().enumerate() {
@@ -221,9 +222,16 @@ fn flush<B: Backend>(
         }
     }
     let total = cur.changes.len();
-    let rev = Arc::new(RevChanges {
-        changes: std::mem::take(&mut cur.changes),
-    });
+    let rev = match cur.changes.as_slice() {
+        [c] if c.prev.is_none() && !cur.hits.iter().any(|h| targets[h.0 as usize].prev_kv) => {
+            let one = Shared::One(Arc::from(&*c.record));
+            cur.changes.clear();
+            one
+        }
+        _ => Shared::Many(Arc::new(RevChanges {
+            changes: std::mem::take(&mut cur.changes),
+        })),
+    };
     cur.hits.sort_unstable();
     for group in cur.hits.chunk_by(|a, b| a.0 == b.0) {
         let t = &mut targets[group[0].0 as usize];

@@ -427,8 +427,8 @@ fn overlapping_watchers_each_see_exactly_their_events_in_order() {
     let mut model: std::collections::BTreeMap<Vec<u8>, Vec<u8>> = Default::default();
     let mut history: Vec<Seen> = Vec::new();
     let apply = |r: &mut rand::rngs::StdRng,
-                     model: &mut std::collections::BTreeMap<Vec<u8>, Vec<u8>>,
-                     history: &mut Vec<Seen>| {
+                 model: &mut std::collections::BTreeMap<Vec<u8>, Vec<u8>>,
+                 history: &mut Vec<Seen>| {
         match r.random_range(0..10u32) {
             0..=5 => {
                 let k = key(r);
