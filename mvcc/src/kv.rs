@@ -91,24 +91,15 @@ pub(crate) struct RecordRef<'a> {
 }
 
 impl RecordRef<'_> {
-    /// Builds the key-value around `key`, which the caller already owns and which must equal
-    /// the record's key.
-    pub fn to_kv_with_key(&self, key: Vec<u8>, with_value: bool) -> Option<KeyValue> {
-        if key != self.key {
-            return None;
+    /// Sets everything of `kv` but its key from this record (the value only if `with_value`).
+    pub fn fill(&self, kv: &mut KeyValue, with_value: bool) {
+        if with_value {
+            kv.value = self.value.to_vec();
         }
-        Some(KeyValue {
-            key,
-            value: if with_value {
-                self.value.to_vec()
-            } else {
-                Vec::new()
-            },
-            create_revision: self.create_revision,
-            mod_revision: self.mod_revision,
-            version: self.version,
-            lease: self.lease,
-        })
+        kv.create_revision = self.create_revision;
+        kv.mod_revision = self.mod_revision;
+        kv.version = self.version;
+        kv.lease = self.lease;
     }
 
     /// Copies it out; `with_value = false` leaves the value empty.

@@ -135,31 +135,41 @@ impl<T: ReadTxn> Sources<'_, T> {
         revs: &[Revision],
         with_value: bool,
     ) -> Result<Vec<KeyValue>, MvccError> {
-        self.fetch_keyed(compacted, revs, None, with_value)
+        let mut out: Vec<KeyValue> = std::iter::repeat_with(KeyValue::default)
+            .take(revs.len())
+            .collect();
+        self.fetch_into(compacted, revs, &mut out, false, with_value)?;
+        Ok(out)
     }
 
-    /// [`fetch`](Self::fetch) for callers that own the keys already: `keys[i]` must be the
-    /// key of `revs[i]`, and moves into the result instead of being copied from the record.
-    pub fn fetch_keyed(
+    /// [`fetch`](Self::fetch) into `out` (one entry per revision): with `keyed`, each entry
+    /// already holds its revision's key, which is checked against the record instead of
+    /// copied from it; everything else of the entry is set from the record.
+    pub fn fetch_into(
         &self,
         compacted: impl Fn() -> u64,
         revs: &[Revision],
-        mut keys: Option<Vec<Vec<u8>>>,
+        out: &mut [KeyValue],
+        keyed: bool,
         with_value: bool,
-    ) -> Result<Vec<KeyValue>, MvccError> {
-        let mut build = |i: usize, rev: Revision, rec: &[u8]| -> Result<KeyValue, MvccError> {
+    ) -> Result<(), MvccError> {
+        debug_assert_eq!(revs.len(), out.len());
+        let mut build = |i: usize, rev: Revision, rec: &[u8]| -> Result<(), MvccError> {
             let r = decode_record(rev, rec)?;
-            match keys.as_mut() {
-                None => Ok(r.to_kv(with_value)),
-                Some(keys) => r
-                    .to_kv_with_key(std::mem::take(&mut keys[i]), with_value)
-                    .ok_or_else(|| MvccError::Corrupt {
+            let kv = &mut out[i];
+            if keyed {
+                if kv.key != r.key {
+                    return Err(MvccError::Corrupt {
                         revision: rev,
                         reason: "record key differs from the key index".to_owned(),
-                    }),
+                    });
+                }
+            } else {
+                kv.key = r.key.to_vec();
             }
+            r.fill(kv, with_value);
+            Ok(())
         };
-        let mut out: Vec<Option<KeyValue>> = vec![None; revs.len()];
         let mut misses: Vec<(Revision, usize)> = Vec::new();
         // A buffer only holds revisions from its first one on, and a view only asks for
         // revisions it could see when it opened, so a revision below a buffer's first is not
@@ -173,7 +183,7 @@ impl<T: ReadTxn> Sources<'_, T> {
             .collect();
         for (i, &rev) in revs.iter().enumerate() {
             if let Some(p) = self.staged.and_then(|s| s.find(rev)) {
-                out[i] = Some(build(i, rev, &p.record)?);
+                build(i, rev, &p.record)?;
                 continue;
             }
             let mut found = false;
@@ -183,7 +193,7 @@ impl<T: ReadTxn> Sources<'_, T> {
                 }
                 let changes = p.changes.read();
                 if let Some(c) = changes.find(rev) {
-                    out[i] = Some(build(i, rev, &c.record)?);
+                    build(i, rev, &c.record)?;
                     found = true;
                     break;
                 }
@@ -220,7 +230,7 @@ impl<T: ReadTxn> Sources<'_, T> {
                     let have = Revision::from_key(k).map(|(r, _)| r);
                     match have {
                         Some(r) if r == want && k.len() == REV_KEY_LEN => {
-                            out[misses[m].1] = Some(build(misses[m].1, r, v)?);
+                            build(misses[m].1, r, v)?;
                             m += 1;
                             skipped = 0;
                             if m == misses.len() {
@@ -238,10 +248,7 @@ impl<T: ReadTxn> Sources<'_, T> {
                 }
             }
         }
-        out.into_iter()
-            .zip(revs)
-            .map(|(kv, &rev)| kv.ok_or_else(|| missing(rev, &compacted)))
-            .collect()
+        Ok(())
     }
 
     /// Visits every stored change with `from <= revision` and `revision.main <= to`, in
@@ -351,26 +358,34 @@ pub(crate) fn range<B: Backend>(
     } else {
         req.limit
     };
-    let mut hits: Vec<(Vec<u8>, KeyAt)> = Vec::new();
+    let mut keys: Vec<Vec<u8>> = Vec::new();
+    let mut revs: Vec<Revision> = Vec::new();
     let count = scan_live(inner, &req.key, &b, rev, |key, at| {
-        if !req.count_only && hits.len() < limit {
-            hits.push((key.to_vec(), at));
+        if !req.count_only && keys.len() < limit {
+            keys.push(key.to_vec());
+            revs.push(at.modified);
         }
     })?;
     let mut resp = RangeResponse {
         kvs: Vec::new(),
         count,
-        more: count > hits.len() && !req.count_only,
+        more: count > keys.len() && !req.count_only,
         revision: rev,
     };
     if req.count_only {
         resp.more = false;
         return Ok(resp);
     }
-    let revs: Vec<Revision> = hits.iter().map(|(_, at)| at.modified).collect();
-    let keys: Vec<Vec<u8>> = hits.into_iter().map(|(k, _)| k).collect();
+    // The results are built around the keys the index yielded, then filled in.
+    let mut kvs: Vec<KeyValue> = keys
+        .into_iter()
+        .map(|key| KeyValue {
+            key,
+            ..KeyValue::default()
+        })
+        .collect();
     let compacted = || inner.index.read().compacted;
-    let kvs = src.fetch_keyed(compacted, &revs, Some(keys), !req.keys_only)?;
+    src.fetch_into(compacted, &revs, &mut kvs, true, !req.keys_only)?;
     resp.kvs = kvs;
     Ok(resp)
 }
