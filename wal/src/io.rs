@@ -32,6 +32,14 @@ pub trait WalFile: Send + Sync + Debug {
     /// Reserves `[offset, offset + len)` so later writes there cannot fail for lack of space
     /// (`fallocate`); a no-op where the file system cannot.
     fn allocate(&self, offset: u64, len: u64) -> io::Result<()>;
+    /// Hints that `[offset, offset + len)` is about to be overwritten in pieces that do not
+    /// cover whole pages, so its pages are best read into the cache ahead, in the background
+    /// (`posix_fadvise(WILLNEED)`), rather than one by one inside the writes. A hint: the
+    /// default does nothing.
+    fn will_need(&self, offset: u64, len: u64) -> io::Result<()> {
+        let _ = (offset, len);
+        Ok(())
+    }
 }
 
 /// The file-system operations the WAL needs.
@@ -126,6 +134,15 @@ impl WalFile for RealFile {
             Err(e) if e == rustix::io::Errno::OPNOTSUPP || e == rustix::io::Errno::NOSYS => Ok(()),
             Err(e) => Err(io::Error::from(e)),
         }
+    }
+    fn will_need(&self, offset: u64, len: u64) -> io::Result<()> {
+        rustix::fs::fadvise(
+            &self.0,
+            offset,
+            std::num::NonZeroU64::new(len),
+            rustix::fs::Advice::WillNeed,
+        )
+        .map_err(io::Error::from)
     }
 }
 

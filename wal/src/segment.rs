@@ -168,6 +168,11 @@ pub(crate) fn recycle(
         let _ = fs.remove(&path);
         return Err(e);
     }
+    // Appends overwrite the old pages piecemeal; one whose old contents are no longer cached
+    // would be read inside the write that first touches it. Only a hint: errors are harmless.
+    if let Ok(len) = free.file.len() {
+        let _ = free.file.will_need(0, len);
+    }
     Ok(Prepared {
         seq,
         path,
