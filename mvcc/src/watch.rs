@@ -153,7 +153,7 @@ fn record_ref(record: &[u8]) -> Option<RecordRef<'_>> {
 /// for it, the previous pair.
 struct Change {
     tombstone: bool,
-    record: Box<[u8]>,
+    record: Arc<[u8]>,
     prev: Option<KeyValue>,
 }
 

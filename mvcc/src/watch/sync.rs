@@ -224,7 +224,7 @@ fn flush<B: Backend>(
     let total = cur.changes.len();
     let rev = match cur.changes.as_slice() {
         [c] if c.prev.is_none() && !cur.hits.iter().any(|h| targets[h.0 as usize].prev_kv) => {
-            let one = Shared::One(Arc::from(&*c.record));
+            let one = Shared::One(c.record.clone());
             cur.changes.clear();
             one
         }
