@@ -546,6 +546,77 @@ fn profile(what: &str) {
                 black_box(s.range(&req).expect("range"));
             }
         }
+        "profile-raw-range" => {
+            let reference = keel_benches::lmdb::raw(dir.path(), MAP_SIZE as u64, false);
+            let (env, db) = (reference.env.clone(), reference.db);
+            let mut wtxn = env.write_txn().expect("write txn");
+            for i in 0..10_000 {
+                db.put(&mut wtxn, &key(i), &value).expect("put");
+            }
+            wtxn.commit().expect("commit");
+            for _ in 0..20 {
+                let txn = env.clone().static_read_txn().expect("read txn");
+                let bounds: (Bound<&[u8]>, Bound<&[u8]>) = (Bound::Unbounded, Bound::Unbounded);
+                let mut out = Vec::new();
+                for item in db.range(&txn, &bounds).expect("range") {
+                    let (k, v) = item.expect("item");
+                    out.push((k.to_vec(), v.to_vec()));
+                }
+                black_box(out);
+            }
+        }
+        "profile-headline" | "profile-headline-alone" => {
+            // The headline's writer (200 000 puts of 1 KiB over 100 000 keys, fsync, default
+            // batching), with the full-scan reader on a thread named "reader" unless alone.
+            let s = Arc::new(store(dir.path(), true, StoreOptions::default()));
+            let keys = 100_000u64;
+            let value = vec![3u8; 1024];
+            for chunk in (0..keys).collect::<Vec<_>>().chunks(5_000) {
+                let mut t = s.write();
+                for &i in chunk {
+                    t.put(&key(i), &value, 0).expect("load");
+                }
+                t.commit().expect("commit");
+                s.force_commit().expect("commit");
+            }
+            let stop = Arc::new(AtomicBool::new(false));
+            let reader = (what == "profile-headline").then(|| {
+                let (s, stop) = (s.clone(), stop.clone());
+                std::thread::Builder::new()
+                    .name("reader".to_owned())
+                    .spawn(move || {
+                        let mut scans = 0u64;
+                        while !stop.load(Ordering::Acquire) {
+                            let r = s
+                                .range(&RangeRequest::range(b"key-".to_vec(), vec![0]))
+                                .expect("scan");
+                            assert_eq!(r.kvs.len() as u64, keys);
+                            scans += 1;
+                        }
+                        scans
+                    })
+                    .expect("spawn reader")
+            });
+            std::thread::sleep(Duration::from_millis(200));
+            let cpu0 = thread_cpu();
+            let start = Instant::now();
+            let puts = 200_000u64;
+            for n in 0..puts {
+                s.put(&key(n.wrapping_mul(7919) % keys), &value, 0)
+                    .expect("put");
+            }
+            let took = start.elapsed();
+            let cpu = thread_cpu()
+                .zip(cpu0)
+                .map_or(0.0, |(b, a)| (b - a).as_secs_f64() * 1e6 / puts as f64);
+            stop.store(true, Ordering::Release);
+            let scans = reader.map_or(0, |r| r.join().expect("reader"));
+            println!(
+                "{what}: {puts} puts in {:.3} s ({:.2} us each, writer CPU {cpu:.2} us per put), {scans} scans",
+                took.as_secs_f64(),
+                took.as_secs_f64() * 1e6 / puts as f64
+            );
+        }
         other => panic!("unknown profile {other}"),
     }
 }
@@ -555,7 +626,7 @@ fn main() {
         index_child(&path);
         return;
     }
-    // `KEEL_MVCC_BENCH_ONLY=fanout` (or `index`, `criterion`) runs one part, for profiling;
+    // `KEEL_MVCC_BENCH_ONLY=fanout` (or `index`, `criterion`, `headline`) runs one part;
     // `profile-put`, `profile-raw-put` and `profile-range` run a fixed amount of one workload
     // for an instruction counter (`valgrind --tool=callgrind`).
     let only = std::env::var("KEEL_MVCC_BENCH_ONLY").unwrap_or_default();
@@ -563,10 +634,12 @@ fn main() {
         profile(&only);
         return;
     }
-    if only.is_empty() || only == "criterion" {
+    if only.is_empty() || only == "criterion" || only == "headline" {
         let mut c = Criterion::default().configure_from_args();
-        put_throughput(&mut c);
-        range_10k(&mut c);
+        if only != "headline" {
+            put_throughput(&mut c);
+            range_10k(&mut c);
+        }
         headline(&mut c);
         c.final_summary();
     }
