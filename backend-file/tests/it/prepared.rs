@@ -1,12 +1,14 @@
 //! Space prepared ahead of the writer: commits go into zeros that survive reopen, a torn
 //! commit inside them is cut off, bytes other than zeros after a sealed segment's last frame
-//! are corruption, and a defragment gives the prepared space back.
+//! are corruption, a defragment gives the prepared space back, and a failed preparation
+//! fails no commit.
 
 use std::fs;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use keel_backend_file::{FileBackend, FileOptions, PrepareWith};
+use keel_backend_file::{FaultHook, FileBackend, FileOptions, PrepareWith, WriteFault};
 use keel_mvcc::{Backend, BackendError, WriteBatch};
 
 use crate::support::{B, META_B, dump};
@@ -228,4 +230,61 @@ fn defragment_gives_prepared_space_back() {
     let b = FileBackend::open(dir.path(), &options()).unwrap();
     assert!(dump(&b) == before);
     b.check_integrity().unwrap();
+}
+
+/// Fails every write and sync of a segment being prepared.
+#[derive(Debug)]
+struct FailPreparation;
+
+fn preparing(path: &Path) -> bool {
+    path.to_string_lossy().ends_with(".seg.tmp")
+}
+
+impl FaultHook for FailPreparation {
+    fn before_write(&self, path: &Path, _offset: u64, _len: usize) -> WriteFault {
+        if preparing(path) {
+            WriteFault::Fail(std::io::Error::other("injected fault"))
+        } else {
+            WriteFault::Proceed
+        }
+    }
+
+    fn before_sync(&self, path: &Path) -> std::io::Result<()> {
+        if preparing(path) {
+            Err(std::io::Error::other("injected fault"))
+        } else {
+            Ok(())
+        }
+    }
+
+    fn before_truncate(&self, _path: &Path, _len: u64) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn failed_preparation_is_not_a_failed_commit() {
+    for options in both() {
+        let options = FileOptions {
+            fault_hook: Some(Arc::new(FailPreparation)),
+            ..options
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let b = FileBackend::open(dir.path(), &options).unwrap();
+        for i in 0..60 {
+            b.commit(&batch(i))
+                .expect("a commit does not depend on preparation");
+        }
+        assert!(segments(dir.path()).len() >= 3, "commits rolled segments");
+        let state = dump(&b);
+        drop(b);
+        let left = fs::read_dir(dir.path())
+            .unwrap()
+            .filter(|e| preparing(&e.as_ref().unwrap().path()))
+            .count();
+        assert_eq!(left, 0, "failed preparations leave no file behind");
+        let b = FileBackend::open(dir.path(), &options).unwrap();
+        assert!(dump(&b) == state);
+        b.check_integrity().unwrap();
+    }
 }
