@@ -523,6 +523,7 @@ impl<B: Backend> Node<B> {
             handed: 0,
             persisted: 0,
             proposals: Vec::new(),
+            proposals_held: None,
             deferred_members: Vec::new(),
             sm,
             transport,
@@ -1189,6 +1190,8 @@ struct Driver<B: Backend> {
     persisted: u64,
     /// Proposals taken in this loop turn, proposed together in one message.
     proposals: Vec<(u64, Vec<u8>, Reply)>,
+    /// Since when `proposals` wait for a leader to be known.
+    proposals_held: Option<Instant>,
     /// Membership operations held back until the leader commits in its term:
     /// `(origin, seq, op, local caller, since)`.
     deferred_members: Vec<DeferredMember>,
@@ -1406,7 +1409,9 @@ impl<B: Backend> Driver<B> {
                     self.transport.send(fwd.to_message(self.id, leader));
                     self.waiters.insert(seq, (Instant::now(), reply));
                 } else {
-                    let _ = reply.send(Err(NotLeaderNone(self.id).into()));
+                    // No leader known yet: held until one is (at most a request timeout).
+                    self.deferred_members
+                        .push((self.id, seq, op, Some(reply), Instant::now()));
                 }
             }
             Cmd::Campaign => {
@@ -1424,6 +1429,17 @@ impl<B: Backend> Driver<B> {
         if self.proposals.is_empty() {
             return;
         }
+        if self.raw.raft.state != StateRole::Leader && self.leader().is_none() {
+            // No leader known (an election is under way, or this member has not heard from
+            // the new leader yet): hold the proposals for up to an election timeout rather
+            // than have raft-rs drop them.
+            let since = *self.proposals_held.get_or_insert_with(Instant::now);
+            let o = &self.shared.options;
+            if since.elapsed() < o.tick_interval * o.election_ticks as u32 {
+                return;
+            }
+        }
+        self.proposals_held = None;
         let batch = std::mem::take(&mut self.proposals);
         let mut m = Message::default();
         m.set_msg_type(MessageType::MsgPropose);
@@ -1673,13 +1689,6 @@ impl<B: Backend> Driver<B> {
         if let Some(ss) = rd.ss() {
             tracing::debug!(member = self.id, leader = ss.leader_id, role = ?ss.raft_state, "soft state changed");
         }
-        if rd.snapshot().is_empty() && self.handed == self.persisted {
-            // Nothing in flight: if this ready needs nothing durable either, finish it here.
-            if rd.entries().is_empty() && rd.hs().is_none() && rd.persisted_messages().is_empty() {
-                self.handed = rd.number();
-                self.persisted = rd.number();
-            }
-        }
         if rd.snapshot().is_empty() {
             return self.on_ready_async(rd);
         }
@@ -1719,10 +1728,11 @@ impl<B: Backend> Driver<B> {
         self.send_messages(msgs);
         let number = rd.number();
         let sync = rd.must_sync();
-        let needs_persist = number > self.persisted;
-        if needs_persist {
-            self.storage.persist(rd.entries(), rd.hs(), false)?;
-        }
+        // Everything before this ready is durable and it needs no sync itself (no entries,
+        // no new term or vote; at most a commit index, written lazily): it is finished here
+        // and the messages that waited for persistence go out now, without a thread hop.
+        let needs_persist = sync || self.handed > self.persisted;
+        self.storage.persist(rd.entries(), rd.hs(), false)?;
         let persisted_msgs = rd.take_persisted_messages();
         let committed = rd.take_committed_entries();
         let reads = rd.take_read_states();
@@ -1740,6 +1750,8 @@ impl<B: Backend> Driver<B> {
                     reason: Some("the persist thread ended".into()),
                 })?;
         } else {
+            self.handed = number;
+            self.persisted = number;
             self.raw.on_persist_ready(number);
             self.send_messages(persisted_msgs);
         }
@@ -1838,7 +1850,14 @@ impl<B: Backend> Driver<B> {
     }
 
     fn apply(&mut self, entries: Vec<Entry>) -> Result<(), NodeError> {
+        // The applied index of a run of normal entries is recorded once, at its end.
+        let mut applied_normal = None;
         for e in entries {
+            if (e.get_entry_type() != EntryType::EntryNormal || is_member_request(&e.data))
+                && let Some(index) = applied_normal.take()
+            {
+                self.storage.set_applied(index, None);
+            }
             match e.get_entry_type() {
                 EntryType::EntryNormal if is_member_request(&e.data) => {
                     match Envelope::decode(&e.data) {
@@ -1855,12 +1874,15 @@ impl<B: Backend> Driver<B> {
                     if let Some((origin, seq, result)) = self.sm.apply_normal(&e)? {
                         self.answer(origin, seq, result);
                     }
-                    self.storage.set_applied(e.index, None);
+                    applied_normal = Some(e.index);
                 }
                 EntryType::EntryConfChangeV2 | EntryType::EntryConfChange => {
                     self.apply_conf_change(&e)?;
                 }
             }
+        }
+        if let Some(index) = applied_normal {
+            self.storage.set_applied(index, None);
         }
         Ok(())
     }
@@ -1991,32 +2013,41 @@ impl<B: Backend> Driver<B> {
         }
     }
 
-    /// Proposes the membership operations held back while the leader had not committed in
-    /// its term; refuses them if it is no longer the leader.
+    /// Proposes the membership operations held back on the leader, forwards those a
+    /// follower held while it knew no leader, and refuses what waited a request timeout or
+    /// was held on a leader that no longer leads.
     fn retry_deferred_members(&mut self) {
         if self.deferred_members.is_empty() {
             return;
         }
         let leader = self.raw.raft.state == StateRole::Leader;
-        if leader && self.member_op_must_wait() {
-            let timeout = self.shared.options.request_timeout;
-            if self
+        let timeout = self.shared.options.request_timeout;
+        if (self.leader().is_none() || (leader && self.member_op_must_wait()))
+            && self
                 .deferred_members
                 .iter()
                 .all(|d| d.4.elapsed() < timeout)
-            {
-                return;
-            }
+        {
+            return;
         }
         for (origin, seq, op, reply, since) in std::mem::take(&mut self.deferred_members) {
-            if leader {
-                self.leader_member_op(origin, seq, op, reply, since);
-            } else {
-                let e = NodeError::NotLeader {
-                    id: self.id,
-                    leader: self.leader(),
-                };
-                self.member_refused(origin, seq, reply, e);
+            match (leader, self.leader(), reply) {
+                (true, _, reply) => self.leader_member_op(origin, seq, op, reply, since),
+                (false, Some(to), Some(reply)) if origin == self.id => {
+                    let fwd = Control::Forward { origin, seq, op };
+                    self.transport.send(fwd.to_message(self.id, to));
+                    self.waiters.insert(seq, (since, reply));
+                }
+                (false, None, reply) if since.elapsed() < timeout => {
+                    self.deferred_members.push((origin, seq, op, reply, since));
+                }
+                (false, known, reply) => {
+                    let e = NodeError::NotLeader {
+                        id: self.id,
+                        leader: known,
+                    };
+                    self.member_refused(origin, seq, reply, e);
+                }
             }
         }
     }
