@@ -47,6 +47,22 @@ use crate::transport::{SnapshotAck, SnapshotChunk, SnapshotFrame, Transport};
 
 pub mod generation;
 
+/// Niceness of the threads that move a snapshot: the sender, the receiver's restore and the
+/// snapshot connection's reader (Linux; elsewhere they keep the default). They yield to the
+/// Raft threads and the client path whenever those want the CPU, so a large transfer does not
+/// add to the members' write latency, and run at full speed otherwise.
+pub const SNAPSHOT_THREAD_NICE: i32 = 10;
+
+/// Lowers the calling thread's scheduling priority to [`SNAPSHOT_THREAD_NICE`].
+pub(crate) fn lower_thread_priority() {
+    #[cfg(target_os = "linux")]
+    if let Err(e) =
+        rustix::process::setpriority_process(Some(rustix::thread::gettid()), SNAPSHOT_THREAD_NICE)
+    {
+        tracing::debug!(error = %e, "cannot lower a snapshot thread's priority");
+    }
+}
+
 /// Waiting senders, by transfer id.
 pub(crate) type AckWaiters = Arc<Mutex<HashMap<u64, Sender<SnapshotAck>>>>;
 
@@ -129,6 +145,7 @@ pub(crate) fn send<T: keel_mvcc::ReadTxn>(
     limiter: Option<&crate::tcp::RateLimiter>,
     progress: &dyn Fn(u64),
 ) -> Result<(), NodeError> {
+    lower_thread_priority();
     let (from, to) = (msg.from, msg.to);
     let (tx, rx) = bounded(1);
     acks.lock().insert(transfer, tx);
@@ -391,6 +408,7 @@ impl<B: keel_mvcc::Backend> LiveRestore<B> {
         let handle = std::thread::Builder::new()
             .name(format!("keel-snap-restore-{}", key.0))
             .spawn(move || {
+                lower_thread_priority();
                 let (generation, backend) = crate::apply::begin_restore::<B>(&dir, &options)?;
                 let mut input = ChunkReader {
                     rx,

@@ -23,6 +23,7 @@
 
 pub mod frame;
 pub mod limiter;
+pub mod pacer;
 
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
@@ -34,12 +35,13 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TrySendError, bounded, unbounded};
 use parking_lot::{Mutex, RwLock};
-use raft::eraftpb::Message;
+use raft::eraftpb::{Message, MessageType};
 
 use crate::error::NodeError;
 use crate::transport::{Mailbox, SnapshotFrame, Transport};
 use frame::{Frame, HEADER_BYTES, Path};
 pub use limiter::RateLimiter;
+use pacer::Pacer;
 
 /// How often blocked threads look at the shutdown flag.
 const POLL: Duration = Duration::from_millis(100);
@@ -67,6 +69,9 @@ pub struct TcpOptions {
     pub snapshot_burst: u64,
     /// Time allowed for one write on the snapshot connection. Default: 10 s.
     pub write_timeout: Duration,
+    /// Slow snapshot streams down while they make the leader's appends slower (see
+    /// [`pacer`]); on top of `snapshot_rate`. Default: true.
+    pub adaptive_snapshot_pacing: bool,
 }
 
 impl Default for TcpOptions {
@@ -80,6 +85,7 @@ impl Default for TcpOptions {
             snapshot_rate: 0,
             snapshot_burst: 1 << 20,
             write_timeout: Duration::from_secs(10),
+            adaptive_snapshot_pacing: true,
         }
     }
 }
@@ -121,6 +127,8 @@ pub struct TcpStats {
     pub raft_dropped: u64,
     /// Snapshot chunk data bytes written.
     pub snapshot_bytes: u64,
+    /// The adaptive pacer's current snapshot rate in bytes per second; 0 when unpaced.
+    pub snapshot_pacing_rate: u64,
 }
 
 #[derive(Default)]
@@ -139,6 +147,8 @@ struct Inner {
     addr: SocketAddr,
     options: TcpOptions,
     limiter: Arc<RateLimiter>,
+    /// Adaptive snapshot pacing, when enabled.
+    pacer: Option<Pacer>,
     peers: RwLock<HashMap<u64, Arc<Peer>>>,
     raft_in: Sender<Message>,
     snap_in: Sender<SnapshotFrame>,
@@ -338,6 +348,7 @@ impl TcpTransport {
                 options.snapshot_rate,
                 options.snapshot_burst,
             )),
+            pacer: options.adaptive_snapshot_pacing.then(Pacer::new),
             options,
             peers: RwLock::new(HashMap::new()),
             raft_in,
@@ -421,6 +432,7 @@ impl TcpTransport {
             connect_failures: l(&c.connect_failures),
             raft_dropped: l(&c.raft_dropped),
             snapshot_bytes: l(&c.snapshot_bytes),
+            snapshot_pacing_rate: self.inner.pacer.as_ref().map_or(0, Pacer::rate),
         }
     }
 
@@ -450,6 +462,12 @@ impl Transport for TcpTransport {
             inner.counters.raft_dropped.fetch_add(1, Ordering::Relaxed);
             return;
         };
+        if let Some(pacer) = &inner.pacer
+            && msg.get_msg_type() == MessageType::MsgAppend
+            && let Some(last) = msg.entries.last()
+        {
+            pacer.append_sent(msg.to, last.index, Instant::now());
+        }
         match peer.raft.try_send(msg) {
             Ok(()) => {}
             Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
@@ -501,6 +519,11 @@ impl Transport for TcpTransport {
             });
         }
         inner.limiter.acquire(data_len as u64);
+        if let Some(pacer) = &inner.pacer
+            && data_len > 0
+        {
+            pacer.chunk(data_len as u64);
+        }
         let addr = *peer.addr.lock();
         peer.snapshot
             .lock()
@@ -688,11 +711,22 @@ fn read_loop(inner: &Inner, mut s: TcpStream, peer: SocketAddr) {
             }
         };
         let delivered = match (f, from) {
-            (Frame::Hello { from: f, .. }, None) => {
+            (Frame::Hello { from: f, path }, None) => {
                 from = Some(f);
+                if path == Path::Snapshot {
+                    crate::snapshot::lower_thread_priority();
+                }
                 continue;
             }
-            (Frame::Raft(m), Some(_)) => inner.raft_in.send(m).is_ok(),
+            (Frame::Raft(m), Some(_)) => {
+                if let Some(pacer) = &inner.pacer
+                    && m.get_msg_type() == MessageType::MsgAppendResponse
+                    && !m.reject
+                {
+                    pacer.append_acked(m.from, m.index, Instant::now());
+                }
+                inner.raft_in.send(m).is_ok()
+            }
             (Frame::Chunk(c), Some(_)) => inner.snap_in.send(SnapshotFrame::Chunk(c)).is_ok(),
             (Frame::Ack(a), Some(_)) => inner.snap_in.send(SnapshotFrame::Ack(a)).is_ok(),
             (other, _) => {
