@@ -5,6 +5,7 @@
 use std::fmt;
 use std::fs::File;
 use std::io;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::Arc;
@@ -183,6 +184,27 @@ impl Io {
             WriteFault::Torn { .. } => Err(injected()),
         };
         result.map_err(|e| BackendError::io(path, "fallocate", e))
+    }
+
+    /// Starts writing `[offset, offset + len)` of a file to the disk without waiting for it
+    /// (`sync_file_range` with `SYNC_FILE_RANGE_WRITE`). Not a durability point: the sync
+    /// that must follow reports any failure, so an error here is only logged.
+    pub(crate) fn start_writeback(&self, file: &File, path: &Path, offset: u64, len: u64) {
+        let (Ok(offset), Ok(len)) = (i64::try_from(offset), i64::try_from(len)) else {
+            return;
+        };
+        // SAFETY: `sync_file_range` takes only integers and reads no memory of ours; the
+        // descriptor is borrowed from a `File` that stays open for the whole call.
+        let rc = unsafe {
+            libc::sync_file_range(file.as_raw_fd(), offset, len, libc::SYNC_FILE_RANGE_WRITE)
+        };
+        if rc != 0 {
+            tracing::debug!(
+                path = %path.display(),
+                error = %io::Error::last_os_error(),
+                "cannot start writeback early"
+            );
+        }
     }
 
     /// `fdatasync` of a file.

@@ -2,10 +2,11 @@
 //!
 //! The stream is parsed and checked by keel-mvcc's [`snapshot::restore`], which commits a
 //! batch every few MiB through [`Backend::commit`]. While it runs, commits made on the
-//! restoring thread write their frames without syncing them; a segment that fills is synced
+//! restoring thread write their frames without syncing them, only starting their writeback
+//! so that the disk writes one batch while the next is parsed; a segment that fills is synced
 //! when it is sealed, and the active one once the whole stream has been checked, before
 //! `restore` returns `Ok`. So a restore costs about one sync per segment instead of one per
-//! batch.
+//! batch, and that sync finds most of the data already written.
 //!
 //! A `RESTORING` marker file, durable before the first frame and removed only after the final
 //! sync, makes a store whose restore did not finish (killed, or failed on a damaged stream)

@@ -347,6 +347,11 @@ impl Inner {
         let mut result = self.io.write_at(&w.active.file, path, start, &w.buf);
         if sync {
             result = result.and_then(|()| self.io.sync_data(&w.active.file, path));
+        } else if result.is_ok() {
+            // A restore: the disk writes this frame while the next batch is parsed, so the
+            // one sync at the end has little left to wait for.
+            self.io
+                .start_writeback(&w.active.file, path, start, w.buf.len() as u64);
         }
         if !fast {
             self.prep.appended(result.as_ref().ok().map(|()| end));
