@@ -12,9 +12,11 @@
 //!   obligations written down. A store's data lives in a *generation* directory; defragment
 //!   writes a compacted copy as the next generation and swaps it in while old readers keep
 //!   the old one open.
-//! - `backend`: [`LmdbBackend`], the writer (atomic batches, a full map reported as
+//! - `backend`: [`LmdbBackend`], the writer (atomic batches written straight from the
+//!   caller's buffers, a full map reported as
 //!   [`BackendError::Full`](keel_mvcc::BackendError::Full), poisoning after a failed commit),
-//!   sizes, defragmentation and [`LmdbBackend::grow_map`].
+//!   sizes, defragmentation, [`LmdbBackend::grow_map`], and a restore that loads a snapshot
+//!   stream into a new generation (appends, one `fdatasync`) and swaps it in whole.
 //! - `txn`: [`LmdbReadTxn`], a `Send` snapshot that may outlive the backend handle, checked
 //!   against the commit stamp when it opens.
 //! - `options`: [`LmdbOptions`] and their defaults.
@@ -26,7 +28,7 @@
 //! ```text
 //! path/LOCK                      exclusive lock (flock) held while any handle or reader lives
 //! path/gen-<16 hex digits>/      the live LMDB environment (data.mdb, lock.mdb)
-//! path/gen-<16 hex digits>.tmp/  a defragment copy being written; deleted on open
+//! path/gen-<16 hex digits>.tmp/  a defragment copy or a restore being written; deleted on open
 //! ```
 //!
 //! The highest-numbered complete generation is the store; a lower one is left only by a

@@ -117,3 +117,15 @@ impl BatchSource for Changes {
 pub(crate) struct Pending {
     pub changes: RwLock<Changes>,
 }
+
+impl Pending {
+    /// An empty buffer with room for `revs` changes.
+    pub fn with_capacity(revs: usize) -> Pending {
+        Pending {
+            changes: RwLock::new(Changes {
+                revs: Vec::with_capacity(revs),
+                ..Changes::default()
+            }),
+        }
+    }
+}

@@ -490,10 +490,17 @@ impl<B: Backend> Inner<B> {
         self.check_poisoned()?;
         let pending = {
             let mut st = self.state.lock();
-            if st.current.changes.read().is_empty() {
-                return Ok(());
-            }
-            let p = std::mem::take(&mut st.current);
+            let len = {
+                let changes = st.current.changes.read();
+                if changes.is_empty() {
+                    return Ok(());
+                }
+                changes.revs.len()
+            };
+            // The next buffer starts with room for as many changes as this one took (up to a
+            // batch), so it does not grow by reallocation while writers append to it.
+            let next = Pending::with_capacity(len.min(self.options.batch_limit));
+            let p = std::mem::replace(&mut st.current, Arc::new(next));
             st.committing = Some(p.clone());
             p
         };
