@@ -393,6 +393,8 @@ fn fan_out() {
     let keys: Vec<Vec<u8>> = (0..watchers).map(key).collect();
     let rounds = if smoke() { 1 } else { 3 };
     let mut delivered_rates = Vec::new();
+    // Writer CPU µs per put: [without watchers, with].
+    let mut writer_cpu: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
     for round in 0..rounds {
         for with_watchers in [false, true] {
             let dir = tempfile::tempdir().unwrap();
@@ -452,12 +454,19 @@ fn fan_out() {
             if with_watchers && !late {
                 spawn_consumers(std::mem::take(&mut parked), &mut consumers);
             }
+            let cpu_before = thread_cpu();
             let start = Instant::now();
             for i in 0..puts {
                 s.put(&keys[(i % watchers) as usize], &value, 0)
                     .expect("put");
             }
             let put_time = start.elapsed();
+            // The writer's own CPU per put: what notifying costs it, whatever else runs on
+            // the machine (10 ms ticks).
+            if let (Some(a), Some(b)) = (cpu_before, thread_cpu()) {
+                writer_cpu[usize::from(with_watchers)]
+                    .push((b - a).as_secs_f64() * 1e6 / puts as f64);
+            }
             let name = if with_watchers {
                 "puts with 10k watchers"
             } else {
@@ -494,6 +503,17 @@ fn fan_out() {
         "REPORT watch fan-out: median {:.0} delivered events/s ({watchers} watchers, {puts} puts)",
         delivered_rates[delivered_rates.len() / 2]
     );
+    let [without, with] = writer_cpu.map(|mut v| {
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(0.0)
+    });
+    // Short runs fit in one clock tick: nothing to report.
+    if with > 0.0 && without > 0.0 {
+        println!(
+            "REPORT watch fan-out: writer thread CPU per put (10 ms ticks), median {with:.2} us with {watchers} watchers, {without:.2} us without (without/with {:.2}x)",
+            without / with
+        );
+    }
     RECORDER.ratio(
         "watch fan-out: put throughput with 10k watchers vs without",
         "puts with 10k watchers",
