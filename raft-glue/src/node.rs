@@ -1282,6 +1282,11 @@ impl<B: Backend> Driver<B> {
                 self.flush_reads();
                 let installed_before = self.snapshots_installed;
                 self.on_ready()?;
+                if !self.read_batch.is_empty() && self.reads.is_empty() {
+                    // The round in flight was answered: the reads held behind it go now.
+                    self.flush_reads();
+                    self.on_ready()?;
+                }
                 self.retry_deferred_members();
                 self.member_duties();
                 if self.removed {
@@ -1540,6 +1545,13 @@ impl<B: Backend> Driver<B> {
         if self.raw.raft.state == StateRole::Leader && !self.raw.raft.commit_to_current_term() {
             // raft-rs drops a read index asked of a leader that has not committed an entry
             // of its term yet: wait for that commit (it comes within a round trip).
+            return;
+        }
+        // One round at a time: reads that arrive while a round is out join the next one,
+        // issued as soon as it is answered (or after a tick, should it be lost), so a busy
+        // member sends one heartbeat round per batch of reads rather than per loop turn.
+        let tick = self.shared.options.tick_interval;
+        if self.reads.values().any(|(t, _)| t.elapsed() < tick) {
             return;
         }
         let batch = std::mem::take(&mut self.read_batch);
