@@ -291,6 +291,7 @@ impl Target {
 }
 
 struct WatcherState {
+    id: u64,
     key: Arc<[u8]>,
     /// `None` for a single key.
     end: Option<End>,
@@ -325,21 +326,74 @@ struct WatchEnd {
     lagging: AtomicBool,
 }
 
+/// Watchers in a dense slab with their ids mapped to slots: the matcher hands out slots, so
+/// the writer reaches a matched watcher by index instead of a second hash lookup.
+#[derive(Default)]
+struct Watchers {
+    slots: Vec<Option<WatcherState>>,
+    free: Vec<u32>,
+    by_id: FxMap<u64, u32>,
+}
+
+impl Watchers {
+    fn len(&self) -> usize {
+        self.by_id.len()
+    }
+
+    /// Stores `w` and returns its slot.
+    fn insert(&mut self, w: WatcherState) -> u32 {
+        let id = w.id;
+        let slot = match self.free.pop() {
+            Some(slot) => {
+                self.slots[slot as usize] = Some(w);
+                slot
+            }
+            None => {
+                self.slots.push(Some(w));
+                (self.slots.len() - 1) as u32
+            }
+        };
+        self.by_id.insert(id, slot);
+        slot
+    }
+
+    fn at(&self, slot: u64) -> Option<&WatcherState> {
+        self.slots.get(slot as usize)?.as_ref()
+    }
+
+    fn get(&self, id: u64) -> Option<&WatcherState> {
+        self.at(u64::from(*self.by_id.get(&id)?))
+    }
+
+    fn get_mut(&mut self, id: u64) -> Option<&mut WatcherState> {
+        let slot = *self.by_id.get(&id)?;
+        self.slots.get_mut(slot as usize)?.as_mut()
+    }
+
+    /// Takes watcher `id` out, with the slot it had.
+    fn remove(&mut self, id: u64) -> Option<(u32, WatcherState)> {
+        let slot = self.by_id.remove(&id)?;
+        let w = self.slots.get_mut(slot as usize)?.take()?;
+        self.free.push(slot);
+        Some((slot, w))
+    }
+}
+
 #[derive(Default)]
 struct HubState {
-    watchers: FxMap<u64, WatcherState>,
-    /// Every watcher, synced or not, by what it watches.
+    watchers: Watchers,
+    /// Every watcher, synced or not, by what it watches (by slot in `watchers`).
     matcher: Matcher,
     unsynced: FxSet<u64>,
     /// Last revision whose events writers dispatched.
     last_notified: u64,
-    /// The writer's scratch list of `(watcher, change)` matches, kept to spare allocations.
+    /// The writer's scratch list of `(watcher slot, change)` matches, kept to spare allocations.
     scratch: Vec<(u64, u32)>,
 }
 
 impl HubState {
     fn set_synced(&mut self, id: u64) {
-        if let Some(w) = self.watchers.get_mut(&id) {
+        if let Some(w) = self.watchers.get_mut(id) {
             w.synced = true;
             w.info.lagging.store(false, Ordering::Release);
             self.unsynced.remove(&id);
@@ -348,7 +402,7 @@ impl HubState {
 
     /// Turns a synced watcher unsynced from `next` on.
     fn set_unsynced(&mut self, id: u64, next: u64) {
-        if let Some(w) = self.watchers.get_mut(&id) {
+        if let Some(w) = self.watchers.get_mut(id) {
             w.synced = false;
             w.next_rev = next;
             w.info.lagging.store(true, Ordering::Release);
@@ -357,8 +411,8 @@ impl HubState {
     }
 
     fn remove(&mut self, id: u64) -> Option<WatcherState> {
-        let w = self.watchers.remove(&id)?;
-        self.matcher.remove(id, &w.key, w.end.as_ref());
+        let (slot, w) = self.watchers.remove(id)?;
+        self.matcher.remove(u64::from(slot), &w.key, w.end.as_ref());
         self.unsynced.remove(&id);
         Some(w)
     }
@@ -446,12 +500,12 @@ impl WatchHub {
                     continue;
                 };
                 let watchers = &st.watchers;
-                st.matcher.for_each_match(key, |id| {
-                    if let Some(w) = watchers.get(&id)
+                st.matcher.for_each_match(key, |slot| {
+                    if let Some(w) = watchers.at(slot)
                         && w.synced
                         && w.next_rev <= revision
                     {
-                        matches.push((id, i as u32));
+                        matches.push((slot, i as u32));
                         any_prev |= w.prev_kv;
                     }
                 });
@@ -471,7 +525,7 @@ impl WatchHub {
                 // for changes a prev_kv watcher matched.
                 let mut used: Vec<(u32, bool)> = matches
                     .iter()
-                    .map(|&(id, i)| (i, st.watchers.get(&id).is_some_and(|w| w.prev_kv)))
+                    .map(|&(slot, i)| (i, st.watchers.at(slot).is_some_and(|w| w.prev_kv)))
                     .collect();
                 used.sort_unstable();
                 // One entry per change, wanting the previous pair if any of its watchers does.
@@ -517,10 +571,10 @@ impl WatchHub {
         };
         let mut gone = Vec::new();
         for group in matches.chunk_by(|a, b| a.0 == b.0) {
-            let id = group[0].0;
-            let Some(w) = st.watchers.get(&id) else {
+            let Some(w) = st.watchers.at(group[0].0) else {
                 continue;
             };
+            let id = w.id;
             let pick = if group.len() == total {
                 Pick::All
             } else {
@@ -733,19 +787,17 @@ fn watch_in<B: Backend>(
     let synced = start > current;
     let mut st = hub.shared.state.lock();
     st.last_notified = st.last_notified.max(current);
-    st.matcher.insert(id, &key, end.as_ref());
-    st.watchers.insert(
+    let slot = st.watchers.insert(WatcherState {
         id,
-        WatcherState {
-            key,
-            end,
-            prev_kv: req.prev_kv,
-            tx,
-            info: info.clone(),
-            next_rev: start,
-            synced,
-        },
-    );
+        key: key.clone(),
+        end: end.clone(),
+        prev_kv: req.prev_kv,
+        tx,
+        info: info.clone(),
+        next_rev: start,
+        synced,
+    });
+    st.matcher.insert(u64::from(slot), &key, end.as_ref());
     hub.shared.count.fetch_add(1, Ordering::AcqRel);
     if !synced {
         info.lagging.store(true, Ordering::Release);

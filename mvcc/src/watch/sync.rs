@@ -81,7 +81,7 @@ fn sync_round<B: Backend>(inner: &Arc<Inner<B>>) -> Result<bool, MvccError> {
         let mut st = hub.shared.state.lock();
         let mut overtaken = Vec::new();
         for &id in &st.unsynced {
-            let Some(w) = st.watchers.get(&id) else {
+            let Some(w) = st.watchers.get(id) else {
                 continue;
             };
             if w.next_rev <= compacted {
@@ -190,7 +190,7 @@ fn sync_round<B: Backend>(inner: &Arc<Inner<B>>) -> Result<bool, MvccError> {
     let mut st = hub.shared.state.lock();
     let last = st.last_notified;
     for t in targets {
-        let Some(w) = st.watchers.get_mut(&t.id) else {
+        let Some(w) = st.watchers.get_mut(t.id) else {
             continue;
         };
         if w.synced {

@@ -664,3 +664,31 @@ fn a_watcher_falling_behind_during_catch_up_gets_everything_in_order() {
     s.put(b"k0", b"new", 0).unwrap();
     assert_eq!(collect(&w, 1)[0].kv.mod_revision, 3_001);
 }
+
+/// Watchers cancelled while new ones register in their place (reusing the store's slots):
+/// every live watcher gets exactly the events of its own key, cancelled ones nothing.
+#[test]
+fn watchers_registered_after_cancellations_see_only_their_own_keys() {
+    let (_d, _p, s) = store();
+    let mut live: Vec<(Vec<u8>, Watcher)> = Vec::new();
+    for round in 0..5u32 {
+        live = live
+            .into_iter()
+            .enumerate()
+            .filter_map(|(i, kw)| (i % 2 == 0).then_some(kw))
+            .collect();
+        for j in 0..10u32 {
+            let k = format!("r{round}-{j}").into_bytes();
+            live.push((k.clone(), s.watch(WatchRequest::key(k)).unwrap()));
+        }
+        assert_eq!(s.watcher_count(), live.len());
+        for (k, _) in &live {
+            s.put(k, k, 0).unwrap();
+        }
+        for (k, w) in &live {
+            let ev = collect(w, 1);
+            assert_eq!((&ev[0].kv.key, &ev[0].kv.value), (k, k));
+            assert_eq!(w.try_recv().unwrap(), None, "only its own key");
+        }
+    }
+}
