@@ -47,6 +47,10 @@ use pacer::Pacer;
 const POLL: Duration = Duration::from_millis(100);
 /// Most Raft messages written in one batch.
 const BATCH: usize = 256;
+/// Snapshot frames received and not yet taken by the member. When it is full, the reader
+/// stops reading and TCP flow control holds the sender back: a stream arriving faster than
+/// the member restores it waits on the wire instead of piling up in memory.
+const SNAPSHOT_QUEUE: usize = 32;
 
 /// Knobs of the TCP transport.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -340,7 +344,7 @@ impl TcpTransport {
             .set_nonblocking(true)
             .map_err(|e| NodeError::io("tcp listener", "set_nonblocking", e))?;
         let (raft_in, raft_rx) = unbounded();
-        let (snap_in, snap_rx) = unbounded();
+        let (snap_in, snap_rx) = bounded(SNAPSHOT_QUEUE);
         let inner = Arc::new(Inner {
             id,
             addr: local,
@@ -691,6 +695,23 @@ fn read_frame(inner: &Inner, s: &mut TcpStream) -> Result<ReadOutcome, NodeError
     Ok(ReadOutcome::Frame(frame::decode_owned(&h, payload)?))
 }
 
+/// Hands a snapshot frame to the member, waiting while its queue is full; false once the
+/// member is gone or the transport shuts down.
+fn deliver_snapshot(inner: &Inner, mut frame: SnapshotFrame) -> bool {
+    loop {
+        match inner.snap_in.send_timeout(frame, POLL) {
+            Ok(()) => return true,
+            Err(crossbeam_channel::SendTimeoutError::Timeout(f)) => {
+                if inner.shutdown.load(Ordering::Acquire) {
+                    return false;
+                }
+                frame = f;
+            }
+            Err(crossbeam_channel::SendTimeoutError::Disconnected(_)) => return false,
+        }
+    }
+}
+
 fn read_loop(inner: &Inner, mut s: TcpStream, peer: SocketAddr) {
     let mut from = None;
     loop {
@@ -727,8 +748,8 @@ fn read_loop(inner: &Inner, mut s: TcpStream, peer: SocketAddr) {
                 }
                 inner.raft_in.send(m).is_ok()
             }
-            (Frame::Chunk(c), Some(_)) => inner.snap_in.send(SnapshotFrame::Chunk(c)).is_ok(),
-            (Frame::Ack(a), Some(_)) => inner.snap_in.send(SnapshotFrame::Ack(a)).is_ok(),
+            (Frame::Chunk(c), Some(_)) => deliver_snapshot(inner, SnapshotFrame::Chunk(c)),
+            (Frame::Ack(a), Some(_)) => deliver_snapshot(inner, SnapshotFrame::Ack(a)),
             (other, _) => {
                 inner
                     .counters
