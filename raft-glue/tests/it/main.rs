@@ -4,6 +4,7 @@ mod bad_input;
 mod learner_scenarios;
 mod lease;
 mod linearizability;
+mod member_process;
 mod membership;
 mod replication;
 mod restart;
