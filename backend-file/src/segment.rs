@@ -67,8 +67,9 @@ impl Drop for SegFile {
     }
 }
 
-/// A read-only shared mapping of a segment file, made once at a fixed length that usually
-/// exceeds the file's committed bytes (the segment size), so that commits need no new mapping.
+/// A read-only shared mapping of a segment file, covering the file as it is when mapped: its
+/// committed bytes and the space prepared ahead of them, so that most commits need no new
+/// mapping. It never reaches past the end of the file at the time it is made.
 ///
 /// No slice of the whole mapping is ever made: [`SegMap::prefix`] hands out only prefixes up to
 /// a committed end, whose bytes exist in the file and never change.
@@ -78,11 +79,10 @@ pub(crate) struct SegMap {
 }
 
 impl SegMap {
-    /// Maps `map_len` bytes of `file` (at `path`) read-only, where `committed` bytes are
-    /// committed now.
+    /// Maps up to `map_len` bytes of `file` (at `path`) read-only, where `committed` bytes are
+    /// committed now: at least `committed`, and never more than the file holds.
     ///
-    /// Fails without mapping when the file is shorter than `committed`; bytes of the mapping
-    /// past the end of the file are never read (see [`SegMap::prefix`]).
+    /// Fails without mapping when the file is shorter than `committed`.
     pub(crate) fn map(
         seg: &Arc<SegFile>,
         file: &File,
@@ -101,10 +101,12 @@ impl SegMap {
                 reason: format!("cannot map {committed} bytes of a {size}-byte segment"),
             });
         }
-        let len = usize::try_from(map_len.max(committed)).map_err(|_| BackendError::Corrupt {
-            path: path.to_path_buf(),
-            offset: 0,
-            reason: "segment larger than the address space".into(),
+        let len = usize::try_from(map_len.min(size).max(committed)).map_err(|_| {
+            BackendError::Corrupt {
+                path: path.to_path_buf(),
+                offset: 0,
+                reason: "segment larger than the address space".into(),
+            }
         })?;
         let map = MmapOptions::new()
             .len(len)

@@ -387,8 +387,9 @@ impl Inner {
         let map = match current {
             Some(m) if m.map.capacity() >= end => m.map.clone(),
             _ => {
-                let capacity = current.map_or(0, |m| m.map.capacity()).saturating_mul(2);
-                match SegMap::map(&seg, &w.active.file, &seg.path, end, capacity.max(end)) {
+                // The whole file as it is now: the committed bytes and the space prepared
+                // ahead of them, so the next commits land inside this mapping.
+                match SegMap::map(&seg, &w.active.file, &seg.path, end, u64::MAX) {
                     Ok(m) => m,
                     Err(e) => {
                         Self::poison(w, &e);
