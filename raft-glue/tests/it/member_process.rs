@@ -7,10 +7,8 @@
 //! this test binary (`member_process::member_child`, ignored otherwise).
 
 use std::collections::BTreeSet;
-use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread;
@@ -135,7 +133,6 @@ fn free_addr() -> String {
 fn a_sigkilled_member_process_restarts_and_converges_while_the_others_serve() {
     crate::init_tracing();
     let root = tempfile::tempdir().expect("tempdir");
-    let exe = std::env::current_exe().expect("test binary");
     let addrs: Vec<String> = (0..3).map(|_| free_addr()).collect();
     let nodes: Vec<N> = (1..=2).map(|id| start(root.path(), id, &addrs)).collect();
 
@@ -158,43 +155,19 @@ fn a_sigkilled_member_process_restarts_and_converges_while_the_others_serve() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(11);
     let mut child_acks = 0usize;
     for round in 0..rounds() {
-        let mut child = Command::new(&exe)
-            .args([
-                "--ignored",
-                "--exact",
-                "member_process::member_child",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(DIR_VAR, root.path())
-            .env(ADDRS_VAR, addrs.join(","))
-            .env(ROUND_VAR, round.to_string())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn member 3");
-        let stdout = child.stdout.take().expect("stdout");
-        let lines = Arc::new(Mutex::new(Vec::new()));
-        let reader = {
-            let lines = lines.clone();
-            thread::spawn(move || {
-                for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                    lines.lock().expect("lock").push(line);
-                }
-            })
-        };
         // Kill it at a random moment once its own writes are acknowledged.
-        let begun = Instant::now();
         let wait = Duration::from_millis(rng.random_range(200..800));
-        while !(lines.lock().expect("lock").len() > 5 && begun.elapsed() >= wait)
-            && begun.elapsed() < T
-        {
-            thread::sleep(Duration::from_millis(5));
-        }
-        child.kill().expect("SIGKILL");
-        let _ = child.wait();
-        let _ = reader.join();
-        let lines = lines.lock().expect("lock");
+        let lines = crate::run_killed(
+            "member_process::member_child",
+            &[
+                (DIR_VAR, root.path().display().to_string()),
+                (ADDRS_VAR, addrs.join(",")),
+                (ROUND_VAR, round.to_string()),
+            ],
+            5,
+            wait,
+            T,
+        );
         child_acks += lines.len();
         acked.lock().expect("lock").extend(lines.iter().cloned());
     }

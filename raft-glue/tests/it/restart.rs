@@ -5,12 +5,10 @@
 //! process started from this test binary (`restart::crash_writer_child`, ignored otherwise).
 
 use std::collections::BTreeSet;
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use keel_mvcc::RangeRequest;
 use keel_raft_glue::testing::{Cluster, TestBackend, fast_options};
@@ -86,49 +84,23 @@ fn rounds() -> u64 {
 fn sigkilled_members_restart_converge_and_never_apply_twice() {
     crate::init_tracing();
     let root = tempfile::tempdir().expect("tempdir");
-    let exe = std::env::current_exe().expect("test binary");
     let mut acked: BTreeSet<String> = BTreeSet::new();
     let mut leases: BTreeSet<i64> = BTreeSet::new();
     let mut rng = rand::rngs::StdRng::seed_from_u64(5);
     for round in 0..rounds() {
-        let mut child = Command::new(&exe)
-            .args([
-                "--ignored",
-                "--exact",
-                "restart::crash_writer_child",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(DIR_VAR, root.path())
-            .env(ROUND_VAR, round.to_string())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn the writer");
-        let stdout = child.stdout.take().expect("stdout");
-        let lines = Arc::new(Mutex::new(Vec::new()));
-        let reader = {
-            let lines = lines.clone();
-            thread::spawn(move || {
-                for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                    lines.lock().expect("lock").push(line);
-                }
-            })
-        };
         // Kill at a random moment once writes flow.
-        let start = Instant::now();
         let wait = Duration::from_millis(rng.random_range(100..600));
-        loop {
-            let n = lines.lock().expect("lock").len();
-            if (n > 0 && start.elapsed() >= wait) || start.elapsed() > T {
-                break;
-            }
-            thread::sleep(Duration::from_millis(5));
-        }
-        child.kill().expect("SIGKILL");
-        let _ = child.wait();
-        let _ = reader.join();
-        for line in lines.lock().expect("lock").iter() {
+        let lines = crate::run_killed(
+            "restart::crash_writer_child",
+            &[
+                (DIR_VAR, root.path().display().to_string()),
+                (ROUND_VAR, round.to_string()),
+            ],
+            0,
+            wait,
+            T,
+        );
+        for line in &lines {
             if let Some(k) = line.strip_prefix("ack ") {
                 acked.insert(k.to_owned());
             } else if let Some(id) = line.strip_prefix("lease ") {
