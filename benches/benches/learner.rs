@@ -20,8 +20,8 @@
 //! 20 000.
 //!
 //! `KEEL_LEARNER_BENCH_RATE_MB=<n>` paces snapshots at n MB/s (default: unlimited);
-//! `KEEL_LEARNER_BENCH_ADAPTIVE=0` turns the transport's adaptive snapshot pacing off
-//! (default: on, as in `TcpOptions::default()`), to see both sides of its trade between
+//! `KEEL_LEARNER_BENCH_ADAPTIVE=1` turns the transport's adaptive snapshot pacing on
+//! (default: off, as in `TcpOptions::default()`), to see both sides of its trade between
 //! transfer rate and the leader's put latency.
 //!
 //! Run: `cargo bench -p keel-benches --bench learner`; smoke: `... -- --test`.
@@ -57,13 +57,13 @@ fn keys() -> usize {
 }
 
 /// Snapshot pacing of the members' transports: `KEEL_LEARNER_BENCH_RATE_MB` MB/s (default
-/// unlimited), adaptive unless `KEEL_LEARNER_BENCH_ADAPTIVE=0`.
+/// unlimited), adaptive only with `KEEL_LEARNER_BENCH_ADAPTIVE=1`.
 fn tcp_options() -> TcpOptions {
     let rate = std::env::var("KEEL_LEARNER_BENCH_RATE_MB")
         .ok()
         .and_then(|v| v.parse::<u64>().ok())
         .unwrap_or(0);
-    let adaptive = std::env::var("KEEL_LEARNER_BENCH_ADAPTIVE").map_or(true, |v| v != "0");
+    let adaptive = std::env::var("KEEL_LEARNER_BENCH_ADAPTIVE").is_ok_and(|v| v == "1");
     TcpOptions {
         snapshot_rate: rate * 1_000_000,
         adaptive_snapshot_pacing: adaptive,

@@ -74,7 +74,10 @@ pub struct TcpOptions {
     /// Time allowed for one write on the snapshot connection. Default: 10 s.
     pub write_timeout: Duration,
     /// Slow snapshot streams down while they make the leader's appends slower (see
-    /// [`pacer`]); on top of `snapshot_rate`. Default: true.
+    /// [`pacer`]); on top of `snapshot_rate`. It trades transfer rate for the leader's put
+    /// latency during a join: on one shared disk it cut the leader's put p99 during a 222 MB
+    /// transfer from 3.9× to 2.6× its idle value, at one eighth of the transfer rate.
+    /// Default: false (a new member catches up at full speed).
     pub adaptive_snapshot_pacing: bool,
 }
 
@@ -89,7 +92,7 @@ impl Default for TcpOptions {
             snapshot_rate: 0,
             snapshot_burst: 1 << 20,
             write_timeout: Duration::from_secs(10),
-            adaptive_snapshot_pacing: true,
+            adaptive_snapshot_pacing: false,
         }
     }
 }
@@ -1098,7 +1101,14 @@ mod tests {
         let ids = [1u64, 2, 3, 4];
         let eps: Vec<(TcpTransport, Mailbox)> = ids
             .iter()
-            .map(|&id| TcpTransport::bind(id, "127.0.0.1:0", opts()).expect("bind"))
+            .map(|&id| {
+                // Paced, so the join also runs the adaptive pacer end to end.
+                let o = TcpOptions {
+                    adaptive_snapshot_pacing: true,
+                    ..opts()
+                };
+                TcpTransport::bind(id, "127.0.0.1:0", o).expect("bind")
+            })
             .collect();
         for (i, (t, _)) in eps.iter().enumerate() {
             for (j, (u, _)) in eps.iter().enumerate() {
