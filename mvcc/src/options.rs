@@ -23,13 +23,16 @@ pub struct StoreOptions {
     /// Pause between two compaction batches, so compaction never hogs the backend.
     /// Default: 10 ms (etcd).
     pub compaction_sleep_interval: Duration,
-    /// Responses (one per revision) a watcher's channel holds before the watcher is marked
-    /// slow and catches up from the store later. Default: 128 (etcd's channel length).
+    /// Messages a watcher's channel holds before the watcher is marked slow and catches up
+    /// from the store later: one per revision while it keeps up, one per catch-up round (its
+    /// share of that round's revisions) while it catches up; the receiver still sees one
+    /// response per revision. Default: 128 (etcd's channel length).
     pub watch_channel_capacity: usize,
     /// How often slow watchers and watchers started in the past are caught up.
     /// Default: 100 ms (etcd).
     pub watch_sync_interval: Duration,
-    /// Revisions a catching-up watcher reads per step. Default: 1 000.
+    /// Revisions one catch-up round reads at least, for every watcher behind at once; a round
+    /// with more watchers than this reads as many revisions as it has watchers. Default: 1 000.
     pub watch_sync_batch: usize,
 }
 
