@@ -76,3 +76,54 @@ pub fn run_killed(
     let _ = reader.join();
     std::mem::take(&mut *lines.lock().expect("lock"))
 }
+
+/// Asserts that member `n` holds every acknowledged key and lease and applied nothing twice:
+/// every key was put exactly once and nothing else changes keys, so each key is at version 1
+/// and the store's revision equals the number of keys.
+pub fn assert_acknowledged_applied_once(
+    n: &keel_raft_glue::Node<keel_raft_glue::testing::TestBackend>,
+    keys: &std::collections::BTreeSet<String>,
+    leases: &std::collections::BTreeSet<i64>,
+) {
+    use std::collections::BTreeSet;
+
+    let r = n
+        .range(
+            &keel_mvcc::RangeRequest::range(b"\0".to_vec(), b"\0".to_vec()),
+            keel_raft_glue::ReadConsistency::Serializable,
+        )
+        .expect("scan");
+    let present: BTreeSet<String> = r
+        .kvs
+        .iter()
+        .map(|kv| String::from_utf8_lossy(&kv.key).into_owned())
+        .collect();
+    let missing: Vec<&String> = keys.difference(&present).take(5).collect();
+    assert!(
+        missing.is_empty(),
+        "member {}: acknowledged keys lost: {missing:?}",
+        n.id()
+    );
+    for kv in &r.kvs {
+        assert_eq!(
+            kv.version,
+            1,
+            "member {}: key {:?} was put once, applied once",
+            n.id(),
+            String::from_utf8_lossy(&kv.key)
+        );
+    }
+    assert_eq!(
+        n.store().current_revision(),
+        r.kvs.len() as u64,
+        "member {}: revisions equal the number of puts (no double apply)",
+        n.id()
+    );
+    let known: BTreeSet<i64> = n.lease_list().into_iter().collect();
+    let lost: Vec<&i64> = leases.difference(&known).take(5).collect();
+    assert!(
+        lost.is_empty(),
+        "member {}: acknowledged leases lost: {lost:?}",
+        n.id()
+    );
+}

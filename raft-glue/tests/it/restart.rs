@@ -10,9 +10,8 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::Duration;
 
-use keel_mvcc::RangeRequest;
+use keel_raft_glue::NodeOptions;
 use keel_raft_glue::testing::{Cluster, TestBackend, fast_options};
-use keel_raft_glue::{NodeOptions, ReadConsistency};
 use rand::{Rng, SeedableRng};
 
 const T: Duration = Duration::from_secs(20);
@@ -135,44 +134,6 @@ fn verify(root: &Path, acked: &BTreeSet<String>, leases: &BTreeSet<i64>, round: 
     c.put(barrier.as_bytes(), b"b", T).expect("barrier");
     c.wait_converged(1, T).expect("converged after SIGKILL");
     for n in c.running() {
-        let r = n
-            .range(
-                &RangeRequest::range(b"\0".to_vec(), b"\0".to_vec()),
-                ReadConsistency::Serializable,
-            )
-            .expect("scan");
-        let present: BTreeSet<String> = r
-            .kvs
-            .iter()
-            .map(|kv| String::from_utf8_lossy(&kv.key).into_owned())
-            .collect();
-        let missing: Vec<&String> = acked.difference(&present).take(5).collect();
-        assert!(
-            missing.is_empty(),
-            "member {}: acknowledged keys lost: {missing:?}",
-            n.id()
-        );
-        for kv in &r.kvs {
-            assert_eq!(
-                kv.version,
-                1,
-                "key {:?} was put once, applied once",
-                String::from_utf8_lossy(&kv.key)
-            );
-        }
-        // Every key was put exactly once and nothing else changes keys: one revision each.
-        assert_eq!(
-            n.store().current_revision(),
-            r.kvs.len() as u64,
-            "member {}: revisions equal the number of puts (no double apply)",
-            n.id()
-        );
-        let known: BTreeSet<i64> = n.lease_list().into_iter().collect();
-        let lost: Vec<&i64> = leases.difference(&known).take(5).collect();
-        assert!(
-            lost.is_empty(),
-            "member {}: acknowledged leases lost: {lost:?}",
-            n.id()
-        );
+        crate::assert_acknowledged_applied_once(&n, acked, leases);
     }
 }
