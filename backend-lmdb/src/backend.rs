@@ -278,21 +278,13 @@ impl LmdbBackend {
                 .write_txn()
                 .map_err(|e| from_heed(&tmp, "begin write transaction", e))?;
             for op in batch.ops() {
+                check_op(op.as_ref(), max_key)?;
                 let BatchOp::Put { bucket, key, value } = op else {
                     // `restore_with` hands out puts only; anything else is applied as usual.
-                    check_op(op.as_ref(), max_key)?;
                     apply(db, &mut wtxn, op.as_ref(), max_key, &mut stored)
                         .map_err(|e| full(e, "write"))?;
                     continue;
                 };
-                let limit = keys::max_key_len(bucket, max_key);
-                if key.len() > limit {
-                    return Err(BackendError::TooLarge {
-                        what: "key",
-                        len: key.len(),
-                        limit,
-                    });
-                }
                 keys::encode_into(bucket, key, &mut stored);
                 db.put_with_flags(&mut wtxn, PutFlags::APPEND, &stored, value)
                     .map_err(|e| full(e, "append"))?;
