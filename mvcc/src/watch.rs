@@ -7,10 +7,12 @@
 //!
 //! Matching is by key, not by watcher: every watcher sits in one [`index::Matcher`] (single
 //! keys in a hash map, ranges in an interval index), so a change is matched with one lookup
-//! plus one stab, whatever the number of watchers. The writer copies the matched changes of a
-//! revision once into a shared [`RevChanges`] and sends each matching watcher an `Arc` of it
-//! with the positions it should see; the receiving side decodes its events from there, so a
-//! revision costs the writer one copy and one channel send per matching watcher.
+//! plus one stab, whatever the number of watchers. Records are shared, never copied: the
+//! write buffer holds each change's record in an `Arc`, a revision with one change sends each
+//! matching watcher that `Arc`, and one with more gathers the matched records once into a
+//! shared [`RevChanges`] sent with the positions each watcher should see. Every [`Event`]
+//! holds its record and reads its key and value from it, so a revision costs the writer one
+//! channel send per matching watcher and the receiver no copy of any key or value.
 //!
 //! The syncer thread ([`sync`]) catches unsynced watchers up: each round takes every unsynced
 //! watcher whose channel has room, reads the revisions from the lowest revision any of them
@@ -52,7 +54,7 @@ use parking_lot::Mutex;
 
 use crate::backend::Backend;
 use crate::error::MvccError;
-use crate::kv::{KeyValue, RecordRef};
+use crate::kv::{KeyValue, LeaseId, RecordRef};
 use crate::options::StoreOptions;
 use crate::pending::Pending;
 use crate::read::ReadView;
@@ -109,20 +111,129 @@ impl WatchRequest {
 pub enum EventKind {
     /// A put.
     Put,
-    /// A deletion; the event's `kv` holds the key and the deleting revision only.
+    /// A deletion; the event carries the key and the deleting revision only (empty value,
+    /// zero create revision and version).
     Delete,
 }
 
 /// One change seen by a watcher.
-#[derive(Clone, Debug, PartialEq, Eq)]
+///
+/// An event shares the stored record of its change with the store's write buffer and with
+/// every other watcher that saw the same change: delivering it to many watchers copies no
+/// key or value, and [`key`](Event::key) and [`value`](Event::value) are slices into that
+/// record. [`kv`](Event::kv) copies the pair out for a caller that keeps it.
+#[derive(Clone, PartialEq, Eq)]
 pub struct Event {
+    kind: EventKind,
+    /// The change's record in the layout of [`crate::kv`], checked when the event was made.
+    record: Arc<[u8]>,
+    /// Where the key ends (and the value starts) in `record`.
+    key_end: u32,
+    prev: Option<Arc<KeyValue>>,
+}
+
+/// Record offsets (see [`crate::kv`]).
+const REC_HEADER: usize = 37;
+const REC_CRC: usize = 4;
+
+impl Event {
+    /// An event over a record the store wrote (or read back and checked); `None` if the
+    /// record is too short for the key length it gives.
+    fn new(kind: EventKind, record: Arc<[u8]>, prev: Option<Arc<KeyValue>>) -> Option<Event> {
+        let key_len = u32::from_be_bytes(record.get(33..REC_HEADER)?.try_into().ok()?) as usize;
+        let key_end = REC_HEADER.checked_add(key_len)?;
+        if key_end > record.len().checked_sub(REC_CRC)? {
+            return None;
+        }
+        Some(Event {
+            kind,
+            key_end: u32::try_from(key_end).ok()?,
+            record,
+            prev,
+        })
+    }
+
+    fn header(&self, at: usize) -> u64 {
+        self.record
+            .get(at..at + 8)
+            .and_then(|b| b.try_into().ok())
+            .map_or(0, u64::from_be_bytes)
+    }
+
     /// Put or delete.
-    pub kind: EventKind,
-    /// The pair after the change.
-    pub kv: KeyValue,
-    /// The pair before it, when the watch asked for it and the key existed (and was not
-    /// compacted away by the time the event was read).
-    pub prev_kv: Option<KeyValue>,
+    pub fn kind(&self) -> EventKind {
+        self.kind
+    }
+
+    /// The changed key.
+    pub fn key(&self) -> &[u8] {
+        self.record
+            .get(REC_HEADER..self.key_end as usize)
+            .unwrap_or_default()
+    }
+
+    /// The value after the change (empty for a delete).
+    pub fn value(&self) -> &[u8] {
+        let end = self.record.len().saturating_sub(REC_CRC);
+        self.record
+            .get(self.key_end as usize..end)
+            .unwrap_or_default()
+    }
+
+    /// Revision of the put that created the key's current generation (0 for a delete).
+    pub fn create_revision(&self) -> u64 {
+        self.header(1)
+    }
+
+    /// The revision of the change.
+    pub fn mod_revision(&self) -> u64 {
+        self.header(9)
+    }
+
+    /// Number of puts since the key was (re)created, from 1 (0 for a delete).
+    pub fn version(&self) -> u64 {
+        self.header(17)
+    }
+
+    /// The lease attached to the key by the change, 0 for none.
+    pub fn lease(&self) -> LeaseId {
+        self.header(25) as LeaseId
+    }
+
+    /// The pair after the change, copied out (for a delete: the key and the deleting
+    /// revision only).
+    pub fn kv(&self) -> KeyValue {
+        RecordRef {
+            key: self.key(),
+            value: self.value(),
+            create_revision: self.create_revision(),
+            mod_revision: self.mod_revision(),
+            version: self.version(),
+            lease: self.lease(),
+        }
+        .to_kv(true)
+    }
+
+    /// The pair before the change, when the watch asked for it and the key existed (and
+    /// was not compacted away by the time the event was read).
+    pub fn prev_kv(&self) -> Option<&KeyValue> {
+        self.prev.as_deref()
+    }
+}
+
+impl std::fmt::Debug for Event {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Event")
+            .field("kind", &self.kind)
+            .field("key", &String::from_utf8_lossy(self.key()))
+            .field("value_len", &self.value().len())
+            .field("create_revision", &self.create_revision())
+            .field("mod_revision", &self.mod_revision())
+            .field("version", &self.version())
+            .field("lease", &self.lease())
+            .field("prev_kv", &self.prev_kv())
+            .finish()
+    }
 }
 
 /// The key of a record, read without checking its checksum: for records the store holds in
@@ -132,29 +243,12 @@ fn record_key(record: &[u8]) -> Option<&[u8]> {
     record.get(37..37 + len)
 }
 
-/// [`decode_record`] without the checksum, for the same records as [`record_key`].
-fn record_ref(record: &[u8]) -> Option<RecordRef<'_>> {
-    let key = record_key(record)?;
-    let be = |at: usize| -> Option<u64> {
-        Some(u64::from_be_bytes(record.get(at..at + 8)?.try_into().ok()?))
-    };
-    let value = record.get(37 + key.len()..record.len().checked_sub(4)?)?;
-    Some(RecordRef {
-        key,
-        value,
-        create_revision: be(1)?,
-        mod_revision: be(9)?,
-        version: be(17)?,
-        lease: be(25)? as i64,
-    })
-}
-
 /// One change of a shared revision: its stored record (checked) and, when a watcher asked
 /// for it, the previous pair.
 struct Change {
     tombstone: bool,
     record: Arc<[u8]>,
-    prev: Option<KeyValue>,
+    prev: Option<Arc<KeyValue>>,
 }
 
 /// The changes of one revision that some watcher matched, shared by all their deliveries.
@@ -197,24 +291,17 @@ impl Part {
         };
         let changes = match &self.rev {
             Shared::One(record) => {
-                return record_ref(record)
-                    .map(|r| Event {
-                        kind: kind(r.version == 0),
-                        kv: r.to_kv(true),
-                        prev_kv: None,
-                    })
+                // A tombstone is the record with version 0.
+                let tombstone = record.get(17..25) == Some(&[0u8; 8][..]);
+                return Event::new(kind(tombstone), record.clone(), None)
                     .into_iter()
                     .collect();
             }
             Shared::Many(rev) => &rev.changes,
         };
         let one = |c: &Change| -> Option<Event> {
-            let r = record_ref(&c.record)?;
-            Some(Event {
-                kind: kind(c.tombstone),
-                kv: r.to_kv(true),
-                prev_kv: if self.prev_kv { c.prev.clone() } else { None },
-            })
+            let prev = if self.prev_kv { c.prev.clone() } else { None };
+            Event::new(kind(c.tombstone), c.record.clone(), prev)
         };
         match &self.pick {
             Pick::All => changes.iter().filter_map(one).collect(),
@@ -476,7 +563,7 @@ impl WatchHub {
     /// Hands the events of `revision` to synced watchers; called by the committing writer,
     /// in revision order, with the buffer its changes went to (`buf.revs[start..]`, one
     /// entry of `prev_revs` each). Never blocks on a watcher. A change no watcher matches
-    /// costs one key lookup; matched changes are copied once and shared.
+    /// costs one key lookup; matched changes are shared, not copied.
     pub fn notify<B: Backend>(
         &self,
         inner: &Arc<Inner<B>>,
@@ -516,7 +603,7 @@ impl WatchHub {
             }
             // One change, watchers not asking for its previous pair: share the record alone.
             if revs.len() == 1 && !any_prev {
-                Shared::One(Arc::from(revs[0].record.as_slice()))
+                Shared::One(Arc::from(&revs[0].record[..]))
             } else {
                 if matches.len() > 1 {
                     matches.sort_unstable();
@@ -549,12 +636,13 @@ impl WatchHub {
                                 v.as_ref(),
                                 prev_revs.get(i as usize).copied().flatten(),
                             )
+                            .map(Arc::new)
                         } else {
                             None
                         };
                         Change {
                             tombstone: p.tombstone,
-                            record: p.record.as_slice().into(),
+                            record: Arc::from(&p.record[..]),
                             prev,
                         }
                     })
@@ -661,9 +749,15 @@ impl Watcher {
     /// Splits `msg` and returns its first response, keeping the rest.
     fn unpack(&self, msg: Msg) -> Option<Vec<Event>> {
         self.received();
-        let mut ready = self.ready.lock();
-        msg.split_into(&mut ready);
-        ready.pop_front()
+        match msg {
+            // The common case: one revision, handed out as is.
+            Msg::One(part) => Some(part.events()).filter(|e| !e.is_empty()),
+            msg => {
+                let mut ready = self.ready.lock();
+                msg.split_into(&mut ready);
+                ready.pop_front()
+            }
+        }
     }
 
     /// Waits for the events of the next revision that touched the watched keys. Fails with

@@ -151,6 +151,11 @@ impl<B: Backend> WatchStream<B> {
         if matches!(msg, Msg::Wake) || !self.watchers.contains_key(&id) {
             return self.next_ended();
         }
+        if let Msg::One(part) = msg {
+            // The common case: one revision, handed out as is.
+            let events = part.events();
+            return (!events.is_empty()).then_some(StreamItem::Events { id, events });
+        }
         msg.split_into(&mut self.split);
         let first = self.split.pop_front();
         self.ready

@@ -218,7 +218,7 @@ fn flush<B: Backend>(
     }
     for (c, (key, want_prev)) in cur.changes.iter_mut().zip(cur.keys.drain(..)) {
         if want_prev {
-            c.prev = prev_at(inner, view, key, cur.main);
+            c.prev = prev_at(inner, view, key, cur.main).map(Arc::new);
         }
     }
     let total = cur.changes.len();

@@ -5,8 +5,8 @@
 use std::time::{Duration, Instant};
 
 use keel_mvcc::{
-    DeleteRangeRequest, Event, EventKind, MvccError, PutRequest, StoreOptions, StreamItem, TxnOp,
-    TxnRequest, WatchRequest, Watcher,
+    DeleteRangeRequest, Event, EventKind, MvccError, PutRequest, RangeRequest, StoreOptions,
+    StreamItem, TxnOp, TxnRequest, WatchRequest, Watcher,
 };
 
 use crate::common::{fresh_path, open_at, store};
@@ -18,9 +18,9 @@ fn collect(w: &Watcher, n: usize) -> Vec<Event> {
         let left = deadline.saturating_duration_since(Instant::now());
         match w.recv_timeout(left).expect("watch ended") {
             Some(events) => {
-                let rev = events[0].kv.mod_revision;
+                let rev = events[0].mod_revision();
                 assert!(
-                    events.iter().all(|e| e.kv.mod_revision == rev),
+                    events.iter().all(|e| e.mod_revision() == rev),
                     "one response mixes revisions"
                 );
                 out.extend(events);
@@ -54,7 +54,7 @@ fn events_arrive_in_revision_order_with_prev_values() {
     let ev = collect(&w, 4);
     let summary: Vec<(EventKind, &[u8], u64)> = ev
         .iter()
-        .map(|e| (e.kind, e.kv.key.as_slice(), e.kv.mod_revision))
+        .map(|e| (e.kind(), e.key(), e.mod_revision()))
         .collect();
     assert_eq!(
         summary,
@@ -65,9 +65,9 @@ fn events_arrive_in_revision_order_with_prev_values() {
             (EventKind::Delete, &b"a1"[..], 4),
         ]
     );
-    assert_eq!(ev[0].prev_kv, None);
-    assert_eq!(ev[1].prev_kv.as_ref().unwrap().value, b"x");
-    assert_eq!(ev[3].prev_kv.as_ref().unwrap().value, b"y");
+    assert_eq!(ev[0].prev_kv(), None);
+    assert_eq!(ev[1].prev_kv().unwrap().value, b"x");
+    assert_eq!(ev[3].prev_kv().unwrap().value, b"y");
     assert_eq!(w.try_recv().unwrap(), None, "no event for other keys");
 }
 
@@ -93,13 +93,13 @@ fn past_revisions_are_caught_up_from_the_store() {
         .unwrap();
     // Revisions 8, 13, ..., 58 touch k2 (put number i at revision i + 1).
     let past = collect(&w, 11);
-    let revs: Vec<u64> = past.iter().map(|e| e.kv.mod_revision).collect();
+    let revs: Vec<u64> = past.iter().map(|e| e.mod_revision()).collect();
     assert_eq!(revs, (8..=58).step_by(5).collect::<Vec<u64>>());
-    assert_eq!(past[1].prev_kv.as_ref().unwrap().value, b"7");
+    assert_eq!(past[1].prev_kv().unwrap().value, b"7");
     s.put(b"k2", b"live", 0).unwrap();
     let live = collect(&w, 1);
     assert_eq!(
-        (live[0].kv.mod_revision, live[0].kv.value.as_slice()),
+        (live[0].mod_revision(), live[0].value()),
         (61, &b"live"[..])
     );
 }
@@ -159,13 +159,13 @@ fn a_slow_watcher_falls_behind_then_catches_up_without_blocking_writers() {
         "writers were held up by an unread watcher"
     );
     s.put(b"other", b"o", 0).unwrap();
-    assert_eq!(collect(&fast, 1)[0].kv.mod_revision, 2_001);
+    assert_eq!(collect(&fast, 1)[0].mod_revision(), 2_001);
     // Everything arrives, in order, with no gap and no repeat.
     let got = collect(&w, 2_000);
-    let revs: Vec<u64> = got.iter().map(|e| e.kv.mod_revision).collect();
+    let revs: Vec<u64> = got.iter().map(|e| e.mod_revision()).collect();
     assert_eq!(revs, (1..=2_000).collect::<Vec<u64>>());
     for (i, e) in got.iter().enumerate() {
-        assert_eq!(e.kv.value, format!("{i}").into_bytes());
+        assert_eq!(e.value(), format!("{i}").into_bytes());
     }
     assert_eq!(w.recv_timeout(Duration::from_millis(50)).unwrap(), None);
 }
@@ -187,7 +187,7 @@ fn a_slow_watcher_overtaken_by_compaction_gets_the_compacted_error() {
     let mut seen = Vec::new();
     let err = loop {
         match w.recv_timeout(Duration::from_secs(10)) {
-            Ok(Some(events)) => seen.extend(events.into_iter().map(|e| e.kv.mod_revision)),
+            Ok(Some(events)) => seen.extend(events.into_iter().map(|e| e.mod_revision())),
             Ok(None) => panic!("watcher neither caught up nor failed"),
             Err(e) => break e,
         }
@@ -210,7 +210,7 @@ fn cancel_and_drop_unregister() {
     a.cancel();
     assert_eq!(s.watcher_count(), 1);
     s.put(b"a", b"1", 0).unwrap();
-    assert_eq!(collect(&b, 1)[0].kv.value, b"1");
+    assert_eq!(collect(&b, 1)[0].value(), b"1");
     drop(s);
     assert!(matches!(b.recv(), Err(MvccError::WatchClosed { .. })));
 }
@@ -259,7 +259,7 @@ fn a_stream_multiplexes_many_watchers_in_order_including_slow_ones() {
                 total += events.len();
                 per.entry(id)
                     .or_default()
-                    .extend(events.iter().map(|e| e.kv.mod_revision));
+                    .extend(events.iter().map(|e| e.mod_revision()));
             }
             Some(StreamItem::Ended { id, error }) => panic!("watcher {id} ended: {error}"),
             None => {}
@@ -279,7 +279,7 @@ fn a_stream_multiplexes_many_watchers_in_order_including_slow_ones() {
     match stream.recv_timeout(Duration::from_secs(10)).unwrap() {
         Some(StreamItem::Events { id, events }) => {
             assert!(id == past || id == ids[1], "{id}");
-            assert!(events[0].kv.mod_revision >= 201);
+            assert!(events[0].mod_revision() >= 201);
         }
         other => panic!("{other:?}"),
     }
@@ -367,12 +367,12 @@ fn seen(events: &[Event], prev_kv: bool) -> Vec<Seen> {
         .iter()
         .map(|e| {
             (
-                e.kv.mod_revision,
-                e.kind,
-                e.kv.key.clone(),
-                e.kv.value.clone(),
+                e.mod_revision(),
+                e.kind(),
+                e.key().to_vec(),
+                e.value().to_vec(),
                 if prev_kv {
-                    e.prev_kv.as_ref().map(|p| p.value.clone())
+                    e.prev_kv().map(|p| p.value.clone())
                 } else {
                     None
                 },
@@ -543,9 +543,9 @@ fn overlapping_watchers_each_see_exactly_their_events_in_order() {
         );
         match stream.recv_timeout(Duration::from_millis(100)).unwrap() {
             Some(StreamItem::Events { id, events }) => {
-                let rev = events[0].kv.mod_revision;
+                let rev = events[0].mod_revision();
                 assert!(
-                    events.iter().all(|e| e.kv.mod_revision == rev),
+                    events.iter().all(|e| e.mod_revision() == rev),
                     "one response mixes revisions"
                 );
                 total += events.len();
@@ -649,11 +649,8 @@ fn a_watcher_falling_behind_during_catch_up_gets_everything_in_order() {
         if let Some(events) = w.recv_timeout(Duration::from_millis(100)).unwrap() {
             assert_eq!(events.len(), 1);
             let e = &events[0];
-            assert_eq!(
-                e.kv.value,
-                format!("{}", e.kv.mod_revision - 1).into_bytes()
-            );
-            revs.push(e.kv.mod_revision);
+            assert_eq!(e.value(), format!("{}", e.mod_revision() - 1).into_bytes());
+            revs.push(e.mod_revision());
             if revs.len() % 200 == 0 {
                 std::thread::sleep(Duration::from_millis(3));
             }
@@ -662,7 +659,7 @@ fn a_watcher_falling_behind_during_catch_up_gets_everything_in_order() {
     writer.join().unwrap();
     assert_eq!(revs, (1..=3_000).collect::<Vec<u64>>());
     s.put(b"k0", b"new", 0).unwrap();
-    assert_eq!(collect(&w, 1)[0].kv.mod_revision, 3_001);
+    assert_eq!(collect(&w, 1)[0].mod_revision(), 3_001);
 }
 
 /// Watchers cancelled while new ones register in their place (reusing the store's slots):
@@ -687,8 +684,57 @@ fn watchers_registered_after_cancellations_see_only_their_own_keys() {
         }
         for (k, w) in &live {
             let ev = collect(w, 1);
-            assert_eq!((&ev[0].kv.key, &ev[0].kv.value), (k, k));
+            assert_eq!((ev[0].key(), ev[0].value()), (&k[..], &k[..]));
             assert_eq!(w.try_recv().unwrap(), None, "only its own key");
         }
     }
+}
+
+/// An event's accessors read the stored change (put and delete, live and caught up from
+/// the past), and every watcher of a change shares one record: no key or value is copied
+/// per watcher.
+#[test]
+fn events_share_the_stored_record_and_read_its_fields() {
+    let (_d, _p, s) = store();
+    s.put(b"k", b"v1", 0).unwrap();
+    let a = s.watch(WatchRequest::key(b"k".to_vec())).unwrap();
+    let b = s.watch(WatchRequest::prefix(b"k".to_vec())).unwrap();
+    s.put(b"k", b"v2", 7).unwrap();
+    s.delete_range(b"k", None).unwrap();
+    let (ea, eb) = (collect(&a, 2), collect(&b, 2));
+    assert_eq!(ea, eb);
+    for (x, y) in ea.iter().zip(&eb) {
+        assert!(
+            std::ptr::eq(x.key().as_ptr(), y.key().as_ptr()),
+            "one record shared by both watchers"
+        );
+    }
+    let put = &ea[0];
+    assert_eq!(put.kind(), EventKind::Put);
+    assert_eq!((put.key(), put.value()), (&b"k"[..], &b"v2"[..]));
+    assert_eq!(
+        (
+            put.create_revision(),
+            put.mod_revision(),
+            put.version(),
+            put.lease()
+        ),
+        (1, 2, 2, 7)
+    );
+    assert_eq!(
+        put.kv(),
+        s.range(&RangeRequest::key(b"k".to_vec()).at(2))
+            .unwrap()
+            .kvs[0]
+    );
+    let del = &ea[1];
+    assert_eq!(del.kind(), EventKind::Delete);
+    assert_eq!((del.key(), del.value()), (&b"k"[..], &b""[..]));
+    assert_eq!(
+        (del.create_revision(), del.mod_revision(), del.version()),
+        (0, 3, 0)
+    );
+    // Caught up from the past: the same events.
+    let past = s.watch(WatchRequest::key(b"k".to_vec()).from(2)).unwrap();
+    assert_eq!(collect(&past, 2), ea);
 }
