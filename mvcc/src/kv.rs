@@ -15,6 +15,8 @@
 //! last 4 bytes    crc             u32  CRC-32 (IEEE) of every byte before it
 //! ```
 
+use std::sync::Arc;
+
 use crate::error::MvccError;
 use crate::revision::Revision;
 
@@ -54,10 +56,12 @@ pub(crate) fn encode_record(kv: &KeyValue) -> Vec<u8> {
         kv.version,
         kv.lease,
     )
+    .to_vec()
 }
 
 /// Encodes one change from its parts (a tombstone has an empty value and zero create
-/// revision and version).
+/// revision and version), in one shared allocation: watchers receive the record itself,
+/// not a copy.
 pub(crate) fn encode_parts(
     key: &[u8],
     value: &[u8],
@@ -65,19 +69,23 @@ pub(crate) fn encode_parts(
     mod_revision: u64,
     version: u64,
     lease: LeaseId,
-) -> Vec<u8> {
-    let mut out = Vec::with_capacity(HEADER + key.len() + value.len() + CRC);
-    out.push(RECORD_FORMAT);
-    out.extend_from_slice(&create_revision.to_be_bytes());
-    out.extend_from_slice(&mod_revision.to_be_bytes());
-    out.extend_from_slice(&version.to_be_bytes());
-    out.extend_from_slice(&lease.to_be_bytes());
-    out.extend_from_slice(&(key.len() as u32).to_be_bytes());
-    out.extend_from_slice(key);
-    out.extend_from_slice(value);
-    let crc = crc32fast::hash(&out);
-    out.extend_from_slice(&crc.to_be_bytes());
-    out
+) -> Arc<[u8]> {
+    let len = HEADER + key.len() + value.len() + CRC;
+    // A fresh `Arc` is unique, so `get_mut` always succeeds and the bytes are filled in place.
+    let mut rec: Arc<[u8]> = std::iter::repeat_n(0u8, len).collect();
+    if let Some(out) = Arc::get_mut(&mut rec) {
+        let (body, crc) = out.split_at_mut(len - CRC);
+        body[0] = RECORD_FORMAT;
+        body[1..9].copy_from_slice(&create_revision.to_be_bytes());
+        body[9..17].copy_from_slice(&mod_revision.to_be_bytes());
+        body[17..25].copy_from_slice(&version.to_be_bytes());
+        body[25..33].copy_from_slice(&lease.to_be_bytes());
+        body[33..HEADER].copy_from_slice(&(key.len() as u32).to_be_bytes());
+        body[HEADER..HEADER + key.len()].copy_from_slice(key);
+        body[HEADER + key.len()..].copy_from_slice(value);
+        crc.copy_from_slice(&crc32fast::hash(body).to_be_bytes());
+    }
+    rec
 }
 
 /// A decoded record borrowing its key and value.

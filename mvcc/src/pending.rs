@@ -9,6 +9,7 @@
 //! other change, so a pending delete is never hidden by an older committed value.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use parking_lot::RwLock;
 
@@ -21,7 +22,8 @@ use crate::store::{KEY_BUCKET, META_BUCKET};
 pub(crate) struct PendingRev {
     pub rev: Revision,
     pub tombstone: bool,
-    pub record: Vec<u8>,
+    /// The record, shared with the watchers it is delivered to.
+    pub record: Arc<[u8]>,
 }
 
 /// The changes of one or more write transactions.
