@@ -603,7 +603,7 @@ impl WatchHub {
             }
             // One change, watchers not asking for its previous pair: share the record alone.
             if revs.len() == 1 && !any_prev {
-                Shared::One(Arc::from(&revs[0].record[..]))
+                Shared::One(revs[0].record.clone())
             } else {
                 if matches.len() > 1 {
                     matches.sort_unstable();
@@ -642,7 +642,7 @@ impl WatchHub {
                         };
                         Change {
                             tombstone: p.tombstone,
-                            record: Arc::from(&p.record[..]),
+                            record: p.record.clone(),
                             prev,
                         }
                     })
