@@ -391,6 +391,11 @@ fn fan_out() {
     let value = [1u8; 150];
     // Keys are formatted before the clock starts: only the puts are timed.
     let keys: Vec<Vec<u8>> = (0..watchers).map(key).collect();
+    let byte_sum = |b: &[u8]| b.iter().map(|&x| u64::from(x)).sum::<u64>();
+    // What the consumers' byte sums over every key and value add up to.
+    let expected_sum: u64 = (0..puts)
+        .map(|i| byte_sum(&keys[(i % watchers) as usize]) + byte_sum(&value))
+        .sum();
     let rounds = if smoke() { 1 } else { 3 };
     let mut delivered_rates = Vec::new();
     // Writer CPU µs per put: [without watchers, with].
@@ -400,6 +405,7 @@ fn fan_out() {
             let dir = tempfile::tempdir().unwrap();
             let s = Arc::new(store(dir.path(), false, StoreOptions::default()));
             let delivered = Arc::new(AtomicU64::new(0));
+            let checksum = Arc::new(AtomicU64::new(0));
             let stop = Arc::new(AtomicBool::new(false));
             let mut consumers = Vec::new();
             // `KEEL_FANOUT_LATE_CONSUMERS=1` starts draining only after the puts, to separate
@@ -423,18 +429,22 @@ fn fan_out() {
                 |all: Vec<keel_mvcc::WatchStream<LmdbBackend>>,
                  consumers: &mut Vec<std::thread::JoinHandle<()>>| {
                     for mut stream in all {
-                        let (delivered, stop) = (delivered.clone(), stop.clone());
+                        let (delivered, checksum, stop) =
+                            (delivered.clone(), checksum.clone(), stop.clone());
                         consumers.push(std::thread::spawn(move || {
                             loop {
                                 match stream.recv_timeout(Duration::from_millis(20)) {
                                     Ok(Some(StreamItem::Events { events, .. })) => {
-                                        let mut got = events.len() as u64;
+                                        // Every event's key and value are read (summed
+                                        // byte by byte), as a sender encoding them would.
+                                        let mut got = read_events(&events);
                                         while let Ok(Some(StreamItem::Events { events, .. })) =
                                             stream.try_recv()
                                         {
-                                            got += events.len() as u64;
+                                            got = got.add(read_events(&events));
                                         }
-                                        delivered.fetch_add(got, Ordering::Relaxed);
+                                        checksum.fetch_add(got.bytes_sum, Ordering::Relaxed);
+                                        delivered.fetch_add(got.events, Ordering::Relaxed);
                                         // Drain in batches, as a network sender would: a
                                         // consumer blocking again at once is woken by
                                         // nearly every put.
@@ -491,6 +501,11 @@ fn fan_out() {
                     put_time.as_secs_f64()
                 );
                 assert_eq!(got, puts, "every event is delivered");
+                assert_eq!(
+                    checksum.load(Ordering::Relaxed),
+                    expected_sum,
+                    "every event's key and value are read"
+                );
             }
             stop.store(true, Ordering::Release);
             for c in consumers {
@@ -521,6 +536,36 @@ fn fan_out() {
         Better::Faster,
         Some(0.5),
     );
+}
+
+/// What a fan-out consumer read from some events.
+#[derive(Clone, Copy, Default)]
+struct ReadSum {
+    events: u64,
+    /// Sum of every key and value byte.
+    bytes_sum: u64,
+}
+
+impl ReadSum {
+    fn add(self, other: ReadSum) -> ReadSum {
+        ReadSum {
+            events: self.events + other.events,
+            bytes_sum: self.bytes_sum.wrapping_add(other.bytes_sum),
+        }
+    }
+}
+
+/// Reads every key and value byte of `events`.
+fn read_events(events: &[keel_mvcc::Event]) -> ReadSum {
+    let sum = |b: &[u8]| b.iter().map(|&x| u64::from(x)).sum::<u64>();
+    let bytes_sum = events
+        .iter()
+        .map(|e| sum(e.key()) + sum(e.value()))
+        .fold(0u64, u64::wrapping_add);
+    ReadSum {
+        events: events.len() as u64,
+        bytes_sum,
+    }
 }
 
 /// Fixed workloads for an instruction counter: 20 batches of 1 000 puts plus a commit (no
