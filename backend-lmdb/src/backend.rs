@@ -24,7 +24,7 @@ use keel_mvcc::{
 use parking_lot::{Mutex, RwLock};
 
 use crate::env::{self, DirLock, Generation};
-use crate::error::from_heed;
+use crate::error::{LmdbError, from_heed};
 use crate::keys;
 use crate::options::{LmdbOptions, round_map_size};
 use crate::txn::LmdbReadTxn;
@@ -61,7 +61,9 @@ struct Writer {
     poisoned: Option<String>,
     /// The map size every generation is opened with.
     map_size: usize,
-    /// Reused buffer for encoded keys.
+    /// Bucket databases created by the running commit, reused between commits.
+    created: Vec<(Bucket, Database<Bytes, Bytes>)>,
+    /// Reused buffer for stored keys.
     key_buf: Vec<u8>,
 }
 
@@ -265,13 +267,22 @@ impl LmdbBackend {
         // and `self` holds the live one), `tmp` is inside the store, and no other environment
         // on `tmp` is open: it was just created, and it is only ever opened here, under
         // `writer`.
-        let lmdb = unsafe { env::open_env(&tmp, map_size, &loading) }?;
-        let db = env::main_database(&lmdb, &tmp)?;
+        let lmdb = unsafe { env::open_env(&tmp, map_size, &loading, true) }?;
+        env::main_database(&lmdb, &tmp)?;
         let max_key = lmdb.max_key_size();
+        let none = env::Dbs::default();
+        let mut created = Vec::new();
         let mut stored = Vec::new();
         let pairs = snapshot::restore_with(input, |batch| {
             let full = |e: heed::Error, op: &'static str| match e {
                 heed::Error::Mdb(MdbError::MapFull) => map_full(&lmdb, map_size, &self.path),
+                heed::Error::Mdb(MdbError::DbsFull) => {
+                    BackendError::Other(Box::new(LmdbError::TooManyBuckets {
+                        path: tmp.clone(),
+                        bucket: String::new(),
+                        max_buckets: self.options.max_buckets,
+                    }))
+                }
                 e => from_heed(&tmp, op, e),
             };
             let mut wtxn = lmdb
@@ -279,13 +290,22 @@ impl LmdbBackend {
                 .map_err(|e| from_heed(&tmp, "begin write transaction", e))?;
             for op in batch.ops() {
                 check_op(op.as_ref(), max_key)?;
-                let BatchOp::Put { bucket, key, value } = op else {
+                let is_put = matches!(op, BatchOp::Put { .. });
+                let bucket = op_bucket(op.as_ref());
+                let Some(db) =
+                    env::bucket_db(&lmdb, &mut wtxn, &none, &mut created, bucket, is_put)
+                        .map_err(|e| full(e, "create a bucket database"))?
+                else {
+                    continue;
+                };
+                let BatchOp::Put { key, value, .. } = op else {
                     // `restore_with` hands out puts only; anything else is applied as usual.
                     apply(db, &mut wtxn, op.as_ref(), max_key, &mut stored)
                         .map_err(|e| full(e, "write"))?;
                     continue;
                 };
-                keys::encode_into(bucket, key, &mut stored);
+                // The stream is in (bucket, key) order: each bucket's keys arrive ascending.
+                keys::encode_into(key, &mut stored);
                 db.put_with_flags(&mut wtxn, PutFlags::APPEND, &stored, value)
                     .map_err(|e| full(e, "append"))?;
             }
@@ -350,6 +370,7 @@ impl Backend for LmdbBackend {
             writer: Mutex::new(Writer {
                 poisoned: None,
                 map_size,
+                created: Vec::new(),
                 key_buf: Vec::new(),
             }),
             #[cfg(feature = "failpoints")]
@@ -383,26 +404,69 @@ impl Backend for LmdbBackend {
         let max_key = generation.max_key();
         let dir = generation.dir();
         let map_size = writer.map_size;
-        let mut wtxn = generation
-            .env()
+        let lmdb = generation.env();
+        let mut wtxn = lmdb
             .write_txn()
             .map_err(|e| from_heed(dir, "begin write transaction", e))?;
-        let db = generation.db();
         let id = wtxn.id() as u64;
         let heed_err = |e: heed::Error, op: &'static str| match e {
             heed::Error::Mdb(MdbError::MapFull) => self.full(&generation, map_size),
             e => from_heed(dir, op, e),
         };
-        db.put(&mut wtxn, keys::COMMIT_STAMP, &id.to_be_bytes())
-            .map_err(|e| heed_err(e, "write commit stamp"))?;
+        // Under the writer lock, so these are every committed bucket database.
+        let dbs = generation.dbs();
+        let mut created = std::mem::take(&mut writer.created);
+        created.clear();
         let mut key_buf = std::mem::take(&mut writer.key_buf);
+        // Batches run long stretches of one bucket: remember the last one's database.
+        let mut last: Option<(Bucket, Database<Bytes, Bytes>)> = None;
         let applied = source.for_each_op(&mut |op| {
             check_op(op, max_key)?;
+            let bucket = op_bucket(op);
+            let db = match &last {
+                Some((b, db)) if b == bucket => *db,
+                _ => {
+                    let is_put = matches!(op, BatchOpRef::Put { .. });
+                    match env::bucket_db(lmdb, &mut wtxn, &dbs, &mut created, bucket, is_put) {
+                        Ok(Some(db)) => {
+                            last = Some((bucket.clone(), db));
+                            db
+                        }
+                        // Nothing to delete in a bucket that does not exist.
+                        Ok(None) => return Ok(()),
+                        Err(heed::Error::Mdb(MdbError::DbsFull)) => {
+                            return Err(BackendError::Other(Box::new(LmdbError::TooManyBuckets {
+                                path: dir.to_path_buf(),
+                                bucket: bucket.name().to_owned(),
+                                max_buckets: self.options.max_buckets,
+                            })));
+                        }
+                        Err(e) => return Err(heed_err(e, "create a bucket database")),
+                    }
+                }
+            };
             apply(db, &mut wtxn, op, max_key, &mut key_buf).map_err(|e| heed_err(e, "write"))
         });
         writer.key_buf = key_buf;
-        applied?;
-        match self.commit_txn(wtxn) {
+        let result = applied.and_then(|()| {
+            let layout = if created.is_empty() { dbs.layout() } else { id };
+            generation
+                .main()
+                .put(&mut wtxn, keys::COMMIT_STAMP, &keys::stamp(id, layout))
+                .map_err(|e| heed_err(e, "write commit stamp"))
+        });
+        if let Err(e) = result {
+            writer.created = created;
+            return Err(e);
+        }
+        let committed = self.commit_txn(wtxn);
+        if committed.is_ok() && !created.is_empty() {
+            // After the commit returned: see `env` on publishing handles.
+            generation.publish(dbs.with(&created, id));
+        }
+        created.clear();
+        writer.created = created;
+        match committed {
             Ok(()) => Ok(()),
             Err(heed::Error::Mdb(MdbError::MapFull)) => Err(self.full(&generation, map_size)),
             Err(e) => {
@@ -465,17 +529,9 @@ impl Backend for LmdbBackend {
             on_disk += old.disk_size()?;
         }
         drop(retired);
-        let txn = generation
-            .env()
-            .read_txn()
-            .map_err(|e| from_heed(generation.dir(), "begin read transaction", e))?;
-        let stat = generation
-            .db()
-            .stat(&txn)
-            .map_err(|e| from_heed(generation.dir(), "stat", e))?;
-        // The tree's pages plus LMDB's two meta pages.
-        let pages = stat.branch_pages + stat.leaf_pages + stat.overflow_pages + 2;
-        let in_use = pages as u64 * stat.page_size as u64;
+        let txn = LmdbReadTxn::begin(Arc::clone(&generation), self.options.max_readers)?;
+        let (pages, page_size) = txn.pages_in_use()?;
+        let in_use = pages * page_size;
         Ok(BackendSize {
             on_disk,
             in_use: in_use.min(on_disk),
@@ -503,30 +559,33 @@ impl Backend for LmdbBackend {
     }
 }
 
+/// The bucket an operation writes to.
+fn op_bucket(op: BatchOpRef<'_>) -> &Bucket {
+    match op {
+        BatchOpRef::Put { bucket, .. }
+        | BatchOpRef::Delete { bucket, .. }
+        | BatchOpRef::DeleteRange { bucket, .. } => bucket,
+    }
+}
+
 /// Checks one operation against what LMDB stores: a valid bucket name, and a put's key no
-/// longer than `max_key` bytes once prefixed with its bucket.
+/// longer than `max_key` bytes once marked (see `keys`).
 fn check_op(op: BatchOpRef<'_>, max_key: usize) -> Result<(), BackendError> {
-    let (bucket, key) = match op {
-        BatchOpRef::Put { bucket, key, .. } => (bucket, Some(key)),
-        BatchOpRef::Delete { bucket, .. } | BatchOpRef::DeleteRange { bucket, .. } => {
-            (bucket, None)
-        }
-    };
-    bucket.validate()?;
-    if let Some(key) = key {
-        let limit = keys::max_key_len(bucket, max_key);
-        if key.len() > limit {
-            return Err(BackendError::TooLarge {
-                what: "key",
-                len: key.len(),
-                limit,
-            });
-        }
+    op_bucket(op).validate()?;
+    let limit = max_key.saturating_sub(keys::MARK_LEN);
+    if let BatchOpRef::Put { key, .. } = op
+        && key.len() > limit
+    {
+        return Err(BackendError::TooLarge {
+            what: "key",
+            len: key.len(),
+            limit,
+        });
     }
     Ok(())
 }
 
-/// Applies one batch operation inside the write transaction.
+/// Applies one batch operation to its bucket's database `db` inside the write transaction.
 fn apply(
     db: Database<Bytes, Bytes>,
     wtxn: &mut RwTxn<'_>,
@@ -535,32 +594,29 @@ fn apply(
     buf: &mut Vec<u8>,
 ) -> heed::Result<()> {
     match op {
-        BatchOpRef::Put { bucket, key, value } => {
-            keys::encode_into(bucket, key, buf);
+        BatchOpRef::Put { key, value, .. } => {
+            keys::encode_into(key, buf);
             db.put(wtxn, buf, value)
         }
-        BatchOpRef::Delete { bucket, key } => {
-            if keys::prefix_len(bucket) + key.len() > max_key {
+        BatchOpRef::Delete { key, .. } => {
+            if keys::MARK_LEN + key.len() > max_key {
                 return Ok(()); // longer than any stored key: absent
             }
-            keys::encode_into(bucket, key, buf);
+            keys::encode_into(key, buf);
             db.delete(wtxn, buf).map(|_| ())
         }
-        BatchOpRef::DeleteRange { bucket, start, end } => {
-            delete_range(db, wtxn, bucket, start, end, max_key)
-        }
+        BatchOpRef::DeleteRange { start, end, .. } => delete_range(db, wtxn, start, end, max_key),
     }
 }
 
 fn delete_range(
     db: Database<Bytes, Bytes>,
     wtxn: &mut RwTxn<'_>,
-    bucket: &Bucket,
     start: &[u8],
     end: Option<&[u8]>,
     max_key: usize,
 ) -> heed::Result<()> {
-    let Some((lower, upper)) = keys::range_bounds(bucket, start, end, max_key) else {
+    let Some((lower, upper)) = keys::range_bounds(start, end, max_key) else {
         return Ok(());
     };
     let bounds: (Bound<&[u8]>, Bound<&[u8]>) = (

@@ -6,9 +6,21 @@
 //! when the backend handle **and** every read transaction it handed out are gone. While it is
 //! held, no other handle — in this process or another — opens anything in the directory.
 //!
-//! [`Generation`] owns one open LMDB environment. Read transactions hold an `Arc` of the
-//! generation they were opened on; when defragment swaps in a new generation it marks the old
-//! one retired, and the old directory is deleted once its last reader drops it.
+//! [`Generation`] owns one open LMDB environment and the handles of its bucket databases
+//! ([`Dbs`]). Read transactions hold an `Arc` of the generation they were opened on; when
+//! defragment swaps in a new generation it marks the old one retired, and the old directory is
+//! deleted once its last reader drops it.
+//!
+//! Bucket database handles: LMDB opens a named database in a transaction, and only one
+//! transaction of the process may open handles at a time. Here only the writer does it (at
+//! open, and in a commit that creates a bucket), under the writer lock. Once such a commit
+//! has returned, the writer publishes a new [`Dbs`] naming the new handles and the commit's
+//! id (its *layout id*, also written in the commit stamp, see `keys`). A reader takes the
+//! published `Dbs` **before** it begins its LMDB transaction, so every handle in it was
+//! committed before the transaction began and is valid in it; and it checks that the layout
+//! id in its snapshot's stamp is not newer than the `Dbs` it took, so every bucket of its
+//! snapshot has a handle in it (otherwise it begins again, which happens only while a bucket
+//! is being created).
 
 use std::fs::{self, File, TryLockError};
 use std::io;
@@ -18,8 +30,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use heed::types::Bytes;
-use heed::{Database, Env, EnvFlags, EnvOpenOptions, WithoutTls};
-use keel_mvcc::BackendError;
+use heed::{Database, Env, EnvFlags, EnvOpenOptions, MdbError, RwTxn, WithoutTls};
+use keel_mvcc::{BackendError, Bucket};
+use parking_lot::RwLock;
 
 use crate::error::from_heed;
 use crate::options::LmdbOptions;
@@ -89,10 +102,80 @@ impl DirLock {
     }
 }
 
+/// The handles of the bucket databases of one environment, as of one layout id.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Dbs {
+    /// Ascending by name.
+    entries: Vec<(Box<str>, Database<Bytes, Bytes>)>,
+    /// Id of the commit (or open) that created or opened the newest of them.
+    layout: u64,
+}
+
+impl Dbs {
+    /// The database of bucket `name`, if it exists.
+    #[inline]
+    pub(crate) fn get(&self, name: &str) -> Option<Database<Bytes, Bytes>> {
+        let i = self
+            .entries
+            .binary_search_by(|(n, _)| (**n).cmp(name))
+            .ok()?;
+        Some(self.entries[i].1)
+    }
+
+    /// Every bucket database, ascending by name.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (&str, Database<Bytes, Bytes>)> {
+        self.entries.iter().map(|(n, db)| (&**n, *db))
+    }
+
+    /// The layout id these handles are current for.
+    pub(crate) fn layout(&self) -> u64 {
+        self.layout
+    }
+
+    /// These handles plus `added` (names not in them), current for `layout`.
+    pub(crate) fn with(&self, added: &[(Bucket, Database<Bytes, Bytes>)], layout: u64) -> Dbs {
+        let mut entries = self.entries.clone();
+        entries.extend(
+            added
+                .iter()
+                .map(|(b, db)| (b.name().to_owned().into_boxed_str(), *db)),
+        );
+        entries.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        Dbs { entries, layout }
+    }
+}
+
+/// The database of `bucket` in the write transaction `wtxn`: from `dbs`, from `created` (made
+/// earlier in this transaction), or created now (and added to `created`) if `create`;
+/// `None` when it does not exist and `create` is false.
+pub(crate) fn bucket_db(
+    env: &Env<WithoutTls>,
+    wtxn: &mut RwTxn<'_>,
+    dbs: &Dbs,
+    created: &mut Vec<(Bucket, Database<Bytes, Bytes>)>,
+    bucket: &Bucket,
+    create: bool,
+) -> heed::Result<Option<Database<Bytes, Bytes>>> {
+    if let Some(db) = dbs.get(bucket.name()) {
+        return Ok(Some(db));
+    }
+    if let Some((_, db)) = created.iter().find(|(b, _)| b == bucket) {
+        return Ok(Some(*db));
+    }
+    if !create {
+        return Ok(None);
+    }
+    let db = env.create_database::<Bytes, Bytes>(wtxn, Some(bucket.name()))?;
+    created.push((bucket.clone(), db));
+    Ok(Some(db))
+}
+
 /// One open LMDB environment of a store: a generation directory.
 pub struct Generation {
     env: Option<Env<WithoutTls>>,
-    db: Database<Bytes, Bytes>,
+    /// The unnamed database: the bucket databases' records and the commit stamp.
+    main: Database<Bytes, Bytes>,
+    dbs: RwLock<Arc<Dbs>>,
     number: u64,
     dir: PathBuf,
     max_key: usize,
@@ -128,7 +211,7 @@ impl Generation {
             });
         }
         // SAFETY: see `open_env`; `lock` is the store's held lock and `dir` is inside it.
-        let env = unsafe { open_env(&dir, map_size, options) }?;
+        let env = unsafe { open_env(&dir, map_size, options, true) }?;
         // Before any transaction touches the mapping: every page the last commit refers to
         // must be inside the file.
         let info = env.info();
@@ -144,12 +227,13 @@ impl Generation {
                 ),
             });
         }
-        let db = main_database(&env, &dir)?;
-        stamp(&env, db, &dir)?;
+        let main = main_database(&env, &dir)?;
+        let dbs = open_buckets(&env, main, &dir)?;
         let max_key = env.max_key_size();
         Ok(Generation {
             env: Some(env),
-            db,
+            main,
+            dbs: RwLock::new(Arc::new(dbs)),
             number,
             dir,
             max_key,
@@ -179,7 +263,7 @@ impl Generation {
                 ..options.clone()
             };
             // SAFETY: see `open_env`; `lock` is the store's held lock and `tmp` is inside it.
-            let env = unsafe { open_env(&tmp, map_size, &durable) }?;
+            let env = unsafe { open_env(&tmp, map_size, &durable, true) }?;
             main_database(&env, &tmp)?;
             env.force_sync()
                 .map_err(|e| from_heed(&tmp, "fdatasync", e))?;
@@ -201,9 +285,21 @@ impl Generation {
         self.env.as_ref().expect("the environment lives until drop")
     }
 
-    /// The one database holding every bucket.
-    pub(crate) fn db(&self) -> Database<Bytes, Bytes> {
-        self.db
+    /// The unnamed database: bucket records and the commit stamp.
+    pub(crate) fn main(&self) -> Database<Bytes, Bytes> {
+        self.main
+    }
+
+    /// The bucket database handles published so far.
+    #[inline]
+    pub(crate) fn dbs(&self) -> Arc<Dbs> {
+        Arc::clone(&self.dbs.read())
+    }
+
+    /// Publishes `dbs`, after the commit that created its newest handles returned. Only the
+    /// writer calls it, under the writer lock.
+    pub(crate) fn publish(&self, dbs: Dbs) {
+        *self.dbs.write() = Arc::new(dbs);
     }
 
     /// This generation's number.
@@ -263,33 +359,74 @@ pub(crate) fn main_database(
     Ok(db)
 }
 
-/// Makes the commit stamp name the last commit, with a commit of its own if needed: after a
-/// compacting copy (which restarts LMDB's transaction ids) or in a new store. Runs before any
-/// read transaction can use the environment.
-fn stamp(
+/// Opens every bucket database of the environment and stamps this as a commit of its own
+/// whose id is also the layout id (after a compacting copy LMDB's transaction ids restart, so
+/// the stamp is always rewritten). Runs before any read transaction can use the environment.
+///
+/// A key of the unnamed database that is neither the commit stamp nor a bucket name is
+/// reported as damage: it is what a store written with every bucket inside the unnamed
+/// database (an earlier layout) or a damaged file looks like.
+fn open_buckets(
     env: &Env<WithoutTls>,
-    db: Database<Bytes, Bytes>,
+    main: Database<Bytes, Bytes>,
     dir: &Path,
-) -> Result<(), BackendError> {
-    let rtxn = env
-        .read_txn()
-        .map_err(|e| from_heed(dir, "begin read transaction", e))?;
-    let current = db
-        .get(&rtxn, crate::keys::COMMIT_STAMP)
-        .map_err(|e| from_heed(dir, "read commit stamp", e))?;
-    let matches = current == Some(&(rtxn.id() as u64).to_be_bytes()[..]);
-    drop(rtxn);
-    if matches {
-        return Ok(());
-    }
+) -> Result<Dbs, BackendError> {
     let mut wtxn = env
         .write_txn()
         .map_err(|e| from_heed(dir, "begin write transaction", e))?;
+    let mut names = Vec::new();
+    for item in main
+        .iter(&wtxn)
+        .map_err(|e| from_heed(dir, "list bucket databases", e))?
+    {
+        let (key, _) = item.map_err(|e| from_heed(dir, "list bucket databases", e))?;
+        if key == crate::keys::COMMIT_STAMP {
+            continue;
+        }
+        let bucket = std::str::from_utf8(key)
+            .ok()
+            .and_then(|name| Bucket::from_name(name.to_owned()).ok())
+            .ok_or_else(|| not_a_bucket(dir, key))?;
+        names.push(bucket);
+    }
+    let mut entries = Vec::with_capacity(names.len());
+    for bucket in names {
+        let db = env
+            .open_database::<Bytes, Bytes>(&wtxn, Some(bucket.name()))
+            .map_err(|e| match e {
+                heed::Error::Mdb(MdbError::Incompatible) => {
+                    not_a_bucket(dir, bucket.name().as_bytes())
+                }
+                e => from_heed(dir, "open a bucket database", e),
+            })?
+            .ok_or_else(|| not_a_bucket(dir, bucket.name().as_bytes()))?;
+        entries.push((bucket.name().to_owned().into_boxed_str(), db));
+    }
     let id = wtxn.id() as u64;
-    db.put(&mut wtxn, crate::keys::COMMIT_STAMP, &id.to_be_bytes())
-        .map_err(|e| from_heed(dir, "write commit stamp", e))?;
+    main.put(
+        &mut wtxn,
+        crate::keys::COMMIT_STAMP,
+        &crate::keys::stamp(id, id),
+    )
+    .map_err(|e| from_heed(dir, "write commit stamp", e))?;
     wtxn.commit()
-        .map_err(|e| from_heed(dir, "commit the commit stamp", e))
+        .map_err(|e| from_heed(dir, "commit the commit stamp", e))?;
+    Ok(Dbs {
+        entries,
+        layout: id,
+    })
+}
+
+fn not_a_bucket(dir: &Path, key: &[u8]) -> BackendError {
+    BackendError::Corrupt {
+        path: dir.join(DATA_FILE),
+        offset: 0,
+        reason: format!(
+            "the unnamed database holds {:?}, which is neither a bucket database nor the \
+             commit stamp (a store of the earlier single-database layout, or damage)",
+            String::from_utf8_lossy(key)
+        ),
+    }
 }
 
 impl Drop for Generation {
@@ -333,16 +470,20 @@ impl Drop for Generation {
 /// touching memory outside the mapping. heed's `WithoutTls` mode opens with `MDB_NOTLS`, so a
 /// read transaction is tied to its object rather than to a thread and may move between
 /// threads (heed then implements `Send` for it).
+///
+/// `named` says whether the environment has one named database per bucket (the backend's
+/// layout, up to [`LmdbOptions::max_buckets`]) or only the unnamed one (raw LMDB).
 pub(crate) unsafe fn open_env(
     dir: &Path,
     map_size: usize,
     options: &LmdbOptions,
+    named: bool,
 ) -> Result<Env<WithoutTls>, BackendError> {
     let mut builder = EnvOpenOptions::new().read_txn_without_tls();
     builder
         .map_size(map_size)
         .max_readers(options.max_readers)
-        .max_dbs(0);
+        .max_dbs(if named { options.max_buckets } else { 0 });
     let flags = if options.sync_on_commit {
         EnvFlags::empty()
     } else {

@@ -35,6 +35,19 @@ pub enum LmdbError {
         /// Attempts made.
         attempts: u32,
     },
+    /// A commit would create a bucket beyond [`LmdbOptions::max_buckets`](crate::LmdbOptions).
+    #[error(
+        "LMDB store {path}: cannot create bucket {bucket}: all {max_buckets} bucket databases \
+         are in use; reopen with a larger max_buckets"
+    )]
+    TooManyBuckets {
+        /// The store's generation directory.
+        path: PathBuf,
+        /// The bucket the commit would have created.
+        bucket: String,
+        /// The configured limit.
+        max_buckets: u32,
+    },
     /// Any other LMDB error.
     #[error("LMDB store {path}: {op} failed: {source}")]
     Lmdb {

@@ -5,9 +5,12 @@
 //! transactions that see one commit for as long as they live without ever taking a lock the
 //! writer needs. This crate adds what LMDB leaves to its user:
 //!
-//! - `keys`: buckets. Every bucket lives in LMDB's one unnamed database, its keys prefixed
-//!   with the bucket name and a zero byte. One database handle, opened once, serves every
-//!   transaction, so read transactions never coordinate with the writer about handles.
+//! - `keys`: buckets. Every bucket is an LMDB named database of its own (etcd's bbolt keeps
+//!   one B+tree per bucket too), so keys appended in ascending order — the MVCC store's
+//!   revisions — fill the pages at the end of their own tree instead of splitting pages
+//!   shared with the next bucket's first keys. The writer opens the handles and publishes
+//!   them once their commit returns; readers take the published handles before their
+//!   transaction begins (see `env`).
 //! - `env`: the directory, its exclusive lock, and the one `unsafe` LMDB open with its
 //!   obligations written down. A store's data lives in a *generation* directory; defragment
 //!   writes a compacted copy as the next generation and swaps it in while old readers keep
@@ -32,11 +35,14 @@
 //! ```
 //!
 //! The highest-numbered complete generation is the store; a lower one is left only by a
-//! crash right after a defragment swap and is deleted on open. The keys inside LMDB are
-//! `bucket name | 0x00 | key`, values stored as given, plus one reserved key,
-//! `0x00 | "commit"`, holding the LMDB transaction id of the last commit (`u64`, big-endian):
-//! read transactions check it to work around a race in LMDB's read-transaction start that
-//! can otherwise hand out a snapshot newer than the one its id names (see `txn`).
+//! crash right after a defragment swap and is deleted on open. Inside LMDB, bucket `b` is
+//! the named database `b`, holding each key `k` as `0x00 | k` with its value as given; the
+//! unnamed database holds the named databases' records and one reserved key,
+//! `0x00 | "commit"`, the commit stamp: the LMDB transaction id of the last commit and of the
+//! last commit that created a bucket (two `u64`, big-endian). Read transactions check it to
+//! work around a race in LMDB's read-transaction start that can otherwise hand out a snapshot
+//! newer than the one its id names, and to know their bucket handles cover their snapshot
+//! (see `txn`).
 
 mod backend;
 mod env;

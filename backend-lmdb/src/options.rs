@@ -22,6 +22,10 @@ pub struct LmdbOptions {
     /// or OS crash (not in a process crash); meant for bulk loads and benchmarks.
     /// Default: true.
     pub sync_on_commit: bool,
+    /// Most buckets the store holds (each is an LMDB named database). A commit creating one
+    /// more fails with [`LmdbError::TooManyBuckets`](crate::LmdbError::TooManyBuckets). The
+    /// value applies at each open. Default: 128.
+    pub max_buckets: u32,
 }
 
 impl Default for LmdbOptions {
@@ -30,6 +34,7 @@ impl Default for LmdbOptions {
             map_size: 8 << 30,
             max_readers: 1024,
             sync_on_commit: true,
+            max_buckets: 128,
         }
     }
 }
@@ -49,6 +54,12 @@ impl LmdbOptions {
             return Err(BackendError::InvalidOption(format!(
                 "map_size {} does not fit this platform's address space",
                 self.map_size
+            )));
+        }
+        if self.max_buckets == 0 || self.max_buckets > 32_000 {
+            return Err(BackendError::InvalidOption(format!(
+                "max_buckets {} is outside 1..=32000",
+                self.max_buckets
             )));
         }
         if self.max_readers == 0 {

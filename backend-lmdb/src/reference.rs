@@ -2,8 +2,9 @@
 //! compare keel with the engine under it in the same run.
 //!
 //! The environment lives in `dir/raw/` under the same exclusive directory lock and the same
-//! open path (`MDB_NOTLS`, one unnamed database, `MDB_NOSYNC` exactly when `sync_on_commit`
-//! is off) as the backend, so the two differ only in what keel adds on top.
+//! open path (`MDB_NOTLS`, `MDB_NOSYNC` exactly when `sync_on_commit` is off) as the
+//! backend, with only LMDB's unnamed database (the backend has one named database per
+//! bucket), so the two differ only in what keel adds on top.
 
 use std::path::Path;
 
@@ -40,7 +41,7 @@ impl RawLmdb {
         // returned one lives (`RawLmdb` owns the lock for as long as it owns the environment);
         // `dir` is where the caller keeps keel stores, which `LmdbBackend` requires to be on a
         // local file system; only LMDB writes the files.
-        let env = unsafe { open_env(&raw, map_size, options) }?;
+        let env = unsafe { open_env(&raw, map_size, options, false) }?;
         let mut wtxn = env
             .write_txn()
             .map_err(|e| from_heed(&raw, "begin write transaction", e))?;

@@ -15,13 +15,14 @@
 //! reason.
 
 use std::ops::Bound;
+use std::path::Path;
 use std::sync::Arc;
 
 use heed::types::Bytes;
 use heed::{Database, RoRange, RoTxn, WithoutTls};
 use keel_mvcc::{BackendError, Bucket, ReadTxn};
 
-use crate::env::Generation;
+use crate::env::{Dbs, Generation};
 use crate::error::{LmdbError, from_heed};
 use crate::keys;
 
@@ -35,14 +36,15 @@ const STACK_KEY: usize = 512;
 pub struct LmdbReadTxn {
     // Dropped before `generation`: the transaction ends before its environment may close.
     txn: RoTxn<'static, WithoutTls>,
-    db: Database<Bytes, Bytes>,
+    /// Handles of the bucket databases, every one valid in `txn`, covering its snapshot.
+    dbs: Arc<Dbs>,
     max_key: usize,
     generation: Arc<Generation>,
 }
 
 impl LmdbReadTxn {
     /// Opens a read transaction on `generation`, retrying until LMDB hands out a snapshot
-    /// that is the commit its transaction id names.
+    /// that is the commit its transaction id names and whose buckets all have handles.
     ///
     /// LMDB (0.9, as bundled by heed) begins a read transaction by reading the last
     /// transaction id `T` and then copying meta page `T & 1`. A reader preempted between the
@@ -50,13 +52,18 @@ impl LmdbReadTxn {
     /// had not returned when it began, while a reader opened just after sees `T + 1`: reads
     /// go back in time. Every commit writes its own transaction id under
     /// [`keys::COMMIT_STAMP`], so the snapshot says which commit it is; a mismatch means the
-    /// race was hit and the transaction is opened again. This never waits for the writer.
+    /// race was hit and the transaction is opened again. The stamp's layout id says which
+    /// bucket databases the snapshot has (see `env`): newer than the handles taken before the
+    /// transaction began means a commit creating a bucket is being published, and the
+    /// transaction is opened again too. This never waits for the writer.
     pub(crate) fn begin(
         generation: Arc<Generation>,
         max_readers: u32,
     ) -> Result<LmdbReadTxn, BackendError> {
-        let db = generation.db();
+        let main = generation.main();
         for attempt in 0..MAX_OPEN_ATTEMPTS {
+            // Before the transaction: see the module docs of `env`.
+            let dbs = generation.dbs();
             let txn = generation
                 .env()
                 .clone()
@@ -71,13 +78,17 @@ impl LmdbReadTxn {
                     e => from_heed(generation.dir(), "begin read transaction", e),
                 })?;
             let id = txn.id() as u64;
-            let stamp = db
+            let stamp = main
                 .get(&txn, keys::COMMIT_STAMP)
-                .map_err(|e| from_heed(generation.dir(), "read commit stamp", e))?;
-            if stamp == Some(&id.to_be_bytes()[..]) {
+                .map_err(|e| from_heed(generation.dir(), "read commit stamp", e))?
+                .and_then(keys::parse_stamp);
+            if let Some((stamped, layout)) = stamp
+                && stamped == id
+                && layout <= dbs.layout()
+            {
                 return Ok(LmdbReadTxn {
                     txn,
-                    db,
+                    dbs,
                     max_key: generation.max_key(),
                     generation,
                 });
@@ -86,7 +97,7 @@ impl LmdbReadTxn {
             tracing::debug!(
                 attempt,
                 id,
-                "read transaction saw a later commit; reopening"
+                "read transaction saw a later commit or an unpublished bucket; reopening"
             );
             std::thread::yield_now();
         }
@@ -103,6 +114,26 @@ impl LmdbReadTxn {
         self.txn.id()
     }
 
+    /// Pages in use in this snapshot: every database's tree, the unnamed one included, plus
+    /// LMDB's two meta pages; and the page size.
+    pub(crate) fn pages_in_use(&self) -> Result<(u64, u64), BackendError> {
+        let stat = |db: Database<Bytes, Bytes>| {
+            db.stat(&self.txn)
+                .map(|s| {
+                    (
+                        (s.branch_pages + s.leaf_pages + s.overflow_pages) as u64,
+                        u64::from(s.page_size),
+                    )
+                })
+                .map_err(|e| self.err("stat", e))
+        };
+        let (mut pages, page_size) = stat(self.generation.main())?;
+        for (_, db) in self.dbs.iter() {
+            pages += stat(db)?.0;
+        }
+        Ok((pages + 2, page_size))
+    }
+
     fn err(&self, op: &'static str, e: heed::Error) -> BackendError {
         from_heed(self.generation.dir(), op, e)
     }
@@ -113,22 +144,22 @@ impl ReadTxn for LmdbReadTxn {
 
     #[inline]
     fn get(&self, bucket: &Bucket, key: &[u8]) -> Result<Option<&[u8]>, BackendError> {
-        let len = keys::prefix_len(bucket) + key.len();
+        let Some(db) = self.dbs.get(bucket.name()) else {
+            return Ok(None);
+        };
+        let len = keys::MARK_LEN + key.len();
         if len > self.max_key {
             // Longer than any stored key: absent.
             return Ok(None);
         }
-        let name = bucket.name().as_bytes();
         let found = if len <= STACK_KEY {
-            let mut buf = [0u8; STACK_KEY];
-            buf[..name.len()].copy_from_slice(name);
-            buf[name.len()] = keys::SEPARATOR;
-            buf[name.len() + 1..len].copy_from_slice(key);
-            self.db.get(&self.txn, &buf[..len])
+            let mut buf = [keys::KEY_MARK; STACK_KEY];
+            buf[keys::MARK_LEN..len].copy_from_slice(key);
+            db.get(&self.txn, &buf[..len])
         } else {
             let mut buf = Vec::new();
-            keys::encode_into(bucket, key, &mut buf);
-            self.db.get(&self.txn, &buf)
+            keys::encode_into(key, &mut buf);
+            db.get(&self.txn, &buf)
         };
         found.map_err(|e| self.err("get", e))
     }
@@ -144,19 +175,21 @@ impl ReadTxn for LmdbReadTxn {
             last: 0,
             #[cfg(debug_assertions)]
             upper: Bound::Unbounded,
-            prefix: 0,
-            generation: &self.generation,
+            dir: self.generation.dir(),
         };
-        let Some((lower, upper)) = keys::range_bounds(bucket, start, end, self.max_key) else {
+        let Some(db) = self.dbs.get(bucket.name()) else {
+            return Ok(empty);
+        };
+        let Some((lower, upper)) = keys::range_bounds(start, end, self.max_key) else {
             return Ok(empty);
         };
         // The last pair of the range is found up front, so each step checks the end with one
         // pointer comparison (keys point into the snapshot's pages, one address per key)
         // instead of comparing key bytes with the end bound.
         let last = match &upper {
-            Bound::Excluded(end) => self.db.get_lower_than(&self.txn, end),
-            Bound::Included(end) => self.db.get_lower_than_or_equal_to(&self.txn, end),
-            Bound::Unbounded => self.db.last(&self.txn),
+            Bound::Excluded(end) => db.get_lower_than(&self.txn, end),
+            Bound::Included(end) => db.get_lower_than_or_equal_to(&self.txn, end),
+            Bound::Unbounded => db.last(&self.txn),
         }
         .map_err(|e| self.err("seek range end", e))?;
         let Some((last, _)) = last else {
@@ -171,8 +204,7 @@ impl ReadTxn for LmdbReadTxn {
             return Ok(empty);
         }
         let bounds = (as_slice(&lower), Bound::Unbounded);
-        let inner = self
-            .db
+        let inner = db
             .range(&self.txn, &bounds)
             .map_err(|e| self.err("range", e))?;
         Ok(LmdbRange {
@@ -180,45 +212,24 @@ impl ReadTxn for LmdbReadTxn {
             last: last.as_ptr().addr(),
             #[cfg(debug_assertions)]
             upper,
-            prefix: keys::prefix_len(bucket),
-            generation: &self.generation,
+            dir: self.generation.dir(),
         })
     }
 
     fn buckets(&self) -> Result<Vec<Bucket>, BackendError> {
         let mut out = Vec::new();
-        let mut next = self
-            .db
-            .get_greater_than_or_equal_to(&self.txn, keys::FIRST_BUCKET_KEY)
-            .map_err(|e| self.err("seek", e))?;
-        while let Some((stored, _)) = next {
-            let name =
-                keys::bucket_of(stored).ok_or_else(|| self.corrupt(stored, "no separator"))?;
-            let owned = String::from_utf8(name.to_vec())
-                .map_err(|_| self.corrupt(stored, "bucket name is not UTF-8"))?;
-            let bucket = Bucket::from_name(owned)
-                .map_err(|_| self.corrupt(stored, "invalid bucket name"))?;
-            let after = keys::after_bucket(name);
+        for (name, db) in self.dbs.iter() {
+            if db.is_empty(&self.txn).map_err(|e| self.err("stat", e))? {
+                continue;
+            }
+            let bucket = Bucket::from_name(name.to_owned()).map_err(|_| BackendError::Corrupt {
+                path: self.generation.dir().join(crate::env::DATA_FILE),
+                offset: 0,
+                reason: format!("bucket database {name:?} has an invalid bucket name"),
+            })?;
             out.push(bucket);
-            next = self
-                .db
-                .get_greater_than_or_equal_to(&self.txn, &after)
-                .map_err(|e| self.err("seek", e))?;
         }
         Ok(out)
-    }
-}
-
-impl LmdbReadTxn {
-    fn corrupt(&self, stored: &[u8], why: &str) -> BackendError {
-        BackendError::Corrupt {
-            path: self.generation.dir().join(crate::env::DATA_FILE),
-            offset: 0,
-            reason: format!(
-                "stored key {:?} is not `bucket | 0x00 | key`: {why}",
-                String::from_utf8_lossy(stored)
-            ),
-        }
     }
 }
 
@@ -238,8 +249,8 @@ pub struct LmdbRange<'a> {
     /// Bound on stored keys where the range ends, to check `last` in debug builds.
     #[cfg(debug_assertions)]
     upper: Bound<Vec<u8>>,
-    prefix: usize,
-    generation: &'a Generation,
+    /// The generation directory, for errors.
+    dir: &'a Path,
 }
 
 impl<'a> Iterator for LmdbRange<'a> {
@@ -262,18 +273,18 @@ impl<'a> Iterator for LmdbRange<'a> {
                 if stored.as_ptr().addr() == self.last {
                     self.inner = None;
                 }
-                match stored.get(self.prefix..) {
+                match stored.get(keys::MARK_LEN..) {
                     Some(key) => Ok((key, value)),
                     None => Err(BackendError::Corrupt {
-                        path: self.generation.dir().join(crate::env::DATA_FILE),
+                        path: self.dir.join(crate::env::DATA_FILE),
                         offset: 0,
-                        reason: "a stored key is shorter than its bucket prefix".to_owned(),
+                        reason: "a stored key is shorter than its mark".to_owned(),
                     }),
                 }
             }
             Err(e) => {
                 self.inner = None;
-                Err(from_heed(self.generation.dir(), "range next", e))
+                Err(from_heed(self.dir, "range next", e))
             }
         })
     }

@@ -569,13 +569,14 @@ fn read_events(events: &[keel_mvcc::Event]) -> ReadSum {
 }
 
 /// Fixed workloads for an instruction counter: 20 batches of 1 000 puts plus a commit (no
-/// fsync) on the store or on raw heed, or 20 ranges of 10 000 keys.
+/// fsync, or with it for the `-fsync` variants, to trace system calls) on the store or on raw
+/// heed, or 20 ranges of 10 000 keys.
 fn profile(what: &str) {
     let dir = tempfile::tempdir().unwrap();
     let value = [7u8; 150];
     match what {
-        "profile-put" => {
-            let s = store(dir.path(), false, manual_batches());
+        "profile-put" | "profile-put-fsync" => {
+            let s = store(dir.path(), what.ends_with("fsync"), manual_batches());
             let mut next = 0u64;
             for _ in 0..20 {
                 for _ in 0..1_000 {
@@ -585,8 +586,9 @@ fn profile(what: &str) {
                 s.force_commit().expect("commit");
             }
         }
-        "profile-raw-put" => {
-            let reference = keel_benches::lmdb::raw(dir.path(), MAP_SIZE as u64, false);
+        "profile-raw-put" | "profile-raw-put-fsync" => {
+            let reference =
+                keel_benches::lmdb::raw(dir.path(), MAP_SIZE as u64, what.ends_with("fsync"));
             let (env, db) = (reference.env.clone(), reference.db);
             let mut next = 0u64;
             for _ in 0..20 {

@@ -2,6 +2,7 @@
 //! specific to LMDB (map size and growth, generations and recovery, the directory lock across
 //! processes, poisoning, crashes).
 
+mod buckets;
 mod common;
 mod conformance;
 mod map;

@@ -189,19 +189,17 @@ fn oversized_keys_are_refused_and_long_bounds_work() {
     let dir = tempfile::tempdir().unwrap();
     let backend = open(&dir.path().join("s"), &LmdbOptions::default());
     let mut batch = WriteBatch::new();
-    batch.put(&KV, vec![b'a'; 508], "longest");
+    batch.put(&KV, vec![b'a'; 510], "longest");
     batch.put(&KV, "b", "short");
-    backend
-        .commit(&batch)
-        .expect("a 508-byte key fits in bucket kv");
+    backend.commit(&batch).expect("a 510-byte key fits");
     let before = dump_backend(&backend);
 
     let mut batch = WriteBatch::new();
     batch.put(&KV, "c", "new");
-    batch.put(&KV, vec![b'a'; 509], "too long");
+    batch.put(&KV, vec![b'a'; 511], "too long");
     match backend.commit(&batch) {
         Err(BackendError::TooLarge { what, len, limit }) => {
-            assert_eq!((what, len, limit), ("key", 509, 508));
+            assert_eq!((what, len, limit), ("key", 511, 510));
         }
         other => panic!("an oversized key returned {other:?}"),
     }
@@ -224,7 +222,7 @@ fn oversized_keys_are_refused_and_long_bounds_work() {
         .unwrap()
         .map(|i| i.unwrap().0.len())
         .collect::<Vec<_>>();
-    assert_eq!(long_end, vec![508]);
+    assert_eq!(long_end, vec![510]);
     drop(txn);
 
     let mut batch = WriteBatch::new();
