@@ -18,6 +18,9 @@
 //!   its middle.
 //!
 //! Run: `cargo bench -p keel-benches --bench wal` (add `--features peers` for raft-engine).
+//! `KEEL_WAL_BENCH` picks parts (comma-separated, default all): `append1`, `append16`,
+//! `append256`, `growing` (the growing-log batch-256 line), `group`, `peer`, `replay`; e.g.
+//! `KEEL_WAL_BENCH=append256,group cargo bench -p keel-benches --bench wal`.
 
 use std::fs::File;
 use std::ops::ControlFlow;
@@ -64,6 +67,14 @@ fn peak_rss_growth<T>(f: impl FnOnce() -> T) -> (T, Option<usize>) {
 }
 
 const ENTRY: usize = 1024;
+
+/// Whether the part `name` is selected by `KEEL_WAL_BENCH` (all are when it is unset).
+fn selected(name: &str) -> bool {
+    match std::env::var("KEEL_WAL_BENCH") {
+        Ok(v) if !v.trim().is_empty() => v.split(',').any(|p| p.trim() == name),
+        _ => true,
+    }
+}
 const RAW_FILE: u64 = 64 << 20;
 
 fn quick<'a>(
@@ -189,6 +200,14 @@ fn append(c: &mut Criterion, rec: &Recorder) {
     let smoke = std::env::args().any(|a| a == "--test");
     let mut g = quick(c, "wal_append");
     for (batch, steady) in [(1usize, true), (16, true), (256, true), (256, false)] {
+        let part = if steady {
+            format!("append{batch}")
+        } else {
+            "growing".to_string()
+        };
+        if !selected(&part) {
+            continue;
+        }
         g.throughput(Throughput::Bytes((batch * ENTRY) as u64));
         let dir = tempfile::tempdir().unwrap();
         let (wal, mut next) = if steady && !smoke {
@@ -291,11 +310,13 @@ fn group_commit(c: &mut Criterion, rec: &Recorder) {
         });
     };
     // Durable requests and fdatasyncs of each side, summed over the samples.
-    let (mut one_counts, mut eight_counts) = ((0u64, 0u64), (0u64, 0u64));
-    let counts = |acc: &mut (u64, u64), a: &keel_wal::WalStats, b: &keel_wal::WalStats| {
+    let (mut one_counts, mut eight_counts) = ((0u64, 0u64, 0f64), (0u64, 0u64, 0f64));
+    let counts = |acc: &mut (u64, u64, f64), a: &keel_wal::WalStats, b: &keel_wal::WalStats| {
         acc.0 += b.durable_requests - a.durable_requests;
         acc.1 += b.syncs - a.syncs;
+        acc.2 += (b.sync_time - a.sync_time).as_secs_f64();
     };
+    let s_start = wal.stats();
     g.bench_function("8 threads vs 1 thread (paired)", |b| {
         b.iter_custom(|iters| {
             // Each sample: `n` appends on one thread, then `n` appends from 8 threads
@@ -327,11 +348,18 @@ fn group_commit(c: &mut Criterion, rec: &Recorder) {
         Better::Faster,
         Some(4.0),
     );
-    for (what, (requests, syncs)) in [("1 thread", one_counts), ("8 threads", eight_counts)] {
+    let s_end = wal.stats();
+    let gathers = s_end.gathers - s_start.gathers;
+    println!(
+        "GROUP COMMIT leaders waited for their group {gathers} times, {:.1} us on average",
+        (s_end.gather_time - s_start.gather_time).as_secs_f64() * 1e6 / gathers.max(1) as f64
+    );
+    for (what, (requests, syncs, secs)) in [("1 thread", one_counts), ("8 threads", eight_counts)] {
         println!(
             "GROUP COMMIT {what}: {requests} durable appends, {syncs} fdatasyncs, {:.2} appends \
-             per fdatasync",
-            requests as f64 / syncs.max(1) as f64
+             per fdatasync, {:.1} us per fdatasync",
+            requests as f64 / syncs.max(1) as f64,
+            secs * 1e6 / syncs.max(1) as f64
         );
     }
     g.finish();
@@ -600,9 +628,15 @@ fn main() {
     let rec = Recorder::new();
     let mut c = Criterion::default().configure_from_args();
     append(&mut c, &rec);
-    group_commit(&mut c, &rec);
+    if selected("group") {
+        group_commit(&mut c, &rec);
+    }
     #[cfg(feature = "peers")]
-    peer(&mut c, &rec);
-    replay(&mut c, &rec);
+    if selected("peer") {
+        peer(&mut c, &rec);
+    }
+    if selected("replay") {
+        replay(&mut c, &rec);
+    }
     c.final_summary();
 }

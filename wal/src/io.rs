@@ -4,7 +4,7 @@
 
 use std::fmt::Debug;
 use std::fs::{File, OpenOptions};
-use std::io;
+use std::io::{self, IoSlice};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::Arc;
@@ -17,6 +17,16 @@ pub trait WalFile: Send + Sync + Debug {
     /// Writes up to `buf.len()` bytes at `offset`; returns how many were written (a short
     /// write is allowed, the caller writes the rest).
     fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<usize>;
+    /// Writes the concatenation of `bufs` at `offset` (`pwritev`), up to as much as one call
+    /// takes; returns how many bytes were written (a short write is allowed, the caller
+    /// writes the rest). The default writes only the first non-empty buffer, through
+    /// [`WalFile::write_at`].
+    fn write_vectored_at(&self, bufs: &[IoSlice<'_>], offset: u64) -> io::Result<usize> {
+        match bufs.iter().find(|b| !b.is_empty()) {
+            Some(b) => self.write_at(b, offset),
+            None => Ok(0),
+        }
+    }
     /// `fdatasync`: makes the written data (and the size, if it changed) durable.
     fn sync_data(&self) -> io::Result<()>;
     /// `fsync`: makes data and all metadata durable.
@@ -83,6 +93,37 @@ pub(crate) fn write_all_at(file: &dyn WalFile, mut buf: &[u8], mut offset: u64) 
     Ok(())
 }
 
+/// Most buffers one `pwritev` takes (Linux `IOV_MAX`).
+const IOV_MAX: usize = 1024;
+
+/// Writes the concatenation of all of `bufs` at `offset`, at most [`IOV_MAX`] buffers per
+/// call, continuing after short writes.
+pub(crate) fn write_all_vectored_at(
+    file: &dyn WalFile,
+    mut bufs: &mut [IoSlice<'_>],
+    mut offset: u64,
+) -> io::Result<()> {
+    IoSlice::advance_slices(&mut bufs, 0);
+    while !bufs.is_empty() {
+        let n = bufs.len().min(IOV_MAX);
+        match file.write_vectored_at(&bufs[..n], offset) {
+            Ok(0) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::WriteZero,
+                    "write returned 0 bytes",
+                ));
+            }
+            Ok(n) => {
+                IoSlice::advance_slices(&mut bufs, n);
+                offset += n as u64;
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 /// Reads as much of `buf` as the file holds at `offset`; returns the count (short only at
 /// the end of the file).
 pub(crate) fn read_full_at(file: &dyn WalFile, buf: &mut [u8], offset: u64) -> io::Result<usize> {
@@ -112,6 +153,9 @@ impl WalFile for RealFile {
     }
     fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<usize> {
         self.0.write_at(buf, offset)
+    }
+    fn write_vectored_at(&self, bufs: &[IoSlice<'_>], offset: u64) -> io::Result<usize> {
+        rustix::io::pwritev(&self.0, bufs, offset).map_err(io::Error::from)
     }
     fn sync_data(&self) -> io::Result<()> {
         self.0.sync_data()

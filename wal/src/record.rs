@@ -256,6 +256,24 @@ pub(crate) fn encode_entry(buf: &mut Vec<u8>, e: &Entry, prev: u32) -> u32 {
     encode(buf, RecordType::Entry, &[&prefix, &e.data], prev)
 }
 
+/// The header and prefix of an entry record (the bytes before its data) and its crc,
+/// chained from `prev`: for writing the data straight from the entry's own buffer.
+pub(crate) fn entry_head(e: &Entry, prev: u32) -> ([u8; HEADER_LEN + ENTRY_PREFIX], u32) {
+    let len = ENTRY_PREFIX + e.data.len();
+    debug_assert!(len <= MAX_PAYLOAD);
+    let word = ((RecordType::Entry as u32) << 24) | len as u32;
+    let mut h = [0u8; HEADER_LEN + ENTRY_PREFIX];
+    h[4..8].copy_from_slice(&word.to_le_bytes());
+    h[8..16].copy_from_slice(&e.index.to_le_bytes());
+    h[16..24].copy_from_slice(&e.term.to_le_bytes());
+    let mut c = crc32fast::Hasher::new_with_initial(prev);
+    c.update(&h[4..]);
+    c.update(&e.data);
+    let crc = c.finalize();
+    h[..4].copy_from_slice(&crc.to_le_bytes());
+    (h, crc)
+}
+
 pub(crate) fn encode_seed(buf: &mut Vec<u8>, chain: u32, prev_crc: u32, first_index: u64) -> u32 {
     let mut p = [0u8; 16];
     p[..4].copy_from_slice(&prev_crc.to_le_bytes());

@@ -16,6 +16,9 @@ pub struct WalStats {
     /// `fdatasync`s run by group commit leaders (not counting the syncs that close a full
     /// segment).
     pub syncs: u64,
+    /// Total time group commit leaders spent in `fdatasync` (the disk's share of durable
+    /// appends; the rest of their latency is the log's and the scheduler's).
+    pub sync_time: Duration,
     /// Bytes of records encoded.
     pub bytes: u64,
     /// Times a sync leader waited for the appenders of the previous group to come back.

@@ -25,7 +25,7 @@ use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::thread::{JoinHandle, Thread};
+use std::thread::{JoinHandle, Thread, ThreadId};
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
@@ -49,6 +49,13 @@ use crate::stats::WalStats;
 
 /// Name of the lock file in the WAL directory.
 const LOCK_NAME: &str = "LOCK";
+/// A durable append whose entries hold at least this many bytes of data (and at least
+/// [`DIRECT_MIN_ENTRY`] per entry on average) is written at once from the entries' own
+/// buffers (one vectored write) instead of being copied into the write buffer first.
+const DIRECT_MIN_BYTES: usize = 32 << 10;
+/// See [`DIRECT_MIN_BYTES`]: below this average entry size a copy is cheaper than a write
+/// buffer per entry.
+const DIRECT_MIN_ENTRY: usize = 256;
 /// Most locations one streaming step copies out of the index.
 const MAX_RUN: usize = 1 << 16;
 
@@ -122,6 +129,8 @@ struct Inner {
     last_group: u64,
     /// A leader is waiting on `arrived` for its group to fill.
     gathering: bool,
+    /// The thread leading the current sync (or gathering for it).
+    leader: Option<ThreadId>,
     /// Durable requests parked until a sync covers them (or one of them must lead).
     waiters: Vec<Waiter>,
     /// Moving average of the `fdatasync` time.
@@ -463,6 +472,7 @@ impl Wal {
                         crc: st.crc,
                         size: flen.max(size),
                         data_start: end,
+                        side: Vec::new(),
                     },
                     seeded,
                 )
@@ -493,6 +503,7 @@ impl Wal {
                         crc: 0,
                         size,
                         data_start: SEGMENT_HEADER_LEN,
+                        side: Vec::new(),
                     },
                     false,
                 )
@@ -515,6 +526,7 @@ impl Wal {
             started: 0,
             last_group: 0,
             gathering: false,
+            leader: None,
             waiters: Vec::new(),
             sync_time: Duration::ZERO,
             stats: WalStats::default(),
@@ -708,6 +720,7 @@ impl Wal {
         let prev = g.writer.crc;
         let mut buf = std::mem::take(&mut g.writer.buf);
         buf.clear();
+        let side = std::mem::take(&mut g.writer.side);
         g.writer = SegmentWriter {
             seq,
             path: path.clone(),
@@ -717,6 +730,7 @@ impl Wal {
             crc: 0,
             size: self.options.segment_size,
             data_start: SEGMENT_HEADER_LEN,
+            side,
         };
         g.writer.seed(prev, first);
         write_state(g);
@@ -773,20 +787,44 @@ impl Wal {
             }
             let before = g.writer.end();
             let seq = g.writer.seq;
-            for e in entries {
-                let (offset, prev_crc) = g.writer.entry(e);
-                let loc = Loc {
-                    term: e.term,
-                    seq,
-                    offset,
-                    len: (ENTRY_PREFIX + e.data.len()) as u32,
-                    prev_crc,
-                };
-                // Checked above: consecutive and not past last + 1.
-                let _ = g.index.push(e.index, loc);
+            let data: usize = entries.iter().map(|e| e.data.len()).sum();
+            if sync && data >= DIRECT_MIN_BYTES && data >= DIRECT_MIN_ENTRY * entries.len() {
+                // Written now anyway (the sync follows): straight from the entries' buffers.
+                let mut locs = Vec::with_capacity(entries.len());
+                if let Err(e) = g.writer.write_entries(entries, hs, &mut locs) {
+                    let err = WalError::io("write", &g.writer.path, e);
+                    g.poisoned = Some(err.to_string());
+                    return Err(err);
+                }
+                for (e, (offset, prev_crc)) in entries.iter().zip(locs) {
+                    let loc = Loc {
+                        term: e.term,
+                        seq,
+                        offset,
+                        len: (ENTRY_PREFIX + e.data.len()) as u32,
+                        prev_crc,
+                    };
+                    // Checked above: consecutive and not past last + 1.
+                    let _ = g.index.push(e.index, loc);
+                }
+            } else {
+                for e in entries {
+                    let (offset, prev_crc) = g.writer.entry(e);
+                    let loc = Loc {
+                        term: e.term,
+                        seq,
+                        offset,
+                        len: (ENTRY_PREFIX + e.data.len()) as u32,
+                        prev_crc,
+                    };
+                    // Checked above: consecutive and not past last + 1.
+                    let _ = g.index.push(e.index, loc);
+                }
+                if let Some(hs) = hs {
+                    g.writer.hard_state(hs);
+                }
             }
             if let Some(hs) = hs {
-                g.writer.hard_state(hs);
                 g.hard_state = Some(*hs);
             }
             g.written += g.writer.end() - before;
@@ -859,7 +897,9 @@ impl Wal {
     /// starting, a leader whose previous group had several members waits (briefly, see
     /// [`WalOptions::group_commit_wait`]) until as many requests are pending again: the
     /// appenders that sync released are usually on their way back, and without the wait the
-    /// first of them would sync alone while the rest queue for the sync after.
+    /// first of them would sync alone while the rest queue for the sync after. The request
+    /// that completes the group takes over as leader and starts the sync at once, so no
+    /// thread has to be woken between the last append of a group and its `fdatasync`.
     fn wait_durable<'a>(
         &'a self,
         mut g: MutexGuard<'a, Inner>,
@@ -869,50 +909,65 @@ impl Wal {
             return Ok(());
         }
         check_poison(&g)?;
+        let me = std::thread::current();
+        // Set when this request completes the group a leader is gathering: it leads.
+        let mut lead = false;
         if target > g.started {
             g.requests += 1;
             g.stats.durable_requests += 1;
             if g.gathering && g.requests - g.covered >= g.last_group {
+                // `syncing` stays set: the leadership moves to this thread, and the
+                // gathering thread becomes a plain request when it sees that.
+                g.gathering = false;
+                g.leader = Some(me.id());
                 self.arrived.notify_one();
+                lead = true;
             }
         }
-        let me = std::thread::current();
         let mut parked = false;
         loop {
-            if g.durable >= target {
-                if parked {
-                    // Woken by something else than the sync that covered it: still listed.
-                    g.waiters.retain(|w| w.thread.id() != me.id());
-                }
-                return Ok(());
-            }
-            check_poison(&g)?;
-            if g.syncing {
-                if !g.waiters.iter().any(|w| w.thread.id() == me.id()) {
-                    g.waiters.push(Waiter {
-                        target,
-                        thread: me.clone(),
-                    });
-                }
-                parked = true;
-                drop(g);
-                std::thread::park();
-                if self.durable.load(Ordering::Acquire) >= target {
-                    // The sync that covered this request unlisted it when it woke it.
+            if !lead {
+                if g.durable >= target {
+                    if parked {
+                        // Woken by something else than the sync that covered it: still listed.
+                        g.waiters.retain(|w| w.thread.id() != me.id());
+                    }
                     return Ok(());
                 }
-                g = self.inner.lock();
-                continue;
+                check_poison(&g)?;
+                if g.syncing {
+                    if !g.waiters.iter().any(|w| w.thread.id() == me.id()) {
+                        g.waiters.push(Waiter {
+                            target,
+                            thread: me.clone(),
+                        });
+                    }
+                    parked = true;
+                    drop(g);
+                    std::thread::park();
+                    if self.durable.load(Ordering::Acquire) >= target {
+                        // The sync that covered this request unlisted it when it woke it.
+                        return Ok(());
+                    }
+                    g = self.inner.lock();
+                    continue;
+                }
+                if parked {
+                    g.waiters.retain(|w| w.thread.id() != me.id());
+                    parked = false;
+                }
+                g.syncing = true;
+                g.leader = Some(me.id());
+                if !self.gather(&mut g) {
+                    // The request that completed the group leads its sync.
+                    continue;
+                }
             }
-            if parked {
-                g.waiters.retain(|w| w.thread.id() != me.id());
-                parked = false;
-            }
-            g.syncing = true;
-            self.gather(&mut g);
+            lead = false;
             if g.durable >= g.written || g.poisoned.is_some() {
                 // A rotation made everything durable (or failed) meanwhile.
                 g.syncing = false;
+                g.leader = None;
                 self.wake(&mut g);
                 continue;
             }
@@ -922,6 +977,7 @@ impl Wal {
             g.covered = g.requests;
             if let Err(e) = flush(&mut g) {
                 g.syncing = false;
+                g.leader = None;
                 self.wake(&mut g);
                 return Err(e);
             }
@@ -936,7 +992,9 @@ impl Wal {
                 (g.sync_time * 7 + took) / 8
             };
             g.stats.syncs += 1;
+            g.stats.sync_time += took;
             g.syncing = false;
+            g.leader = None;
             let res = match res {
                 Ok(()) => {
                     g.durable = g.durable.max(upto);
@@ -948,8 +1006,14 @@ impl Wal {
                     Err(err)
                 }
             };
-            self.wake(&mut g);
-            res?;
+            // `upto` covers this request: done either way. Wake the others once the mutex
+            // is free, so none of them finds it held by this thread.
+            let wakes = self.take_wakes(&mut g);
+            drop(g);
+            for t in wakes {
+                t.unpark();
+            }
+            return res;
         }
     }
 
@@ -957,47 +1021,67 @@ impl Wal {
     /// parked request it covers (all of them once poisoned), and, if requests remain and no
     /// sync is running, one of them to lead the next.
     fn wake(&self, g: &mut Inner) {
+        for t in self.take_wakes(g) {
+            t.unpark();
+        }
+    }
+
+    /// [`Wal::wake`] without the unparking: unlists the requests to wake and returns their
+    /// threads, for the caller to unpark once it has released the mutex.
+    fn take_wakes(&self, g: &mut Inner) -> Vec<Thread> {
         self.durable.store(g.durable, Ordering::Release);
         let durable = g.durable;
         let all = g.poisoned.is_some();
         let mut need_leader = !g.syncing;
+        let mut out = Vec::new();
         g.waiters.retain(|w| {
             if all || w.target <= durable {
-                w.thread.unpark();
+                out.push(w.thread.clone());
                 false
             } else if need_leader {
                 // It relists itself if it finds a leader after all.
                 need_leader = false;
-                w.thread.unpark();
+                out.push(w.thread.clone());
                 false
             } else {
                 true
             }
         });
+        out
     }
 
-    /// As a sync leader (`syncing` set), waits until as many requests are pending as the
-    /// previous sync served, or its time is up.
-    fn gather(&self, g: &mut MutexGuard<'_, Inner>) {
+    /// As a sync leader (`syncing` set, `leader` this thread), waits until as many requests
+    /// are pending as the previous sync served, or its time is up. Returns whether this
+    /// thread still leads: the request that completes the group takes the leadership over.
+    fn gather(&self, g: &mut MutexGuard<'_, Inner>) -> bool {
         let expected = g.last_group;
         if expected <= 1 || g.requests - g.covered >= expected {
-            return;
+            return true;
         }
         let budget = self.options.group_commit_wait.min(g.sync_time / 2);
         if budget.is_zero() {
-            return;
+            return true;
         }
+        let me = std::thread::current().id();
         let t = Instant::now();
         let deadline = t + budget;
         g.gathering = true;
-        while g.requests - g.covered < expected && g.durable < g.written && g.poisoned.is_none() {
+        while g.leader == Some(me)
+            && g.requests - g.covered < expected
+            && g.durable < g.written
+            && g.poisoned.is_none()
+        {
             if self.arrived.wait_until(g, deadline).timed_out() {
                 break;
             }
         }
-        g.gathering = false;
+        let still = g.leader == Some(me);
+        if still {
+            g.gathering = false;
+        }
         g.stats.gathers += 1;
         g.stats.gather_time += t.elapsed();
+        still
     }
 
     /// Makes everything appended so far durable (no sync if it already is).

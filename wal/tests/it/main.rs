@@ -3,6 +3,7 @@
 mod basic;
 mod corruption;
 mod crash;
+mod direct;
 mod faults;
 mod model;
 mod recycle;

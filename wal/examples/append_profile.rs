@@ -1,0 +1,111 @@
+//! Where a durable append's time goes: wall time and the appending thread's CPU time per
+//! durable append of `KEEL_PROFILE_BATCH` (default 256) 1 KiB entries, in steady state
+//! (released segments recycled), next to a raw `pwrite` + `fdatasync` of the same bytes into a
+//! preallocated file, interleaved. CPU time is far less disturbed by other load on the
+//! machine than wall time, so it shows what the log adds on top of the write itself.
+//!
+//! Run: `cargo run --release -p keel-wal --example append_profile` (`KEEL_PROFILE_ROUNDS`,
+//! default 2000, appends per side).
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::time::{Duration, Instant};
+
+use keel_wal::{Entry, Wal, WalOptions};
+
+/// CPU time this thread has run, from `/proc/thread-self/schedstat` (nanoseconds).
+fn thread_cpu() -> Duration {
+    let s = std::fs::read_to_string("/proc/thread-self/schedstat").unwrap_or_default();
+    let ns = s
+        .split_whitespace()
+        .next()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    Duration::from_nanos(ns)
+}
+
+fn env(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn main() {
+    let batch = env("KEEL_PROFILE_BATCH", 256);
+    let rounds = env("KEEL_PROFILE_ROUNDS", 2000);
+    let dir = tempfile::tempdir().expect("temp dir");
+    let opts = WalOptions::default();
+    let per_segment = opts.segment_size / 1048;
+    let wal = Wal::open(&dir.path().join("wal"), opts).expect("open");
+    let mut es: Vec<Entry> = (0..batch)
+        .map(|k| Entry {
+            index: 0,
+            term: 1,
+            data: (0..1024).map(|b| (b * 31 + k * 7) as u8).collect(),
+        })
+        .collect();
+    let mut next = 1u64;
+    let mut append = |sync: bool| {
+        for (k, e) in es.iter_mut().enumerate() {
+            e.index = next + k as u64;
+        }
+        wal.append(&es, None, sync).expect("append");
+        next += batch as u64;
+        if wal.segment_count() > 2 {
+            wal.release_to(next.saturating_sub(per_segment))
+                .expect("release");
+        }
+    };
+    // Steady state: three segments written and recycled before timing.
+    for _ in 0..(3 * per_segment).div_ceil(batch as u64) {
+        append(false);
+    }
+    let raw_len = 64u64 << 20;
+    let raw = File::options()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(dir.path().join("raw"))
+        .expect("raw file");
+    let zeros = vec![0u8; 1 << 20];
+    for i in 0..raw_len >> 20 {
+        raw.write_all_at(&zeros, i << 20).expect("zero");
+    }
+    raw.sync_all().expect("sync");
+    let bytes: Vec<u8> = (0..batch)
+        .flat_map(|k| (0..1024).map(move |b| (b * 31 + k * 7) as u8))
+        .collect();
+    let mut off = 0u64;
+    let (mut kw, mut kc, mut rw, mut rc) = (
+        Duration::ZERO,
+        Duration::ZERO,
+        Duration::ZERO,
+        Duration::ZERO,
+    );
+    for _ in 0..rounds {
+        let (t, c) = (Instant::now(), thread_cpu());
+        append(true);
+        kw += t.elapsed();
+        kc += thread_cpu() - c;
+        let (t, c) = (Instant::now(), thread_cpu());
+        if off + bytes.len() as u64 > raw_len {
+            off = 0;
+        }
+        raw.write_all_at(&bytes, off).expect("raw write");
+        raw.sync_data().expect("raw sync");
+        off += bytes.len() as u64;
+        rw += t.elapsed();
+        rc += thread_cpu() - c;
+    }
+    let per = |d: Duration| d.as_secs_f64() * 1e6 / rounds as f64;
+    println!(
+        "batch {batch} x 1 KiB, {rounds} rounds: keel wall {:.1} us cpu {:.1} us | raw wall {:.1} us cpu {:.1} us | wall ratio {:.3}x",
+        per(kw),
+        per(kc),
+        per(rw),
+        per(rc),
+        rw.as_secs_f64() / kw.as_secs_f64()
+    );
+}
