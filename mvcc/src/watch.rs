@@ -280,8 +280,9 @@ struct Part {
 }
 
 impl Part {
-    /// The watcher's response for this revision.
-    fn events(&self) -> Vec<Event> {
+    /// The watcher's response for this revision (a record held by this part alone moves
+    /// into its event).
+    fn into_events(self) -> Vec<Event> {
         let kind = |tombstone: bool| {
             if tombstone {
                 EventKind::Delete
@@ -289,16 +290,17 @@ impl Part {
                 EventKind::Put
             }
         };
-        let changes = match &self.rev {
+        let changes = match self.rev {
             Shared::One(record) => {
                 // A tombstone is the record with version 0.
                 let tombstone = record.get(17..25) == Some(&[0u8; 8][..]);
-                return Event::new(kind(tombstone), record.clone(), None)
+                return Event::new(kind(tombstone), record, None)
                     .into_iter()
                     .collect();
             }
-            Shared::Many(rev) => &rev.changes,
+            Shared::Many(rev) => rev,
         };
+        let changes = &changes.changes;
         let one = |c: &Change| -> Option<Event> {
             let prev = if self.prev_kv { c.prev.clone() } else { None };
             Event::new(kind(c.tombstone), c.record.clone(), prev)
@@ -326,15 +328,15 @@ enum Msg {
 impl Msg {
     /// Appends the message's responses, one per revision, to `out`.
     fn split_into(self, out: &mut VecDeque<Vec<Event>>) {
-        let mut push = |p: &Part| {
-            let events = p.events();
+        let mut push = |p: Part| {
+            let events = p.into_events();
             if !events.is_empty() {
                 out.push_back(events);
             }
         };
         match self {
-            Msg::One(p) => push(&p),
-            Msg::Many(parts) => parts.iter().for_each(push),
+            Msg::One(p) => push(p),
+            Msg::Many(parts) => parts.into_iter().for_each(push),
             Msg::Wake => {}
         }
     }
@@ -751,7 +753,7 @@ impl Watcher {
         self.received();
         match msg {
             // The common case: one revision, handed out as is.
-            Msg::One(part) => Some(part.events()).filter(|e| !e.is_empty()),
+            Msg::One(part) => Some(part.into_events()).filter(|e| !e.is_empty()),
             msg => {
                 let mut ready = self.ready.lock();
                 msg.split_into(&mut ready);

@@ -11,14 +11,39 @@
 
 use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet};
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::{BuildHasher, Hasher, RandomState};
 use std::sync::Arc;
 
 /// A fast, non-cryptographic hasher (the word-at-a-time `FxHash` of rustc, with a final
-/// avalanche) for watched keys and watcher ids.
+/// avalanche) for watched keys and watcher ids, started from its map's random seed.
 #[derive(Default, Clone, Copy)]
 pub(crate) struct FxHasher {
     hash: u64,
+}
+
+/// Builds [`FxHasher`]s from a seed drawn at random for each map (from the standard
+/// library's per-process random keys), so that keys chosen by clients cannot be prepared
+/// to collide in advance.
+#[derive(Clone, Copy)]
+pub(crate) struct FxBuild {
+    seed: u64,
+}
+
+impl Default for FxBuild {
+    fn default() -> FxBuild {
+        FxBuild {
+            seed: RandomState::new().hash_one(0x6b65_656c_u64),
+        }
+    }
+}
+
+impl BuildHasher for FxBuild {
+    type Hasher = FxHasher;
+
+    #[inline]
+    fn build_hasher(&self) -> FxHasher {
+        FxHasher { hash: self.seed }
+    }
 }
 
 const SEED: u64 = 0x51_7c_c1_b7_27_22_0a_95;
@@ -76,10 +101,10 @@ impl Hasher for FxHasher {
     }
 }
 
-/// Hash map keyed with [`FxHasher`].
-pub(crate) type FxMap<K, V> = HashMap<K, V, BuildHasherDefault<FxHasher>>;
-/// Hash set keyed with [`FxHasher`].
-pub(crate) type FxSet<K> = HashSet<K, BuildHasherDefault<FxHasher>>;
+/// Hash map keyed with [`FxHasher`], randomly seeded.
+pub(crate) type FxMap<K, V> = HashMap<K, V, FxBuild>;
+/// Hash set keyed with [`FxHasher`], randomly seeded.
+pub(crate) type FxSet<K> = HashSet<K, FxBuild>;
 
 /// Where a watched range ends (exclusive).
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -294,12 +319,27 @@ mod tests {
     /// hashbrown picks buckets with.
     #[test]
     fn hash_low_bits_spread_counter_keys() {
-        use std::hash::BuildHasher;
-        let build = BuildHasherDefault::<FxHasher>::default();
+        let build = FxBuild::default();
         let low: FxSet<u64> = (0..10_000u64)
             .map(|i| build.hash_one(format!("key-{i:020}").as_bytes()) & 0x3fff)
             .collect();
         assert!(low.len() > 7_000, "{} distinct low bits", low.len());
+    }
+
+    /// Each map draws its own seed: the same key hashes apart in two maps, and alike in one.
+    #[test]
+    fn maps_are_seeded_apart() {
+        let (a, b) = (FxBuild::default(), FxBuild::default());
+        let key = b"key-00000000000000000042".as_slice();
+        assert_eq!(a.hash_one(key), a.hash_one(key));
+        assert_ne!(a.hash_one(key), b.hash_one(key));
+        let low = |build: FxBuild| build.hash_one(key) & 0xffff;
+        let distinct: FxSet<u64> = (0..64).map(|_| low(FxBuild::default())).collect();
+        assert!(
+            distinct.len() > 48,
+            "{} distinct bucket bits",
+            distinct.len()
+        );
     }
 
     /// Random inserts and removes of keys and ranges; every query equals a brute-force scan.

@@ -153,7 +153,7 @@ impl<B: Backend> WatchStream<B> {
         }
         if let Msg::One(part) = msg {
             // The common case: one revision, handed out as is.
-            let events = part.events();
+            let events = part.into_events();
             return (!events.is_empty()).then_some(StreamItem::Events { id, events });
         }
         msg.split_into(&mut self.split);
