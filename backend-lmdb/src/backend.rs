@@ -300,7 +300,7 @@ impl LmdbBackend {
                 };
                 let BatchOp::Put { key, value, .. } = op else {
                     // `restore_with` hands out puts only; anything else is applied as usual.
-                    apply(db, &mut wtxn, op.as_ref(), max_key, &mut stored)
+                    apply(db, &mut wtxn, op.as_ref(), max_key, &mut stored, &mut false)
                         .map_err(|e| full(e, "write"))?;
                     continue;
                 };
@@ -418,14 +418,17 @@ impl Backend for LmdbBackend {
         let mut created = std::mem::take(&mut writer.created);
         created.clear();
         let mut key_buf = std::mem::take(&mut writer.key_buf);
-        // Batches run long stretches of one bucket: remember the last one's database.
+        // Batches run long stretches of one bucket: remember the last one's database, and
+        // whether its puts so far were appends (see `apply`).
         let mut last: Option<(Bucket, Database<Bytes, Bytes>)> = None;
+        let mut appending = true;
         let applied = source.for_each_op(&mut |op| {
             check_op(op, max_key)?;
             let bucket = op_bucket(op);
             let db = match &last {
                 Some((b, db)) if b == bucket => *db,
                 _ => {
+                    appending = true;
                     let is_put = matches!(op, BatchOpRef::Put { .. });
                     match env::bucket_db(lmdb, &mut wtxn, &dbs, &mut created, bucket, is_put) {
                         Ok(Some(db)) => {
@@ -445,7 +448,8 @@ impl Backend for LmdbBackend {
                     }
                 }
             };
-            apply(db, &mut wtxn, op, max_key, &mut key_buf).map_err(|e| heed_err(e, "write"))
+            apply(db, &mut wtxn, op, max_key, &mut key_buf, &mut appending)
+                .map_err(|e| heed_err(e, "write"))
         });
         writer.key_buf = key_buf;
         let result = applied.and_then(|()| {
@@ -586,16 +590,30 @@ fn check_op(op: BatchOpRef<'_>, max_key: usize) -> Result<(), BackendError> {
 }
 
 /// Applies one batch operation to its bucket's database `db` inside the write transaction.
+///
+/// While `appending`, a put is first tried as an append (`MDB_APPEND`): a key above every key
+/// of the database (the MVCC store's next revisions) goes to the last page without a search
+/// from the root, and a full last page is split by moving only the new key to a new page,
+/// so sequential keys fill their pages. LMDB refuses the append with `MDB_KEYEXIST`, changing
+/// nothing, when the key is not above the last one; the put is then made as usual and
+/// `appending` turns off for the rest of the database's run of operations.
 fn apply(
     db: Database<Bytes, Bytes>,
     wtxn: &mut RwTxn<'_>,
     op: BatchOpRef<'_>,
     max_key: usize,
     buf: &mut Vec<u8>,
+    appending: &mut bool,
 ) -> heed::Result<()> {
     match op {
         BatchOpRef::Put { key, value, .. } => {
             keys::encode_into(key, buf);
+            if *appending {
+                match db.put_with_flags(wtxn, PutFlags::APPEND, buf, value) {
+                    Err(heed::Error::Mdb(MdbError::KeyExist)) => *appending = false,
+                    done => return done,
+                }
+            }
             db.put(wtxn, buf, value)
         }
         BatchOpRef::Delete { key, .. } => {

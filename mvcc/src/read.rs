@@ -16,6 +16,7 @@
 //! view *pins* its revision while it lives (`Inner::pin_view`), and the compactor does not
 //! delete history of a compaction above the oldest pinned revision until that view is gone.
 
+use std::cell::RefCell;
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -90,7 +91,7 @@ impl<B: Backend> ReadView<B> {
             staged,
             current: &self.current,
             committing: self.committing.as_deref(),
-            txn: self.txn.lock().clone(),
+            txn: RefCell::new(self.txn.lock().clone()),
             refresh: Some(self),
         }
     }
@@ -122,7 +123,9 @@ pub(crate) struct Sources<'a, T: ReadTxn> {
     pub staged: Option<&'a Changes>,
     pub current: &'a Pending,
     pub committing: Option<&'a Pending>,
-    pub txn: Arc<T>,
+    /// The freshest backend read transaction: replaced (and the older one released) when a
+    /// long read moves to a fresh one, so nothing keeps the first one alive to the end.
+    pub txn: RefCell<Arc<T>>,
     /// Where fresh read transactions come from; `None` reads from `txn` only.
     pub refresh: Option<&'a dyn Refresh<T>>,
 }
@@ -204,7 +207,7 @@ impl<T: ReadTxn> Sources<'_, T> {
         }
         if !misses.is_empty() {
             misses.sort_unstable();
-            let mut txn = self.txn.clone();
+            let mut txn = self.txn.borrow().clone();
             let mut read = 0usize;
             let mut m = 0;
             while m < misses.len() {
@@ -212,6 +215,7 @@ impl<T: ReadTxn> Sources<'_, T> {
                     && let Some(refresh) = self.refresh
                 {
                     txn = refresh.fresh_txn()?;
+                    *self.txn.borrow_mut() = txn.clone();
                     read = 0;
                 }
                 let start = misses[m].0.to_bytes();
@@ -262,10 +266,8 @@ impl<T: ReadTxn> Sources<'_, T> {
     ) -> Result<(), MvccError> {
         let end = Revision::new(to.saturating_add(1), 0).to_bytes();
         let mut last: Option<Revision> = None;
-        for item in self
-            .txn
-            .range(&KEY_BUCKET, &from.to_bytes(), Some(&end[..]))?
-        {
+        let txn = self.txn.borrow().clone();
+        for item in txn.range(&KEY_BUCKET, &from.to_bytes(), Some(&end[..]))? {
             let (k, v) = item?;
             let Some((rev, tomb)) = Revision::from_key(k) else {
                 continue;

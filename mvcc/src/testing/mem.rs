@@ -9,7 +9,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Bound;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock};
 
 use parking_lot::Mutex;
@@ -40,10 +40,18 @@ static REGISTRY: LazyLock<Mutex<HashMap<PathBuf, Arc<Shared>>>> =
 #[derive(Clone, Debug, Default)]
 pub struct MemOptions {}
 
+/// Read transactions of one backend handle open now, and the most open at once.
+#[derive(Debug, Default)]
+struct ReaderCount {
+    open: AtomicUsize,
+    peak: AtomicUsize,
+}
+
 /// An in-memory backend; see the module docs.
 pub struct MemBackend {
     path: PathBuf,
     shared: Arc<Shared>,
+    readers: Arc<ReaderCount>,
     commit: Mutex<()>,
     fail: AtomicBool,
 }
@@ -68,6 +76,24 @@ impl MemBackend {
     pub fn is_empty(&self) -> bool {
         self.shared.data.lock().is_empty()
     }
+
+    /// Read transactions of this handle open now.
+    pub fn open_read_txns(&self) -> usize {
+        self.readers.open.load(Ordering::Acquire)
+    }
+
+    /// The most read transactions of this handle open at once since the last
+    /// [`reset_peak_read_txns`](MemBackend::reset_peak_read_txns) (or the open).
+    pub fn peak_read_txns(&self) -> usize {
+        self.readers.peak.load(Ordering::Acquire)
+    }
+
+    /// Starts measuring [`peak_read_txns`](MemBackend::peak_read_txns) again from now.
+    pub fn reset_peak_read_txns(&self) {
+        self.readers
+            .peak
+            .store(self.readers.open.load(Ordering::Acquire), Ordering::Release);
+    }
 }
 
 impl Drop for MemBackend {
@@ -79,6 +105,13 @@ impl Drop for MemBackend {
 /// A snapshot of a [`MemBackend`].
 pub struct MemReadTxn {
     data: Arc<Data>,
+    readers: Arc<ReaderCount>,
+}
+
+impl Drop for MemReadTxn {
+    fn drop(&mut self) {
+        self.readers.open.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// Iterator of [`MemReadTxn::range`].
@@ -158,14 +191,18 @@ impl Backend for MemBackend {
         Ok(MemBackend {
             path: path.to_path_buf(),
             shared,
+            readers: Arc::default(),
             commit: Mutex::new(()),
             fail: AtomicBool::new(false),
         })
     }
 
     fn read_txn(&self) -> Result<MemReadTxn, BackendError> {
+        let open = self.readers.open.fetch_add(1, Ordering::AcqRel) + 1;
+        self.readers.peak.fetch_max(open, Ordering::AcqRel);
         Ok(MemReadTxn {
             data: self.shared.data.lock().clone(),
+            readers: self.readers.clone(),
         })
     }
 

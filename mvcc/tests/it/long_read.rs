@@ -144,3 +144,31 @@ fn compaction_above_an_open_view_waits_for_it_before_deleting() {
     }
     expect_round(&s.range(&all()).unwrap().kvs, 1, "after compaction");
 }
+
+#[test]
+fn a_long_read_releases_each_backend_transaction_when_it_moves_on() {
+    let (_dir, path) = fresh_path();
+    let s = open_at(&path, manual());
+    fill(&s, 0);
+    s.force_commit().unwrap();
+    assert_eq!(s.backend().open_read_txns(), 0, "nothing reads yet");
+    s.backend().reset_peak_read_txns();
+    let view = s.read().unwrap();
+    let r = view.range(&all()).unwrap();
+    expect_round(&r.kvs, 0, "the long read");
+    // 5 000 records read 1 024 per transaction: five transactions one after the other. The
+    // view keeps its latest; each earlier one is dropped when the next is opened, so at most
+    // two are ever open at once.
+    assert_eq!(
+        s.backend().peak_read_txns(),
+        2,
+        "a long read kept an earlier backend read transaction open"
+    );
+    assert_eq!(s.backend().open_read_txns(), 1, "the view holds its latest");
+    drop(view);
+    assert_eq!(
+        s.backend().open_read_txns(),
+        0,
+        "the view released its transaction"
+    );
+}
