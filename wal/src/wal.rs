@@ -2,16 +2,19 @@
 //! release.
 //!
 //! Concurrency: one mutex guards the in-memory state and the active segment's buffer. An
-//! append encodes its records into the buffer under the mutex. A durable request then waits
-//! for a sync that started after its bytes were written. The first one that finds no sync
-//! running becomes the leader: if the previous sync served several requests, it first waits
-//! (briefly, [`WalOptions::group_commit_wait`]) for as many to be pending again, since the
-//! appenders that sync released are usually on their way back; then it writes the buffer
-//! out (one `pwrite`) and runs `fdatasync` with the mutex released, while later requests
-//! fill the buffer and park. When it finishes it wakes exactly the parked requests it made
-//! durable (they check an atomic durable mark and return without taking the mutex) and, if
-//! any remain, one of them to lead the next sync. Reads copy the locations they need under
-//! the mutex and read the files without it.
+//! append encodes its records into the buffer under the mutex; a durable append of large
+//! entries instead writes them out at once, straight from the entries' own buffers (one
+//! vectored write behind whatever was buffered), since its sync follows anyway. A durable
+//! request then waits for a sync that started after its bytes were written. The first one
+//! that finds no sync running becomes the leader: if the previous sync served several
+//! requests, it first waits (briefly, [`WalOptions::group_commit_wait`]) for as many to be
+//! pending again, since the appenders that sync released are usually on their way back. The
+//! leader writes the buffer out (one `pwrite`) and runs `fdatasync` with the mutex released,
+//! while later requests fill the buffer and park. When it finishes it unlists exactly the
+//! parked requests it made durable and, if any remain, one of them to lead the next sync, and
+//! wakes them once the mutex is released (they check an atomic durable mark and return
+//! without taking it), so none of them finds the mutex held by the waker.
+//! Reads copy the locations they need under the mutex and read the files without it.
 //!
 //! Release and recycling: released segments are renamed to `<seq>.free` (up to
 //! [`WalOptions::recycle_segments`] of them) and become the next prepared segment instead of
@@ -25,7 +28,7 @@ use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::thread::{JoinHandle, Thread, ThreadId};
+use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
@@ -129,8 +132,6 @@ struct Inner {
     last_group: u64,
     /// A leader is waiting on `arrived` for its group to fill.
     gathering: bool,
-    /// The thread leading the current sync (or gathering for it).
-    leader: Option<ThreadId>,
     /// Durable requests parked until a sync covers them (or one of them must lead).
     waiters: Vec<Waiter>,
     /// Moving average of the `fdatasync` time.
@@ -526,7 +527,6 @@ impl Wal {
             started: 0,
             last_group: 0,
             gathering: false,
-            leader: None,
             waiters: Vec::new(),
             sync_time: Duration::ZERO,
             stats: WalStats::default(),
@@ -651,8 +651,10 @@ impl Wal {
     /// Closes the full active segment and starts the next one. Nothing of the calling
     /// append is encoded yet, so a failure to make the new segment leaves the log as it was.
     fn rotate(&self, g: &mut Inner) -> Result<(), WalError> {
-        // Older segments are whole and durable: only the last one can have a torn tail.
-        {
+        // Older segments are whole and durable: only the last one can have a torn tail. (A
+        // log whose every record is durable already, say after a durable append, has
+        // nothing to write or sync.)
+        if g.durable < g.written || !g.writer.buf.is_empty() {
             let w = &mut g.writer;
             if let Err(e) = w.flush().and_then(|()| w.file.sync_data()) {
                 let err = WalError::io("write and sync", &w.path, e);
@@ -897,9 +899,7 @@ impl Wal {
     /// starting, a leader whose previous group had several members waits (briefly, see
     /// [`WalOptions::group_commit_wait`]) until as many requests are pending again: the
     /// appenders that sync released are usually on their way back, and without the wait the
-    /// first of them would sync alone while the rest queue for the sync after. The request
-    /// that completes the group takes over as leader and starts the sync at once, so no
-    /// thread has to be woken between the last append of a group and its `fdatasync`.
+    /// first of them would sync alone while the rest queue for the sync after.
     fn wait_durable<'a>(
         &'a self,
         mut g: MutexGuard<'a, Inner>,
@@ -909,65 +909,50 @@ impl Wal {
             return Ok(());
         }
         check_poison(&g)?;
-        let me = std::thread::current();
-        // Set when this request completes the group a leader is gathering: it leads.
-        let mut lead = false;
         if target > g.started {
             g.requests += 1;
             g.stats.durable_requests += 1;
             if g.gathering && g.requests - g.covered >= g.last_group {
-                // `syncing` stays set: the leadership moves to this thread, and the
-                // gathering thread becomes a plain request when it sees that.
-                g.gathering = false;
-                g.leader = Some(me.id());
                 self.arrived.notify_one();
-                lead = true;
             }
         }
+        let me = std::thread::current();
         let mut parked = false;
         loop {
-            if !lead {
-                if g.durable >= target {
-                    if parked {
-                        // Woken by something else than the sync that covered it: still listed.
-                        g.waiters.retain(|w| w.thread.id() != me.id());
-                    }
+            if g.durable >= target {
+                if parked {
+                    // Woken by something else than the sync that covered it: still listed.
+                    g.waiters.retain(|w| w.thread.id() != me.id());
+                }
+                return Ok(());
+            }
+            check_poison(&g)?;
+            if g.syncing {
+                if !g.waiters.iter().any(|w| w.thread.id() == me.id()) {
+                    g.waiters.push(Waiter {
+                        target,
+                        thread: me.clone(),
+                    });
+                }
+                parked = true;
+                drop(g);
+                std::thread::park();
+                if self.durable.load(Ordering::Acquire) >= target {
+                    // The sync that covered this request unlisted it when it woke it.
                     return Ok(());
                 }
-                check_poison(&g)?;
-                if g.syncing {
-                    if !g.waiters.iter().any(|w| w.thread.id() == me.id()) {
-                        g.waiters.push(Waiter {
-                            target,
-                            thread: me.clone(),
-                        });
-                    }
-                    parked = true;
-                    drop(g);
-                    std::thread::park();
-                    if self.durable.load(Ordering::Acquire) >= target {
-                        // The sync that covered this request unlisted it when it woke it.
-                        return Ok(());
-                    }
-                    g = self.inner.lock();
-                    continue;
-                }
-                if parked {
-                    g.waiters.retain(|w| w.thread.id() != me.id());
-                    parked = false;
-                }
-                g.syncing = true;
-                g.leader = Some(me.id());
-                if !self.gather(&mut g) {
-                    // The request that completed the group leads its sync.
-                    continue;
-                }
+                g = self.inner.lock();
+                continue;
             }
-            lead = false;
+            if parked {
+                g.waiters.retain(|w| w.thread.id() != me.id());
+                parked = false;
+            }
+            g.syncing = true;
+            self.gather(&mut g);
             if g.durable >= g.written || g.poisoned.is_some() {
                 // A rotation made everything durable (or failed) meanwhile.
                 g.syncing = false;
-                g.leader = None;
                 self.wake(&mut g);
                 continue;
             }
@@ -977,7 +962,6 @@ impl Wal {
             g.covered = g.requests;
             if let Err(e) = flush(&mut g) {
                 g.syncing = false;
-                g.leader = None;
                 self.wake(&mut g);
                 return Err(e);
             }
@@ -994,7 +978,6 @@ impl Wal {
             g.stats.syncs += 1;
             g.stats.sync_time += took;
             g.syncing = false;
-            g.leader = None;
             let res = match res {
                 Ok(()) => {
                     g.durable = g.durable.max(upto);
@@ -1050,38 +1033,28 @@ impl Wal {
         out
     }
 
-    /// As a sync leader (`syncing` set, `leader` this thread), waits until as many requests
-    /// are pending as the previous sync served, or its time is up. Returns whether this
-    /// thread still leads: the request that completes the group takes the leadership over.
-    fn gather(&self, g: &mut MutexGuard<'_, Inner>) -> bool {
+    /// As a sync leader (`syncing` set), waits until as many requests are pending as the
+    /// previous sync served, or its time is up.
+    fn gather(&self, g: &mut MutexGuard<'_, Inner>) {
         let expected = g.last_group;
         if expected <= 1 || g.requests - g.covered >= expected {
-            return true;
+            return;
         }
         let budget = self.options.group_commit_wait.min(g.sync_time / 2);
         if budget.is_zero() {
-            return true;
+            return;
         }
-        let me = std::thread::current().id();
         let t = Instant::now();
         let deadline = t + budget;
         g.gathering = true;
-        while g.leader == Some(me)
-            && g.requests - g.covered < expected
-            && g.durable < g.written
-            && g.poisoned.is_none()
-        {
+        while g.requests - g.covered < expected && g.durable < g.written && g.poisoned.is_none() {
             if self.arrived.wait_until(g, deadline).timed_out() {
                 break;
             }
         }
-        let still = g.leader == Some(me);
-        if still {
-            g.gathering = false;
-        }
+        g.gathering = false;
         g.stats.gathers += 1;
         g.stats.gather_time += t.elapsed();
-        still
     }
 
     /// Makes everything appended so far durable (no sync if it already is).
