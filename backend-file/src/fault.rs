@@ -14,6 +14,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use keel_mvcc::BackendError;
 use parking_lot::Mutex;
 
+use crate::direct::DirectWriter;
+
 /// What an injected fault does to one write.
 #[derive(Debug)]
 pub enum WriteFault {
@@ -159,6 +161,36 @@ impl Io {
                 .and(Err(injected())),
         };
         result.map_err(|e| BackendError::io(path, "pwrite", e))
+    }
+
+    /// Positioned write of all of `buf` at `offset` of a segment through its direct writer
+    /// (see `direct`); `file` is the segment's ordinary handle. `Ok(false)`: the file
+    /// system refuses direct writes, write it the ordinary way instead.
+    pub(crate) fn write_direct(
+        &self,
+        direct: &mut DirectWriter,
+        file: &File,
+        path: &Path,
+        offset: u64,
+        buf: &[u8],
+    ) -> Result<bool, BackendError> {
+        let fault = match &self.hook {
+            Some(h) => h.before_write(path, offset, buf.len()),
+            None => WriteFault::Proceed,
+        };
+        let result = match fault {
+            WriteFault::Proceed => match direct.write(file, offset, buf) {
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => return Ok(false),
+                other => other,
+            },
+            WriteFault::Fail(e) => Err(e),
+            WriteFault::Torn { written } => file
+                .write_all_at(&buf[..written.min(buf.len())], offset)
+                .and(Err(injected())),
+        };
+        result
+            .map(|()| true)
+            .map_err(|e| BackendError::io(path, "direct pwrite", e))
     }
 
     /// Allocates `[offset, offset + len)` of a file (`fallocate`, growing it if needed): the

@@ -24,6 +24,7 @@
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
+mod direct;
 pub mod fault;
 pub mod format;
 mod index;

@@ -1,12 +1,14 @@
 //! Restore from a snapshot stream with one sync at the end.
 //!
-//! The stream is parsed and checked by keel-mvcc's [`snapshot::restore`], which commits a
-//! batch every few MiB through [`Backend::commit`]. While it runs, commits made on the
-//! restoring thread write their frames without syncing them, only starting their writeback
-//! so that the disk writes one batch while the next is parsed; a segment that fills is synced
-//! when it is sealed, and the active one once the whole stream has been checked, before
-//! `restore` returns `Ok`. So a restore costs about one sync per segment instead of one per
-//! batch, and that sync finds most of the data already written.
+//! The stream is parsed and checked by keel-mvcc's [`snapshot::restore_with`], and each batch
+//! of a few MiB it yields is committed through [`Backend::commit`] (and shown to the caller's
+//! observer, for [`Backend::restore_observed`]). Commits made on the restoring thread write
+//! their frames without syncing them: straight to the disk where the file system allows it
+//! (see `direct`: no copy into the page cache, at most one piece queued on the device ahead
+//! of other writers' syncs), otherwise through the page cache, starting their writeback. A
+//! segment that fills is synced when it is sealed, and the active one once the whole stream
+//! has been checked, before `restore` returns `Ok`. So a restore costs about one sync per
+//! segment instead of one per batch, and that sync finds the data already written.
 //!
 //! A `RESTORING` marker file, durable before the first frame and removed only after the final
 //! sync, makes a store whose restore did not finish (killed, or failed on a damaged stream)
@@ -15,6 +17,7 @@
 use std::fs::OpenOptions;
 use std::io::Read;
 
+use keel_mvcc::backend::PairObserver;
 use keel_mvcc::backend::snapshot;
 use keel_mvcc::{Backend, BackendError, ReadTxn};
 
@@ -22,7 +25,11 @@ use crate::recovery::RESTORING;
 use crate::store::{FileBackend, Inner};
 
 impl FileBackend {
-    pub(crate) fn restore_stream(&self, input: &mut dyn Read) -> Result<u64, BackendError> {
+    pub(crate) fn restore_stream(
+        &self,
+        input: &mut dyn Read,
+        observe: &mut PairObserver<'_>,
+    ) -> Result<u64, BackendError> {
         let inner = &self.inner;
         if !self.read_txn()?.buckets()?.is_empty() {
             return Err(BackendError::RestoreNotEmpty);
@@ -36,7 +43,10 @@ impl FileBackend {
             .map_err(|e| BackendError::io(&marker, "create", e))?;
         inner.io.sync_dir(&inner.dir)?;
         *inner.restoring.lock() = Some(std::thread::current().id());
-        let loaded = snapshot::restore(self, input);
+        let loaded = snapshot::restore_with(input, |batch| {
+            snapshot::observe_batch(batch, observe);
+            self.commit(batch)
+        });
         *inner.restoring.lock() = None;
         let pairs = loaded?;
         inner.sync_restored()?;
@@ -55,6 +65,7 @@ impl Inner {
     /// Makes every frame a restore wrote durable.
     fn sync_restored(&self) -> Result<(), BackendError> {
         let mut w = self.writer.lock();
+        w.direct = None;
         Self::check_poison(&w)?;
         if w.active.dirty {
             if let Err(e) = self.io.sync_data(&w.active.file, &w.active.seg.path) {

@@ -22,6 +22,7 @@ use keel_mvcc::backend::snapshot::{MAX_KEY, MAX_VALUE};
 use keel_mvcc::{Backend, BackendError, BackendSize, BatchOp, Bucket, WriteBatch};
 use parking_lot::{Mutex, RwLock};
 
+use crate::direct::DirectWriter;
 use crate::fault::Io;
 use crate::format::{self, FRAME_HEADER, HEADER_LEN};
 use crate::options::FileOptions;
@@ -70,6 +71,10 @@ pub(crate) struct Writer {
     pub(crate) bucket_names: Vec<Bucket>,
     pub(crate) buf: Vec<u8>,
     pub(crate) poisoned: Option<String>,
+    /// Direct writes of a restore's frames to the active segment (see `direct`).
+    pub(crate) direct: Option<DirectWriter>,
+    /// The file system refused `O_DIRECT`: restores write through the page cache.
+    pub(crate) direct_refused: bool,
 }
 
 impl Writer {
@@ -153,6 +158,8 @@ impl FileBackend {
                 bucket_names: r.bucket_names,
                 buf: Vec::new(),
                 poisoned: None,
+                direct: None,
+                direct_refused: false,
             }),
             reclaim_lock: Mutex::new(()),
             restoring: Mutex::new(None),
@@ -342,17 +349,16 @@ impl Inner {
         let crc = format::frame_crc(&w.buf[8..]);
         w.buf[..4].copy_from_slice(&(len as u32).to_le_bytes());
         w.buf[4..8].copy_from_slice(&crc.to_le_bytes());
-        let path = &w.active.seg.path;
         let fast = self.prep.before_write(start, end);
-        let mut result = self.io.write_at(&w.active.file, path, start, &w.buf);
-        if sync {
-            result = result.and_then(|()| self.io.sync_data(&w.active.file, path));
-        } else if result.is_ok() {
-            // A restore: the disk writes this frame while the next batch is parsed, so the
-            // one sync at the end has little left to wait for.
+        let result = if sync {
+            let path = &w.active.seg.path;
             self.io
-                .start_writeback(&w.active.file, path, start, w.buf.len() as u64);
-        }
+                .write_at(&w.active.file, path, start, &w.buf)
+                .and_then(|()| self.io.sync_data(&w.active.file, path))
+        } else {
+            self.write_unsynced(w, start)
+        };
+        let path = &w.active.seg.path;
         if !fast {
             self.prep.appended(result.as_ref().ok().map(|()| end));
         }
@@ -375,6 +381,41 @@ impl Inner {
             s.size = end;
         }
         Ok(start)
+    }
+
+    /// Writes the frame in `w.buf` at `start` without syncing it (a restore): straight to the
+    /// disk where the file system allows (`direct`), so the kernel copies nothing into its
+    /// cache and at most one piece is queued ahead of other writers' syncs; otherwise through
+    /// the page cache, starting its writeback so that the one sync at the end has little left
+    /// to wait for.
+    fn write_unsynced(&self, w: &mut Writer, start: u64) -> Result<(), BackendError> {
+        let path = &w.active.seg.path;
+        let id = w.active.seg.id;
+        if !w.direct_refused {
+            if w.direct.as_ref().is_none_or(|d| d.segment != id) {
+                w.direct = None;
+                match DirectWriter::open(path, id) {
+                    Ok(Some(d)) => w.direct = Some(d),
+                    Ok(None) => w.direct_refused = true,
+                    Err(e) => return Err(BackendError::io(path, "open for direct writes", e)),
+                }
+            }
+            if let Some(d) = &mut w.direct {
+                match self.io.write_direct(d, &w.active.file, path, start, &w.buf) {
+                    Ok(true) => return Ok(()),
+                    Ok(false) => {
+                        tracing::info!(path = %path.display(), "direct writes refused; restoring through the page cache");
+                        w.direct = None;
+                        w.direct_refused = true;
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        self.io.write_at(&w.active.file, path, start, &w.buf)?;
+        self.io
+            .start_writeback(&w.active.file, path, start, w.buf.len() as u64);
+        Ok(())
     }
 
     /// Records the active segment's new committed end (mapping it anew only when it has
@@ -587,6 +628,15 @@ impl Backend for FileBackend {
     /// Loads a snapshot stream, syncing once at the end instead of once per batch; see
     /// the `restore` module. On error the store is incomplete and refuses to open again.
     fn restore(&self, input: &mut dyn std::io::Read) -> Result<u64, BackendError> {
-        self.restore_stream(input)
+        self.restore_stream(input, &mut |_, _, _| {})
+    }
+
+    /// As [`restore`](Backend::restore), showing each batch's pairs as it is loaded.
+    fn restore_observed(
+        &self,
+        input: &mut dyn std::io::Read,
+        observe: &mut keel_mvcc::backend::PairObserver<'_>,
+    ) -> Result<u64, BackendError> {
+        self.restore_stream(input, observe)
     }
 }

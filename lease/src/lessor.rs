@@ -72,7 +72,8 @@ impl<B: Backend> std::fmt::Debug for Lessor<B> {
 
 impl<B: Backend> Lessor<B> {
     /// Opens a lessor on `store`: reads every lease record and re-attaches every key that
-    /// carries a lease id (one scan of the current revision). The lessor starts as a
+    /// carries a lease id (from the list the store made while opening, or, when the store
+    /// has been written since, one scan of the current revision). The lessor starts as a
     /// non-primary; call [`promote`](Self::promote) when this member leads.
     pub fn open(
         store: Arc<Store<B>>,
@@ -87,15 +88,26 @@ impl<B: Backend> Lessor<B> {
             table.restore(record.id, record.ttl, record.remaining, now)?;
             recovered.leases += 1;
         }
-        let all = RangeRequest {
-            keys_only: true,
-            ..RangeRequest::range(vec![0u8], vec![0u8])
-        };
-        for kv in store.range(&all)?.kvs {
-            if kv.lease == 0 {
-                continue;
+        // The store noted the leased keys while it rebuilt its index; only a store written
+        // since it was opened needs the scan of every key.
+        let leased = match store.take_opened_leases() {
+            Some(leased) => leased,
+            None => {
+                let all = RangeRequest {
+                    keys_only: true,
+                    ..RangeRequest::range(vec![0u8], vec![0u8])
+                };
+                store
+                    .range(&all)?
+                    .kvs
+                    .into_iter()
+                    .filter(|kv| kv.lease != 0)
+                    .map(|kv| (kv.key, kv.lease))
+                    .collect()
             }
-            if table.attach(kv.lease, &kv.key).is_ok() {
+        };
+        for (key, lease) in leased {
+            if table.attach(lease, &key).is_ok() {
                 recovered.attached_keys += 1;
             } else {
                 recovered.orphan_keys += 1;

@@ -397,7 +397,36 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn restore(&self, input: &mut dyn Read) -> Result<u64, BackendError> {
         snapshot::restore(self, input)
     }
+
+    /// [`restore`](Backend::restore), showing every pair of the stream to `observe`
+    /// (bucket, key, value), so that a caller can build what it derives from the data (the
+    /// store's key index, say) without reading the whole copy back afterwards.
+    ///
+    /// Each pair is shown exactly once, buckets in ascending name order and keys ascending
+    /// within a bucket, before this returns `Ok`. Pairs of a stream that later fails may have
+    /// been shown: on error, discard what was built from them with the backend.
+    ///
+    /// The default restores with [`restore`](Backend::restore) and then reads every pair
+    /// back; backends that load the stream themselves show the pairs as they load them.
+    fn restore_observed(
+        &self,
+        input: &mut dyn Read,
+        observe: &mut PairObserver<'_>,
+    ) -> Result<u64, BackendError> {
+        let pairs = self.restore(input)?;
+        let txn = self.read_txn()?;
+        for bucket in txn.buckets()? {
+            for item in txn.range(&bucket, &[], None)? {
+                let (key, value) = item?;
+                observe(&bucket, key, value);
+            }
+        }
+        Ok(pairs)
+    }
 }
+
+/// Shown each pair a restore loads: bucket, key, value (see [`Backend::restore_observed`]).
+pub type PairObserver<'a> = dyn FnMut(&Bucket, &[u8], &[u8]) + 'a;
 
 /// Errors from a [`Backend`].
 #[derive(Debug, thiserror::Error)]

@@ -24,6 +24,7 @@ mod kv;
 mod options;
 mod pending;
 mod read;
+mod rebuild;
 mod request;
 pub mod revision;
 mod store;
@@ -39,6 +40,7 @@ pub use error::MvccError;
 pub use kv::{KeyValue, LeaseId};
 pub use options::StoreOptions;
 pub use read::ReadView;
+pub use rebuild::IndexBuilder;
 pub use request::{
     Compare, CompareResult, CompareTarget, DeleteRangeRequest, DeleteResponse, HashKv, PutRequest,
     PutResponse, RangeRequest, RangeResponse, TxnOp, TxnOpResponse, TxnRequest, TxnResponse,

@@ -32,15 +32,15 @@ use crate::backend::{Backend, Bucket, ReadTxn};
 use crate::compact::CompactJob;
 use crate::error::MvccError;
 use crate::key_index::KeyIndex;
-use crate::kv::{LeaseId, decode_record};
+use crate::kv::LeaseId;
 use crate::options::StoreOptions;
 use crate::pending::Pending;
 use crate::read::ReadView;
+use crate::rebuild::IndexBuilder;
 use crate::request::{
     DeleteRangeRequest, DeleteResponse, HashKv, PutRequest, PutResponse, RangeRequest,
     RangeResponse, TxnRequest, TxnResponse,
 };
-use crate::revision::Revision;
 use crate::watch::{WatchHub, WatchRequest, WatchStream, Watcher};
 use crate::write::{WriteScratch, WriteTxn};
 
@@ -74,6 +74,9 @@ pub(crate) struct State {
     pub committing: Option<Arc<Pending>>,
 }
 
+/// The revision at open and the live keys that carried a lease then.
+pub(crate) type OpenedLeases = Option<(u64, std::collections::HashMap<Vec<u8>, LeaseId>)>;
+
 pub(crate) enum Signal {
     Commit,
     Shutdown,
@@ -98,6 +101,9 @@ pub(crate) struct Inner<B: Backend> {
     /// deletion waits while a view below its revision is open (see `read`).
     pub view_pins: Mutex<std::collections::BTreeMap<u64, usize>>,
     pub watch: WatchHub,
+    /// The revision at open and the leased live keys then, until taken (see
+    /// [`Store::take_opened_leases`]).
+    pub opened_leases: Mutex<OpenedLeases>,
 }
 
 /// A revisioned key-value store over a [`Backend`]. `Send + Sync`; share it with an `Arc`.
@@ -134,6 +140,30 @@ impl<B: Backend> Store<B> {
     /// compaction that a crash interrupted.
     pub fn open(backend: B, options: StoreOptions) -> Result<Store<B>, MvccError> {
         options.validate()?;
+        let mut built = IndexBuilder::new();
+        {
+            let txn = backend.read_txn()?;
+            for item in txn.range(&KEY_BUCKET, &[], None)? {
+                let (k, v) = item?;
+                built.add(k, v)?;
+            }
+        }
+        Self::open_rebuilt(backend, options, built)
+    }
+
+    /// Opens a store over `backend` with the key index already rebuilt from every record of
+    /// its `key` bucket (see [`IndexBuilder`]: a restore that showed the builder each pair as
+    /// it loaded them), instead of reading them all back. The index must come from exactly
+    /// this backend's content; a builder that met a damaged record fails here.
+    pub fn open_rebuilt(
+        backend: B,
+        options: StoreOptions,
+        built: IndexBuilder,
+    ) -> Result<Store<B>, MvccError> {
+        options.validate()?;
+        if let Some(e) = built.error {
+            return Err(e);
+        }
         let txn = backend.read_txn()?;
         let format = match txn.get(&META_BUCKET, META_FORMAT)? {
             None => None,
@@ -156,25 +186,12 @@ impl<B: Backend> Store<B> {
         let consistent_index = meta_u64(&txn, META_CONSISTENT_INDEX)?;
         let scheduled = meta_u64(&txn, META_SCHEDULED_COMPACT)?;
         let finished = meta_u64(&txn, META_FINISHED_COMPACT)?;
-
-        let mut keys = KeyIndex::default();
-        let mut revision = 0u64;
-        for item in txn.range(&KEY_BUCKET, &[], None)? {
-            let (k, v) = item?;
-            let Some((rev, tombstone)) = Revision::from_key(k) else {
-                return Err(MvccError::Corrupt {
-                    revision: Revision::default(),
-                    reason: format!("key bucket holds a non-revision key {k:02x?}"),
-                });
-            };
-            let rec = decode_record(rev, v)?;
-            if tombstone {
-                keys.tombstone(rec.key, rev);
-            } else {
-                keys.restore_put(rec.key, rec.create_revision, rev, rec.version);
-            }
-            revision = revision.max(rev.main);
-        }
+        let IndexBuilder {
+            mut keys,
+            mut revision,
+            leases,
+            ..
+        } = built;
         drop(txn);
         revision = revision.max(scheduled);
         let mut job = None;
@@ -220,6 +237,7 @@ impl<B: Backend> Store<B> {
             shutdown: AtomicBool::new(false),
             commit_requested: AtomicBool::new(false),
             view_pins: Mutex::new(std::collections::BTreeMap::new()),
+            opened_leases: Mutex::new(Some((revision, leases))),
         });
         if let Some(job) = job {
             tracing::info!(revision = job.revision, "resuming interrupted compaction");
@@ -244,6 +262,15 @@ impl<B: Backend> Store<B> {
             threads: Mutex::new(threads),
             stop: Mutex::new(Some(stop_tx)),
         })
+    }
+
+    /// The live keys that carried a lease when the store was opened, each with its lease
+    /// (read during the open's pass over the records), so that a lessor opening over the
+    /// store can attach them without scanning every key. Taken once: `None` after the first
+    /// call, and `None` when a write has changed the store since it was opened.
+    pub fn take_opened_leases(&self) -> Option<Vec<(Vec<u8>, LeaseId)>> {
+        let (at, leases) = self.inner.opened_leases.lock().take()?;
+        (self.inner.state.lock().revision == at).then(|| leases.into_iter().collect())
     }
 
     /// Reads a key or range; see [`RangeRequest`].

@@ -38,7 +38,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use keel_lease::{Checkpoint, Clock, LeaseError, Lessor, LessorOptions};
-use keel_mvcc::{Backend, Bucket, MvccError, Store, StoreOptions, WriteTxn};
+use keel_mvcc::{Backend, Bucket, IndexBuilder, MvccError, Store, StoreOptions, WriteTxn};
 use parking_lot::RwLock;
 use raft::eraftpb::{ConfState, Entry};
 
@@ -201,19 +201,25 @@ pub(crate) fn begin_restore<B: Backend>(
 }
 
 /// Completes a restore begun by [`begin_restore`] once the whole stream is verified and
-/// loaded into `backend`: opens the store over it, checks that it holds exactly `index`,
+/// loaded into `backend`: opens the store over it (with the key index `rebuilt` while the
+/// stream was loaded, or by reading the backend when there is none), checks that it holds
+/// exactly `index`,
 /// records `(index, term)` and `conf_state` in it and syncs it. The store stays open: it is
 /// the one [`StateMachine::install_prepared`] swaps in.
 pub(crate) fn finish_restore<B: Backend>(
     generation: u64,
     backend: B,
+    rebuilt: Option<IndexBuilder>,
     store_options: &StoreOptions,
     index: u64,
     term: u64,
     conf_state: &ConfState,
 ) -> Result<Prepared<B>, NodeError> {
-    let store =
-        Store::open(backend, store_options.clone()).map_err(|e| NodeError::Store(e.to_string()))?;
+    let store = match rebuilt {
+        Some(built) => Store::open_rebuilt(backend, store_options.clone(), built),
+        None => Store::open(backend, store_options.clone()),
+    }
+    .map_err(|e| NodeError::Store(e.to_string()))?;
     let held = store.consistent_index();
     if held != index {
         return Err(NodeError::Store(format!(
@@ -252,10 +258,21 @@ pub(crate) fn prepare_snapshot<B: Backend>(
         1 << 20,
         fs::File::open(file).map_err(|e| NodeError::io(file, "open", e))?,
     );
+    let mut built = IndexBuilder::new();
     backend
-        .restore(&mut input)
+        .restore_observed(&mut input, &mut |bucket, key, value| {
+            built.observe(bucket, key, value)
+        })
         .map_err(|e| NodeError::Store(format!("restoring snapshot: {e}")))?;
-    finish_restore(generation, backend, store_options, index, term, conf_state)
+    finish_restore(
+        generation,
+        backend,
+        Some(built),
+        store_options,
+        index,
+        term,
+        conf_state,
+    )
 }
 
 /// Removes a prepared snapshot that raft-rs did not take.

@@ -1038,10 +1038,11 @@ fn receive_loop<B: Backend>(
             };
             let meta = received.message.get_snapshot().get_metadata().clone();
             let prepared = match live.take() {
-                Some(l) if l.key == key => l.finish().and_then(|(generation, backend)| {
+                Some(l) if l.key == key => l.finish().and_then(|restored| {
                     apply::finish_restore(
-                        generation,
-                        backend,
+                        restored.generation,
+                        restored.backend,
+                        Some(restored.index),
                         &store_options,
                         meta.index,
                         meta.term,

@@ -39,6 +39,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crossbeam_channel::{Receiver, Sender, bounded};
+use keel_mvcc::IndexBuilder;
 use parking_lot::Mutex;
 use raft::eraftpb::Message;
 
@@ -382,6 +383,16 @@ impl io::Read for ChunkReader {
     }
 }
 
+/// A stream restored by a [`LiveRestore`].
+pub(crate) struct Restored<B> {
+    /// The generation whose directory holds it.
+    pub generation: u64,
+    /// The backend holding the whole stream.
+    pub backend: B,
+    /// The store's key index, built while the pairs were loaded.
+    pub index: IndexBuilder,
+}
+
 /// Restores one incoming transfer into the next backend generation's directory while its
 /// chunks arrive, on a thread of its own, so that the backend is rebuilt by the time the
 /// stream ends. Only chunks the [`Assembler`] accepted are fed to it; the result is handed
@@ -392,7 +403,7 @@ pub(crate) struct LiveRestore<B: keel_mvcc::Backend> {
     /// `(from, transfer)` of the transfer being restored.
     pub key: (u64, u64),
     tx: Option<Sender<Vec<u8>>>,
-    handle: Option<std::thread::JoinHandle<Result<(u64, B), NodeError>>>,
+    handle: Option<std::thread::JoinHandle<Result<Restored<B>, NodeError>>>,
 }
 
 impl<B: keel_mvcc::Backend> LiveRestore<B> {
@@ -415,10 +426,17 @@ impl<B: keel_mvcc::Backend> LiveRestore<B> {
                     buf: Vec::new(),
                     pos: 0,
                 };
+                let mut index = IndexBuilder::new();
                 backend
-                    .restore(&mut input)
+                    .restore_observed(&mut input, &mut |bucket, key, value| {
+                        index.observe(bucket, key, value)
+                    })
                     .map_err(|e| NodeError::Store(format!("restoring snapshot: {e}")))?;
-                Ok((generation, backend))
+                Ok(Restored {
+                    generation,
+                    backend,
+                    index,
+                })
             })
             .map_err(|e| NodeError::io(PathBuf::from("keel-snap-restore"), "spawn thread", e))?;
         Ok(LiveRestore {
@@ -437,8 +455,9 @@ impl<B: keel_mvcc::Backend> LiveRestore<B> {
     }
 
     /// Ends the stream and waits for the restore: the generation and the backend holding the
-    /// whole stream, checked against its own end frame and checksum.
-    pub fn finish(mut self) -> Result<(u64, B), NodeError> {
+    /// whole stream, checked against its own end frame and checksum, with the store's key
+    /// index built from the pairs as they were loaded.
+    pub fn finish(mut self) -> Result<Restored<B>, NodeError> {
         self.tx = None;
         match self.handle.take().map(|h| h.join()) {
             Some(Ok(result)) => result,

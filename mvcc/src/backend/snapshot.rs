@@ -19,7 +19,7 @@
 
 use std::io::{self, Read, Write};
 
-use super::{Backend, BackendError, Bucket, ReadTxn, WriteBatch};
+use super::{Backend, BackendError, Bucket, PairObserver, ReadTxn, WriteBatch};
 
 /// Stream magic.
 pub const MAGIC: &[u8; 8] = b"KEELSNAP";
@@ -94,6 +94,16 @@ pub fn restore<B: Backend>(backend: &B, input: &mut dyn Read) -> Result<u64, Bac
         return Err(BackendError::RestoreNotEmpty);
     }
     restore_with(input, |batch| backend.commit(batch))
+}
+
+/// Hands every `Put` of `batch` to `observe`, for [`Backend::restore_observed`]
+/// implementations built on [`restore_with`].
+pub fn observe_batch(batch: &WriteBatch, observe: &mut PairObserver<'_>) {
+    for op in batch.ops() {
+        if let super::BatchOp::Put { bucket, key, value } = op {
+            observe(bucket, key, value);
+        }
+    }
 }
 
 /// Parses and checks a stream, handing its pairs to `apply` in batches; returns the number of

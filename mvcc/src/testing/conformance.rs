@@ -77,6 +77,7 @@ macro_rules! backend_conformance_tests {
                 restore_rejects_damaged_streams,
                 restore_into_non_empty_is_refused,
                 restore_spanning_many_batches,
+                restore_observed_shows_every_pair_once,
                 large_values,
                 empty_batch,
                 random_batches_match_model,
@@ -1536,6 +1537,55 @@ pub fn restore_spanning_many_batches<B: Backend>(options: B::Options) {
     let cut = &stream[..stream.len() - 4];
     let target = Fixture::<B>::new(&options);
     match target.b().restore(&mut &cut[..]) {
+        Err(BackendError::Snapshot { .. }) => {}
+        other => panic!("a stream cut before its checksum restored as {other:?}"),
+    }
+}
+
+/// `restore_observed` loads what `restore` loads and shows each pair exactly once, in stream
+/// order, across batches; a damaged stream fails it as it fails `restore`.
+pub fn restore_observed_shows_every_pair_once<B: Backend>(options: B::Options) {
+    use crate::backend::snapshot::RESTORE_BATCH_PAIRS;
+    let source = Fixture::<B>::new(&options);
+    let mut batch = WriteBatch::new();
+    for i in 0..(RESTORE_BATCH_PAIRS as u32 + 777) {
+        batch.put(&b("a"), key(i), filler(u64::from(i), 24));
+    }
+    batch.put(&b("b"), "", "empty key");
+    batch.put(&b("b"), "x", filler(7, 100_000));
+    commit(source.b(), &batch);
+    let expected = dump_backend(source.b());
+    let stream = take_snapshot(source.b());
+
+    let target = Fixture::<B>::new(&options);
+    let mut seen: Vec<(String, Vec<u8>, Vec<u8>)> = Vec::new();
+    let loaded = target
+        .b()
+        .restore_observed(&mut stream.as_slice(), &mut |bucket, k, v| {
+            seen.push((bucket.name().to_owned(), k.to_vec(), v.to_vec()));
+        })
+        .unwrap_or_else(|e| panic!("restore_observed failed: {e}"));
+    assert_eq!(loaded, seen.len() as u64, "pairs loaded vs pairs shown");
+    let expected_pairs: Vec<(String, Vec<u8>, Vec<u8>)> = expected
+        .iter()
+        .flat_map(|(bucket, pairs)| {
+            pairs
+                .iter()
+                .map(move |(k, v)| (bucket.clone(), k.clone(), v.clone()))
+        })
+        .collect();
+    assert!(seen == expected_pairs, "pairs shown differ from the stream");
+    assert!(
+        dump_backend(target.b()) == expected,
+        "restored content differs"
+    );
+
+    let cut = &stream[..stream.len() - 4];
+    let target = Fixture::<B>::new(&options);
+    match target
+        .b()
+        .restore_observed(&mut &cut[..], &mut |_, _, _| {})
+    {
         Err(BackendError::Snapshot { .. }) => {}
         other => panic!("a stream cut before its checksum restored as {other:?}"),
     }

@@ -9,5 +9,6 @@ mod crash;
 mod long_read;
 mod model;
 mod ops;
+mod rebuild;
 mod snapshot;
 mod watch;
