@@ -119,6 +119,42 @@ fn thread_cpu() -> Option<Duration> {
     Some(Duration::from_millis((utime + stime) * 10))
 }
 
+/// CPU time (ns on CPU, from `/proc/self/task/*/schedstat`) of this process's threads by
+/// thread name, summed over threads of the same name; empty where those files are missing.
+fn threads_cpu() -> std::collections::BTreeMap<String, u64> {
+    let mut out = std::collections::BTreeMap::new();
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return out;
+    };
+    for task in tasks.flatten() {
+        let path = task.path();
+        let name = std::fs::read_to_string(path.join("comm")).unwrap_or_default();
+        let ns = std::fs::read_to_string(path.join("schedstat"))
+            .ok()
+            .and_then(|s| s.split(' ').next()?.parse::<u64>().ok());
+        if let Some(ns) = ns {
+            *out.entry(name.trim().to_owned()).or_insert(0) += ns;
+        }
+    }
+    out
+}
+
+/// CPU per `per` units, in µs, of each thread name between two [`threads_cpu`] readings.
+fn cpu_split(
+    before: &std::collections::BTreeMap<String, u64>,
+    after: &std::collections::BTreeMap<String, u64>,
+    per: f64,
+) -> String {
+    after
+        .iter()
+        .map(|(name, ns)| {
+            let used = ns.saturating_sub(before.get(name).copied().unwrap_or(0));
+            format!("{name} {:.2}", used as f64 / 1e3 / per.max(1.0))
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 fn p99(lat: &mut [Duration]) -> Duration {
     if lat.is_empty() {
         return Duration::ZERO;
@@ -686,8 +722,9 @@ fn profile(what: &str) {
                 s.force_commit().expect("commit");
             }
             let stop = Arc::new(AtomicBool::new(false));
+            let scanned = Arc::new(AtomicU64::new(0));
             let reader = (what == "profile-headline").then(|| {
-                let (s, stop) = (s.clone(), stop.clone());
+                let (s, stop, scanned) = (s.clone(), stop.clone(), scanned.clone());
                 std::thread::Builder::new()
                     .name("reader".to_owned())
                     .spawn(move || {
@@ -698,12 +735,15 @@ fn profile(what: &str) {
                                 .expect("scan");
                             assert_eq!(r.kvs.len() as u64, keys);
                             scans += 1;
+                            scanned.fetch_add(1, Ordering::Relaxed);
                         }
                         scans
                     })
                     .expect("spawn reader")
             });
             std::thread::sleep(Duration::from_millis(200));
+            let split0 = threads_cpu();
+            let scans0 = scanned.load(Ordering::Relaxed);
             let cpu0 = thread_cpu();
             let start = Instant::now();
             let puts = 200_000u64;
@@ -715,6 +755,8 @@ fn profile(what: &str) {
             let cpu = thread_cpu()
                 .zip(cpu0)
                 .map_or(0.0, |(b, a)| (b - a).as_secs_f64() * 1e6 / puts as f64);
+            let split1 = threads_cpu();
+            let scanned_keys = (scanned.load(Ordering::Relaxed) - scans0) * keys;
             stop.store(true, Ordering::Release);
             let scans = reader.map_or(0, |r| r.join().expect("reader"));
             println!(
@@ -722,6 +764,20 @@ fn profile(what: &str) {
                 took.as_secs_f64(),
                 took.as_secs_f64() * 1e6 / puts as f64
             );
+            let mut per_put = split1.clone();
+            let reader_ns = per_put.remove("reader").unwrap_or(0);
+            println!(
+                "{what}: CPU per put in us by thread: {}",
+                cpu_split(&split0, &per_put, puts as f64)
+            );
+            if scanned_keys > 0 {
+                println!(
+                    "{what}: reader CPU per scanned key: {:.2} us over {scanned_keys} keys",
+                    reader_ns.saturating_sub(split0.get("reader").copied().unwrap_or(0)) as f64
+                        / 1e3
+                        / scanned_keys as f64
+                );
+            }
         }
         other => panic!("unknown profile {other}"),
     }
