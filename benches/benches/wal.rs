@@ -252,8 +252,9 @@ fn append(c: &mut Criterion, rec: &Recorder) {
         });
         let stats = wal.stats();
         println!(
-            "WAL append x{batch}{growing}: {} rotations, {} into recycled files",
-            stats.rotations, stats.recycled
+            "WAL append x{batch}{growing}: {} rotations, {} into recycled files, {} appends \
+             written straight from the entries' buffers",
+            stats.rotations, stats.recycled, stats.direct_writes
         );
         rec.ratio(
             &format!("wal append, 1 KiB entries, batch {batch}{growing}, vs raw write+fdatasync"),

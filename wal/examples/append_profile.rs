@@ -1,5 +1,6 @@
 //! Where a durable append's time goes: wall time and the appending thread's CPU time per
-//! durable append of `KEEL_PROFILE_BATCH` (default 256) 1 KiB entries, in steady state
+//! durable append of `KEEL_PROFILE_BATCH` (default 256) entries of `KEEL_PROFILE_ENTRY` bytes
+//! (default 1024), in steady state
 //! (released segments recycled), next to a raw `pwrite` + `fdatasync` of the same bytes into a
 //! preallocated file, interleaved. CPU time is far less disturbed by other load on the
 //! machine than wall time, so it shows what the log adds on top of the write itself.
@@ -33,16 +34,17 @@ fn env(name: &str, default: usize) -> usize {
 
 fn main() {
     let batch = env("KEEL_PROFILE_BATCH", 256);
+    let size = env("KEEL_PROFILE_ENTRY", 1024);
     let rounds = env("KEEL_PROFILE_ROUNDS", 2000);
     let dir = tempfile::tempdir().expect("temp dir");
     let opts = WalOptions::default();
-    let per_segment = opts.segment_size / 1048;
+    let per_segment = opts.segment_size / (size as u64 + 24);
     let wal = Wal::open(&dir.path().join("wal"), opts).expect("open");
     let mut es: Vec<Entry> = (0..batch)
         .map(|k| Entry {
             index: 0,
             term: 1,
-            data: (0..1024).map(|b| (b * 31 + k * 7) as u8).collect(),
+            data: (0..size).map(|b| (b * 31 + k * 7) as u8).collect(),
         })
         .collect();
     let mut next = 1u64;
@@ -57,8 +59,9 @@ fn main() {
                 .expect("release");
         }
     };
-    // Steady state: three segments written and recycled before timing.
-    for _ in 0..(3 * per_segment).div_ceil(batch as u64) {
+    // Steady state: three segments (`KEEL_PROFILE_WARM`) written and recycled before timing.
+    let warm = env("KEEL_PROFILE_WARM", 3) as u64;
+    for _ in 0..(warm * per_segment).div_ceil(batch as u64) {
         append(false);
     }
     let raw_len = 64u64 << 20;
@@ -75,7 +78,7 @@ fn main() {
     }
     raw.sync_all().expect("sync");
     let bytes: Vec<u8> = (0..batch)
-        .flat_map(|k| (0..1024).map(move |b| (b * 31 + k * 7) as u8))
+        .flat_map(|k| (0..size).map(move |b| (b * 31 + k * 7) as u8))
         .collect();
     let mut off = 0u64;
     let (mut kw, mut kc, mut rw, mut rc) = (
@@ -101,7 +104,7 @@ fn main() {
     }
     let per = |d: Duration| d.as_secs_f64() * 1e6 / rounds as f64;
     println!(
-        "batch {batch} x 1 KiB, {rounds} rounds: keel wall {:.1} us cpu {:.1} us | raw wall {:.1} us cpu {:.1} us | wall ratio {:.3}x",
+        "batch {batch} x {size} B, {rounds} rounds: keel wall {:.1} us cpu {:.1} us | raw wall {:.1} us cpu {:.1} us | wall ratio {:.3}x",
         per(kw),
         per(kc),
         per(rw),

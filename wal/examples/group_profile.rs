@@ -131,12 +131,17 @@ fn main() {
     let s2 = wal.stats();
     let per = |d: Duration| d.as_secs_f64() * 1e6 / rounds as f64;
     let syncs = s2.syncs - s1.syncs;
+    let avg_sync = |a: &keel_wal::WalStats, b: &keel_wal::WalStats| {
+        (b.sync_time - a.sync_time).as_secs_f64() * 1e6 / (b.syncs - a.syncs).max(1) as f64
+    };
     println!(
-        "sync {sync_us} us: 1 thread {:.1} us/append ({} syncs), 8 threads {:.1} us/append ({} syncs, {:.2} per sync, {} gathers {:.1} us avg) -> {:.2}x",
+        "sync {sync_us} us: 1 thread {:.1} us/append ({} syncs of {:.1} us), 8 threads {:.1} us/append ({} syncs of {:.1} us, {:.2} per sync, {} gathers {:.1} us avg) -> {:.2}x",
         per(one),
         s1.syncs - s0.syncs,
+        avg_sync(&s0, &s1),
         per(eight),
         syncs,
+        avg_sync(&s1, &s2),
         (s2.durable_requests - s1.durable_requests) as f64 / syncs.max(1) as f64,
         s2.gathers - s1.gathers,
         (s2.gather_time - s1.gather_time).as_secs_f64() * 1e6

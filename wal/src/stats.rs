@@ -19,6 +19,9 @@ pub struct WalStats {
     /// Total time group commit leaders spent in `fdatasync` (the disk's share of durable
     /// appends; the rest of their latency is the log's and the scheduler's).
     pub sync_time: Duration,
+    /// Durable appends of large entries written straight from the entries' own buffers
+    /// (one vectored write) rather than copied into the write buffer.
+    pub direct_writes: u64,
     /// Bytes of records encoded.
     pub bytes: u64,
     /// Times a sync leader waited for the appenders of the previous group to come back.

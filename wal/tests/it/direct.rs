@@ -21,12 +21,12 @@ fn opts(fs: FaultFs) -> WalOptions {
 }
 
 /// `n` entries from `lo` whose data lengths run over every remainder mod 8 and average
-/// about 1 KiB, so the batch takes the direct path.
+/// over 2 KiB, so a batch of 16 or more takes the direct path.
 fn big(lo: u64, n: u64, term: u64) -> Vec<Entry> {
     (lo..lo + n)
         .map(|i| {
             let mut d = data(i, term, 64);
-            d.resize(1000 + (i % 61) as usize, (i as u8) | 1);
+            d.resize(2100 + (i % 61) as usize, (i as u8) | 1);
             Entry {
                 index: i,
                 term,
@@ -61,7 +61,7 @@ fn direct_appends_read_back_like_copied_ones() {
             wal.append(&small, None, false).unwrap();
             want.extend(small);
             next = want.len() as u64 + 1;
-            let batch = big(next, 40 + round % 7, 1);
+            let batch = big(next, 20 + round % 7, 1);
             let h = (round % 4 == 0).then_some(HardState {
                 commit: round,
                 ..hs
@@ -72,6 +72,7 @@ fn direct_appends_read_back_like_copied_ones() {
             assert_eq!(wal.entries(1, next, None).unwrap(), want, "round {round}");
         }
         assert!(wal.segment_count() > 1, "the test rotates");
+        assert_eq!(wal.stats().direct_writes, 40, "{:?}", wal.stats());
         wal.append(&[], Some(&hs), true).unwrap();
     }
     let wal = Wal::open(dir.path(), opts(fs)).unwrap();
@@ -91,6 +92,7 @@ fn short_direct_writes_are_completed() {
         for c in want.chunks(50) {
             wal.append(c, None, true).unwrap();
         }
+        assert_eq!(wal.stats().direct_writes, 4);
     }
     faults.short_writes.store(false, Ordering::SeqCst);
     let wal = Wal::open(dir.path(), opts(fs)).unwrap();
@@ -110,6 +112,11 @@ fn a_failed_direct_write_poisons_and_keeps_what_was_acknowledged() {
         faults.enospc_write.store(true, Ordering::SeqCst);
         let err = wal.append(&big(103, 100, 1), None, true).unwrap_err();
         assert!(err.is_disk_full(), "{err}");
+        assert_eq!(
+            wal.stats().direct_writes,
+            1,
+            "the failed write was the direct one"
+        );
         faults.enospc_write.store(false, Ordering::SeqCst);
         for attempt in [wal.append(&big(103, 100, 1), None, true), wal.sync()] {
             let e = attempt.unwrap_err();
@@ -157,6 +164,7 @@ fn concurrent_direct_and_buffered_appends_keep_index_order() {
             });
         }
     });
+    assert_eq!(wal.stats().direct_writes, 2 * 30);
     let last = *next.lock() - 1;
     assert_eq!(last, 2 * 30 * 40 + 4 * 30);
     let want = big(1, last, 1);
