@@ -1,18 +1,26 @@
 //! Watch: streams of changes to a key or range, from a revision on.
 //!
-//! Every watcher is either *synced* — the committing writer hands it the events of each new
-//! revision with a non-blocking send — or *unsynced*: it started in the past, or its channel
-//! was full when a writer tried to deliver. Writers never wait for a watcher: a full channel
-//! just turns the watcher unsynced, remembering the first revision it missed.
+//! Every watcher is either *synced* — the notifier hands it the events of each new revision
+//! with a non-blocking send — or *unsynced*: it started in the past, or its channel was full
+//! when the notifier tried to deliver. Nobody waits for a watcher: a full channel just turns
+//! the watcher unsynced, remembering the first revision it missed.
+//!
+//! A committing writer does not match or send anything: it appends its revision (the
+//! records of its changes, shared with the write buffer, and their previous revisions) to
+//! the hub's queue — no allocation for a one-change revision — and wakes the notifier thread
+//! only if it is parked. The notifier takes the whole queue at once, lets commits gather for
+//! a moment between batches (so busy writers find it asleep rather than waiting to be woken),
+//! and dispatches the batch in revision order. Should it fall a whole queue behind, the
+//! writer dispatches the queue itself, in order, so memory stays bounded.
 //!
 //! Matching is by key, not by watcher: every watcher sits in one [`index::Matcher`] (single
-//! keys in a hash map, ranges in an interval index), so a change is matched with one lookup
-//! plus one stab, whatever the number of watchers. Records are shared, never copied: the
-//! write buffer holds each change's record in an `Arc`, a revision with one change sends each
-//! matching watcher that `Arc`, and one with more gathers the matched records once into a
-//! shared [`RevChanges`] sent with the positions each watcher should see. Every [`Event`]
-//! holds its record and reads its key and value from it, so a revision costs the writer one
-//! channel send per matching watcher and the receiver no copy of any key or value.
+//! keys in a hash map with a random seed per map, ranges in an interval index), so a change
+//! is matched with one lookup plus one stab, whatever the number of watchers. Records are
+//! shared, never copied: a revision with one change sends each matching watcher that record's
+//! `Arc`, and one with more gathers the matched records once into a shared [`RevChanges`]
+//! sent with the positions each watcher should see. Every [`Event`] holds its record and
+//! reads its key and value from it, so a revision costs one channel send per matching
+//! watcher and the receiver no copy of any key or value.
 //!
 //! The syncer thread ([`sync`]) catches unsynced watchers up: each round takes every unsynced
 //! watcher whose channel has room, reads the revisions from the lowest revision any of them
@@ -21,9 +29,9 @@
 //! sends every watcher its whole share of the round in one message. A round reads
 //! [`StoreOptions::watch_sync_batch`] revisions, or as many as there are watchers in it if
 //! that is more (so the per-watcher setup of a round stays small against its scan). A watcher
-//! that has everything up to the last revision writers dispatched goes back to synced. Memory
-//! therefore stays bounded by the channels (each message holds at most one round's share),
-//! whatever the consumers do.
+//! that has everything up to the last revision the notifier dispatched goes back to synced.
+//! Memory therefore stays bounded by the channels (each message holds at most one round's
+//! share) and the dispatch queue, whatever the consumers do.
 //!
 //! A [`WatchStream`] multiplexes many watchers onto one bounded channel, like etcd's
 //! `watchStream` (its `chanBufLen` is our channel capacity): a consumer of thousands of
@@ -522,11 +530,56 @@ impl HubShared {
     }
 }
 
+/// Revisions the notifier dispatches per hold of the watcher lock.
+const DISPATCH_BATCH: usize = 256;
+/// Committed revisions queued for the notifier before the writer dispatches them itself.
+const DISPATCH_QUEUE: usize = 4_096;
+
+/// One change of a queued revision: its record (shared with the write buffer) and the
+/// key's revision before it.
+struct Queued {
+    record: Arc<[u8]>,
+    tombstone: bool,
+    prev: Option<Revision>,
+}
+
+/// The changes of a queued revision: one inline, as a put has.
+enum QueuedChanges {
+    One(Queued),
+    Many(Box<[Queued]>),
+}
+
+impl QueuedChanges {
+    fn as_slice(&self) -> &[Queued] {
+        match self {
+            QueuedChanges::One(q) => std::slice::from_ref(q),
+            QueuedChanges::Many(qs) => qs,
+        }
+    }
+}
+
+/// A committed revision waiting for the notifier.
+struct Dispatch {
+    revision: u64,
+    changes: QueuedChanges,
+}
+
 /// The store's registry of watchers.
 pub(crate) struct WatchHub {
     shared: Arc<HubShared>,
     next_id: AtomicU64,
     capacity: usize,
+    /// Committed revisions in order, for the notifier. Writers append under a lock the
+    /// notifier takes once per batch, so it mostly stays in the writer's cache.
+    queue: Mutex<Vec<Dispatch>>,
+    /// Set while the notifier waits for a kick; writers kick only then.
+    pub(crate) parked: AtomicBool,
+    /// Wakes a parked notifier.
+    pub(crate) kick: (Sender<()>, Receiver<()>),
+    /// Held while dispatching from the queue, so revisions go out in order whoever
+    /// dispatches them; holds the batch being dispatched (its allocation is swapped with
+    /// the queue's).
+    dispatching: Mutex<Vec<Dispatch>>,
 }
 
 impl WatchHub {
@@ -540,6 +593,10 @@ impl WatchHub {
             }),
             next_id: AtomicU64::new(1),
             capacity: options.watch_channel_capacity,
+            queue: Mutex::new(Vec::new()),
+            parked: AtomicBool::new(false),
+            kick: crossbeam_channel::bounded(1),
+            dispatching: Mutex::new(Vec::new()),
         }
     }
 
@@ -562,10 +619,12 @@ impl WatchHub {
         let _ = self.shared.wake.0.try_send(());
     }
 
-    /// Hands the events of `revision` to synced watchers; called by the committing writer,
-    /// in revision order, with the buffer its changes went to (`buf.revs[start..]`, one
-    /// entry of `prev_revs` each). Never blocks on a watcher. A change no watcher matches
-    /// costs one key lookup; matched changes are shared, not copied.
+    /// Queues the events of `revision` for the notifier thread; called by the committing
+    /// writer, in revision order, with the buffer its changes went to (`buf.revs[start..]`,
+    /// one entry of `prev_revs` each). The writer neither matches nor sends: it queues its
+    /// changes' records (no allocation for a one-change revision) and wakes the notifier
+    /// only if it is parked. Only when the notifier is a whole queue behind does the writer
+    /// dispatch the queue itself, in order; it never waits for a watcher.
     pub fn notify<B: Backend>(
         &self,
         inner: &Arc<Inner<B>>,
@@ -574,16 +633,80 @@ impl WatchHub {
         start: usize,
         prev_revs: &[Option<Revision>],
     ) {
-        let mut guard = self.shared.state.lock();
-        let st = &mut *guard;
-        st.last_notified = revision;
+        let changes = {
+            let changes = buf.changes.read();
+            let end = (start + prev_revs.len()).min(changes.revs.len());
+            let revs = &changes.revs[start.min(end)..end];
+            let queued = |p: &crate::pending::PendingRev, prev: Option<Revision>| Queued {
+                record: p.record.clone(),
+                tombstone: p.tombstone,
+                prev,
+            };
+            match revs {
+                [one] => QueuedChanges::One(queued(one, prev_revs.first().copied().flatten())),
+                many => QueuedChanges::Many(
+                    many.iter()
+                        .zip(prev_revs)
+                        .map(|(p, prev)| queued(p, *prev))
+                        .collect(),
+                ),
+            }
+        };
+        let d = Dispatch { revision, changes };
+        {
+            let mut queue = self.queue.lock();
+            if queue.len() < DISPATCH_QUEUE {
+                queue.push(d);
+                drop(queue);
+                if self.parked.load(Ordering::SeqCst) {
+                    let _ = self.kick.0.try_send(());
+                }
+                return;
+            }
+        }
+        // The notifier is a whole queue behind: dispatch here, after everything queued.
+        let mut batch = self.dispatching.lock();
+        self.drain_locked(inner, &mut batch);
+        let mut st = self.shared.state.lock();
+        self.dispatch_one(inner, &mut st, &d);
+    }
+
+    /// True when nothing waits for dispatch.
+    pub(crate) fn queue_is_empty(&self) -> bool {
+        self.queue.lock().is_empty()
+    }
+
+    /// Dispatches everything queued, in order.
+    pub(crate) fn drain<B: Backend>(&self, inner: &Arc<Inner<B>>) {
+        let mut batch = self.dispatching.lock();
+        self.drain_locked(inner, &mut batch);
+    }
+
+    /// [`drain`](WatchHub::drain) with `dispatching` held by the caller (`batch` is its
+    /// empty vector): takes the queue whole, then dispatches it holding the watcher lock
+    /// for at most [`DISPATCH_BATCH`] revisions at a time.
+    fn drain_locked<B: Backend>(&self, inner: &Arc<Inner<B>>, batch: &mut Vec<Dispatch>) {
+        std::mem::swap(&mut *self.queue.lock(), batch);
+        for chunk in batch.chunks(DISPATCH_BATCH) {
+            let mut st = self.shared.state.lock();
+            for d in chunk {
+                self.dispatch_one(inner, &mut st, d);
+            }
+        }
+        batch.clear();
+    }
+
+    /// Hands the events of one queued revision to synced watchers. Never blocks on a
+    /// watcher. A change no watcher matches costs one key lookup; matched changes are
+    /// shared, not copied.
+    fn dispatch_one<B: Backend>(&self, inner: &Arc<Inner<B>>, st: &mut HubState, d: &Dispatch) {
+        let revision = d.revision;
+        st.last_notified = st.last_notified.max(revision);
         let mut matches = std::mem::take(&mut st.scratch);
         matches.clear();
         let mut any_prev = false;
         let rev_changes = {
-            let changes = buf.changes.read();
-            let end = (start + prev_revs.len()).min(changes.revs.len());
-            let revs = &changes.revs[start.min(end)..end];
+            let revs = d.changes.as_slice();
             for (i, p) in revs.iter().enumerate() {
                 let Some(key) = record_key(&p.record) else {
                     continue;
@@ -633,12 +756,7 @@ impl WatchHub {
                         let p = &revs[i as usize];
                         let prev = if want_prev {
                             let v = view.get_or_insert_with(|| ReadView::open(inner).ok());
-                            resolve_prev(
-                                inner,
-                                v.as_ref(),
-                                prev_revs.get(i as usize).copied().flatten(),
-                            )
-                            .map(Arc::new)
+                            resolve_prev(inner, v.as_ref(), p.prev).map(Arc::new)
                         } else {
                             None
                         };

@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use crossbeam_channel::{RecvTimeoutError, TrySendError};
 
@@ -28,8 +29,55 @@ struct SyncTarget {
     parts: Vec<Part>,
 }
 
-/// The syncer thread: catches unsynced watchers up until the store shuts down.
+/// How long the notifier lets commits gather after dispatching a batch. A writer queueing
+/// meanwhile finds it asleep rather than waiting on its wake-up channel, so it pays no
+/// wake-up per commit while commits keep coming; events wait at most this much longer.
+const NOTIFY_LINGER: Duration = Duration::from_micros(200);
+
+/// The watch threads, until the store shuts down: the notifier (dispatching committed
+/// revisions to synced watchers) in a thread of its own, and the syncer (catching unsynced
+/// watchers up) in this one.
 pub(crate) fn syncer_loop<B: Backend>(inner: &Arc<Inner<B>>) {
+    std::thread::scope(|scope| {
+        let notifier = std::thread::Builder::new()
+            .name("keel-mvcc-notify".into())
+            .spawn_scoped(scope, || notifier_loop(inner));
+        if let Err(e) = notifier {
+            // Writers then dispatch themselves whenever the queue fills.
+            tracing::error!(error = %e, "cannot start the watch notifier thread");
+        }
+        sync_loop(inner);
+    });
+}
+
+/// The notifier: dispatches what writers queued, a batch at a time.
+fn notifier_loop<B: Backend>(inner: &Arc<Inner<B>>) {
+    let hub = &inner.watch;
+    let stopped =
+        || hub.shared.closed.load(Ordering::Acquire) || inner.shutdown.load(Ordering::Acquire);
+    loop {
+        if stopped() {
+            return;
+        }
+        if hub.queue_is_empty() {
+            // Park: announce it, then look again, so a writer queueing in between either
+            // is seen here or sees the flag and kicks.
+            hub.parked.store(true, Ordering::SeqCst);
+            if hub.queue_is_empty() {
+                match hub.kick.1.recv_timeout(inner.options.watch_sync_interval) {
+                    Ok(()) | Err(RecvTimeoutError::Timeout) => {}
+                    Err(RecvTimeoutError::Disconnected) => return,
+                }
+            }
+            hub.parked.store(false, Ordering::SeqCst);
+        }
+        hub.drain(inner);
+        std::thread::sleep(NOTIFY_LINGER);
+    }
+}
+
+/// The syncer: catches unsynced watchers up until the store shuts down.
+fn sync_loop<B: Backend>(inner: &Arc<Inner<B>>) {
     let hub = &inner.watch;
     let stopped =
         || hub.shared.closed.load(Ordering::Acquire) || inner.shutdown.load(Ordering::Acquire);

@@ -738,3 +738,51 @@ fn events_share_the_stored_record_and_read_its_fields() {
     let past = s.watch(WatchRequest::key(b"k".to_vec()).from(2)).unwrap();
     assert_eq!(collect(&past, 2), ea);
 }
+
+/// A burst of commits longer than the notifier's queue (writers then dispatch the queue
+/// themselves) reaches a stream complete and in revision order, each watcher its own keys.
+#[test]
+fn a_burst_longer_than_the_dispatch_queue_arrives_complete_and_in_order() {
+    let (_d, _p, s) = store();
+    let mut stream = s.watch_stream_with_capacity(30_000);
+    let all = stream.watch(WatchRequest::prefix(b"b/".to_vec())).unwrap();
+    let one = stream.watch(WatchRequest::key(b"b/7".to_vec())).unwrap();
+    let n = 10_000u64;
+    for i in 0..n {
+        s.put(format!("b/{}", i % 10).as_bytes(), &i.to_be_bytes(), 0)
+            .unwrap();
+    }
+    let (mut got_all, mut got_one) = (Vec::new(), Vec::new());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while (got_all.len() as u64) < n || (got_one.len() as u64) < n / 10 {
+        assert!(
+            Instant::now() < deadline,
+            "{} and {} events",
+            got_all.len(),
+            got_one.len()
+        );
+        match stream.recv_timeout(Duration::from_millis(100)).unwrap() {
+            Some(StreamItem::Events { id, events }) => {
+                let target = if id == all {
+                    &mut got_all
+                } else {
+                    &mut got_one
+                };
+                assert!(id == all || id == one);
+                for e in &events {
+                    let v = u64::from_be_bytes(e.value().try_into().unwrap());
+                    assert_eq!(e.key(), format!("b/{}", v % 10).as_bytes());
+                    assert_eq!(e.mod_revision(), v + 1);
+                    target.push(v);
+                }
+            }
+            Some(other) => panic!("unexpected {other:?}"),
+            None => {}
+        }
+    }
+    assert_eq!(got_all, (0..n).collect::<Vec<u64>>());
+    assert_eq!(
+        got_one,
+        (0..n).filter(|v| v % 10 == 7).collect::<Vec<u64>>()
+    );
+}
