@@ -533,7 +533,7 @@ impl HubShared {
 /// Revisions the notifier dispatches per hold of the watcher lock.
 const DISPATCH_BATCH: usize = 256;
 /// Committed revisions queued for the notifier before the writer dispatches them itself.
-const DISPATCH_QUEUE: usize = 4_096;
+const DISPATCH_QUEUE: usize = 16_384;
 
 /// One change of a queued revision: its record (shared with the write buffer) and the
 /// key's revision before it.

@@ -54,6 +54,9 @@ pub struct WatchStream<B: Backend> {
     hub: Weak<HubShared>,
     /// The stream's watchers; their handles carry no channel of their own.
     watchers: FxMap<u64, Watcher>,
+    /// Set once a watcher of the stream was cancelled or ended: responses in the channel
+    /// are then checked against `watchers` (until then every response is for a live one).
+    some_left: bool,
     /// Responses of a received batch not yet handed out, with their watcher.
     ready: VecDeque<(u64, Vec<Event>)>,
     /// Scratch for splitting a message.
@@ -78,6 +81,7 @@ impl<B: Backend> WatchStream<B> {
             shared: Arc::new(StreamShared::default()),
             hub: Arc::downgrade(&inner.watch.shared),
             watchers: FxMap::default(),
+            some_left: false,
             ready: VecDeque::new(),
             split: VecDeque::new(),
         }
@@ -103,7 +107,14 @@ impl<B: Backend> WatchStream<B> {
     /// Cancels one watcher of the stream; false if the stream has no such watcher. Responses
     /// of it still in the channel are dropped.
     pub fn cancel(&mut self, id: u64) -> bool {
-        self.watchers.remove(&id).is_some()
+        let known = self.watchers.remove(&id).is_some();
+        self.some_left |= known;
+        known
+    }
+
+    /// True when `id` is no longer a watcher of the stream.
+    fn left(&self, id: u64) -> bool {
+        self.some_left && !self.watchers.contains_key(&id)
     }
 
     /// Number of watchers in the stream.
@@ -121,6 +132,7 @@ impl<B: Backend> WatchStream<B> {
         let mut ended = self.shared.ended.lock();
         while let Some((id, error)) = ended.pop_front() {
             if self.watchers.remove(&id).is_some() {
+                self.some_left = true;
                 return Some(StreamItem::Ended { id, error });
             }
         }
@@ -131,7 +143,7 @@ impl<B: Backend> WatchStream<B> {
     /// watchers.
     fn next_ready(&mut self) -> Option<StreamItem> {
         while let Some((id, events)) = self.ready.pop_front() {
-            if self.watchers.contains_key(&id) {
+            if !self.left(id) {
                 return Some(StreamItem::Events { id, events });
             }
         }
@@ -148,7 +160,7 @@ impl<B: Backend> WatchStream<B> {
                 let _ = hub.wake.0.try_send(());
             }
         }
-        if matches!(msg, Msg::Wake) || !self.watchers.contains_key(&id) {
+        if matches!(msg, Msg::Wake) || self.left(id) {
             return self.next_ended();
         }
         if let Msg::One(part) = msg {
@@ -231,6 +243,7 @@ impl<B: Backend> WatchStream<B> {
     fn closed_out(&mut self) -> Result<Option<StreamItem>, MvccError> {
         self.tx = None;
         self.watchers.clear();
+        self.some_left = true;
         self.ready.clear();
         Err(MvccError::WatchClosed { id: 0 })
     }

@@ -32,7 +32,7 @@ struct SyncTarget {
 /// How long the notifier lets commits gather after dispatching a batch. A writer queueing
 /// meanwhile finds it asleep rather than waiting on its wake-up channel, so it pays no
 /// wake-up per commit while commits keep coming; events wait at most this much longer.
-const NOTIFY_LINGER: Duration = Duration::from_micros(200);
+const NOTIFY_LINGER: Duration = Duration::from_millis(1);
 
 /// The watch threads, until the store shuts down: the notifier (dispatching committed
 /// revisions to synced watchers) in a thread of its own, and the syncer (catching unsynced

@@ -786,3 +786,31 @@ fn a_burst_longer_than_the_dispatch_queue_arrives_complete_and_in_order() {
         (0..n).filter(|v| v % 10 == 7).collect::<Vec<u64>>()
     );
 }
+
+/// Responses already in a stream's channel for a watcher cancelled since are dropped; the
+/// other watchers' responses still come out, in order.
+#[test]
+fn a_stream_drops_queued_responses_of_a_cancelled_watcher() {
+    let (_d, _p, s) = store();
+    let mut stream = s.watch_stream_with_capacity(1_000);
+    let a = stream.watch(WatchRequest::key(b"a".to_vec())).unwrap();
+    let b = stream.watch(WatchRequest::key(b"b".to_vec())).unwrap();
+    for i in 0..20u32 {
+        s.put(if i % 2 == 0 { b"a" } else { b"b" }, &i.to_be_bytes(), 0)
+            .unwrap();
+    }
+    // Let every response reach the channel before cancelling.
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(stream.cancel(a));
+    let mut revs = Vec::new();
+    while let Some(item) = stream.recv_timeout(Duration::from_millis(300)).unwrap() {
+        match item {
+            StreamItem::Events { id, events } => {
+                assert_eq!(id, b, "a response of the cancelled watcher");
+                revs.extend(events.iter().map(|e| e.mod_revision()));
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(revs, (1..=10u64).map(|i| 2 * i).collect::<Vec<u64>>());
+}
