@@ -11,7 +11,10 @@ pub struct StoreOptions {
     /// backend. Default: 100 ms (etcd).
     pub batch_interval: Duration,
     /// Pending writes (changed revisions plus auxiliary writes) that trigger a backend commit
-    /// before the interval ends. Default: 10 000 (etcd).
+    /// before the interval ends. When the committer falls behind, a write transaction that
+    /// leaves four times this many pending waits for the running backend commit to end, and
+    /// one that leaves eight times this many commits them itself, so memory stays bounded.
+    /// Default: 10 000 (etcd).
     pub batch_limit: usize,
     /// Largest request, counting keys, values and range ends. Default: 1.5 MiB (etcd).
     pub max_request_bytes: usize,

@@ -206,7 +206,7 @@ impl<T: ReadTxn> Sources<'_, T> {
             }
         }
         if !misses.is_empty() {
-            misses.sort_unstable();
+            sort_misses(&mut misses);
             let mut txn = self.txn.borrow().clone();
             let mut read = 0usize;
             let mut m = 0;
@@ -302,6 +302,51 @@ impl<T: ReadTxn> Sources<'_, T> {
         }
         Ok(())
     }
+}
+
+/// Sorts `(revision, slot)` pairs by revision, then slot (slots come in ascending order).
+///
+/// A whole-key-space read sorts one pair per key, in an order unrelated to revisions once
+/// keys were rewritten at random, so long inputs are radix-sorted: one stable counting pass
+/// per byte of `(main, sub)` that differs between the pairs (three or four for a store of
+/// millions of revisions), instead of a comparison sort's `n log n` comparisons.
+fn sort_misses(misses: &mut Vec<(Revision, usize)>) {
+    if misses.len() < 512 {
+        misses.sort_unstable();
+        return;
+    }
+    let key = |r: &Revision| (u128::from(r.main) << 64) | u128::from(r.sub);
+    let (mut any, mut all) = (0u128, u128::MAX);
+    for (r, _) in misses.iter() {
+        any |= key(r);
+        all &= key(r);
+    }
+    let varying = any ^ all;
+    let mut src = std::mem::take(misses);
+    let mut dst = src.clone();
+    for shift in (0..128).step_by(8) {
+        if (varying >> shift) & 0xff == 0 {
+            continue;
+        }
+        let digit = |r: &Revision| ((key(r) >> shift) & 0xff) as usize;
+        let mut next = [0usize; 256];
+        for (r, _) in &src {
+            next[digit(r)] += 1;
+        }
+        let mut at = 0;
+        for slot in &mut next {
+            let count = *slot;
+            *slot = at;
+            at += count;
+        }
+        for item in &src {
+            let d = digit(&item.0);
+            dst[next[d]] = *item;
+            next[d] += 1;
+        }
+        std::mem::swap(&mut src, &mut dst);
+    }
+    *misses = src;
 }
 
 fn missing(rev: Revision, compacted: &impl Fn() -> u64) -> MvccError {
@@ -430,5 +475,34 @@ pub(crate) fn scan_live<B: Backend>(
         }
         after = last;
         drop(idx);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn radix_sorted_misses_match_a_comparison_sort() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for (len, main_range, sub_range) in [(100, 50, 3), (5_000, 1 << 20, 1), (5_000, 300, 70)] {
+            let mut misses: Vec<(Revision, usize)> = (0..len)
+                .map(|i| {
+                    let rev = Revision::new(next() % main_range + 1, next() % sub_range);
+                    (rev, i)
+                })
+                .collect();
+            misses.push((Revision::new(u64::MAX, u64::MAX), len));
+            let mut expected = misses.clone();
+            expected.sort_unstable();
+            sort_misses(&mut misses);
+            assert_eq!(misses, expected, "{len} pairs");
+        }
     }
 }

@@ -312,15 +312,23 @@ impl<'a, B: Backend> WriteTxn<'a, B> {
                 .notify(self.inner, revision, &buf, start, &self.scratch.prev_revs);
         }
         let limit = self.inner.options.batch_limit;
-        if pending_writes >= limit.saturating_mul(4) {
-            // The committer fell far behind: commit here so memory stays bounded.
-            if let Err(e) = self.inner.commit_pending() {
-                tracing::error!(error = %e, "backend commit from a writer failed");
+        if pending_writes >= limit {
+            if !self.inner.commit_requested.swap(true, Ordering::AcqRel) {
+                let _ = self.inner.committer.send(Signal::Commit);
             }
-        } else if pending_writes >= limit
-            && !self.inner.commit_requested.swap(true, Ordering::AcqRel)
-        {
-            let _ = self.inner.committer.send(Signal::Commit);
+            if pending_writes >= limit.saturating_mul(8) {
+                // The committer makes no progress (it has not even taken the buffer since
+                // the last commit ended): commit here so memory stays bounded.
+                if let Err(e) = self.inner.commit_pending() {
+                    tracing::error!(error = %e, "backend commit from a writer failed");
+                }
+            } else if pending_writes >= limit.saturating_mul(4) {
+                // The committer is behind: wait for the commit it is running to end, then go
+                // on while it commits this buffer. Writes keep overlapping backend commits
+                // (and their fsyncs) instead of stopping for a commit of their own; memory
+                // holds at most the buffer being committed and this one.
+                drop(self.inner.commit_lock.lock());
+            }
         }
         Ok(revision)
     }

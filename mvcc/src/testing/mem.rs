@@ -54,12 +54,20 @@ pub struct MemBackend {
     readers: Arc<ReaderCount>,
     commit: Mutex<()>,
     fail: AtomicBool,
+    /// Nanoseconds every commit sleeps before it applies its batch.
+    commit_delay: AtomicU64,
 }
 
 impl MemBackend {
     /// Makes every later commit fail with an I/O error (`true`) or succeed again (`false`).
     pub fn set_fail_commits(&self, fail: bool) {
         self.fail.store(fail, Ordering::Release);
+    }
+
+    /// Makes every later commit sleep `delay` before applying its batch, like a slow disk.
+    pub fn set_commit_delay(&self, delay: std::time::Duration) {
+        let nanos = u64::try_from(delay.as_nanos()).unwrap_or(u64::MAX);
+        self.commit_delay.store(nanos, Ordering::Release);
     }
 
     /// Forgets the contents stored under `path` (the path must not be open).
@@ -194,6 +202,7 @@ impl Backend for MemBackend {
             readers: Arc::default(),
             commit: Mutex::new(()),
             fail: AtomicBool::new(false),
+            commit_delay: AtomicU64::new(0),
         })
     }
 
@@ -208,6 +217,10 @@ impl Backend for MemBackend {
 
     fn commit(&self, batch: &WriteBatch) -> Result<(), BackendError> {
         let _c = self.commit.lock();
+        let delay = self.commit_delay.load(Ordering::Acquire);
+        if delay > 0 {
+            std::thread::sleep(std::time::Duration::from_nanos(delay));
+        }
         if self.fail.load(Ordering::Acquire) {
             return Err(BackendError::io(
                 &self.path,

@@ -210,3 +210,41 @@ fn long_scans_do_not_block_writes() {
     // per chunk.
     assert!(worst < Duration::from_millis(500), "a put waited {worst:?}");
 }
+
+/// A backend slower than the writers: writes wait for running commits instead of piling up
+/// in memory, and keep going while the committer works.
+#[test]
+fn writes_wait_for_a_slow_backend_instead_of_piling_up() {
+    const LIMIT: usize = 5;
+    let (_dir, path) = fresh_path();
+    let s = open_at(
+        &path,
+        StoreOptions {
+            batch_limit: LIMIT,
+            batch_interval: Duration::from_secs(3600),
+            ..StoreOptions::default()
+        },
+    );
+    s.backend().set_commit_delay(Duration::from_millis(20));
+    let key_bucket = keel_mvcc::KEY_BUCKET;
+    let mut most_pending = 0;
+    for i in 0..400u32 {
+        s.put(format!("k{i}").as_bytes(), b"v", 0).unwrap();
+        let committed = s.backend().len(&key_bucket);
+        let pending = (i as usize + 1).saturating_sub(committed);
+        most_pending = most_pending.max(pending);
+        // Eight limits in the buffer writers fill, and at most as many in the one being
+        // committed.
+        assert!(
+            pending <= 16 * LIMIT,
+            "{pending} writes wait in memory after put {i}; a limit of {LIMIT} bounds them at {}",
+            16 * LIMIT
+        );
+    }
+    assert!(
+        most_pending > LIMIT,
+        "the backend was never behind ({most_pending} pending at most): the test tests nothing"
+    );
+    s.force_commit().unwrap();
+    assert_eq!(s.backend().len(&key_bucket), 400);
+}
