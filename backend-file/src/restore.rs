@@ -1,14 +1,15 @@
 //! Restore from a snapshot stream with one sync at the end.
 //!
-//! The stream is parsed and checked by keel-mvcc's [`snapshot::restore_with`], and each batch
-//! of a few MiB it yields is committed through [`Backend::commit`] (and shown to the caller's
-//! observer, for [`Backend::restore_observed`]). Commits made on the restoring thread write
-//! their frames without syncing them: straight to the disk where the file system allows it
-//! (see `direct`: no copy into the page cache, at most one piece queued on the device ahead
-//! of other writers' syncs), otherwise through the page cache, starting their writeback. A
-//! segment that fills is synced when it is sealed, and the active one once the whole stream
-//! has been checked, before `restore` returns `Ok`. So a restore costs about one sync per
-//! segment instead of one per batch, and that sync finds the data already written.
+//! The stream is parsed and checked by keel-mvcc's [`snapshot::restore_from`], and each batch
+//! of a few MiB it yields is committed through [`Backend::commit_from`], encoded straight from
+//! the parser's buffer (and shown to the caller's observer, for
+//! [`Backend::restore_observed`]). Commits made on the restoring thread write their frames
+//! without syncing them: straight to the disk where the file system allows it (see `direct`:
+//! no copy into the page cache, at most one piece queued on the device ahead of other
+//! writers' syncs), otherwise through the page cache, starting their writeback. A segment
+//! that fills is synced when it is sealed, and the active one once the whole stream has been
+//! checked, before `restore` returns `Ok`. So a restore costs about one sync per segment
+//! instead of one per batch, and that sync finds the data already written.
 //!
 //! A `RESTORING` marker file, durable before the first frame and removed only after the final
 //! sync, makes a store whose restore did not finish (killed, or failed on a damaged stream)
@@ -43,9 +44,11 @@ impl FileBackend {
             .map_err(|e| BackendError::io(&marker, "create", e))?;
         inner.io.sync_dir(&inner.dir)?;
         *inner.restoring.lock() = Some(std::thread::current().id());
-        let loaded = snapshot::restore_with(input, |batch| {
-            snapshot::observe_batch(batch, observe);
-            self.commit(batch)
+        let loaded = snapshot::restore_from(input, |batch| {
+            for (bucket, key, value) in batch.iter() {
+                observe(bucket, key, value);
+            }
+            self.commit_from(batch)
         });
         *inner.restoring.lock() = None;
         let pairs = loaded?;

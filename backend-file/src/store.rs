@@ -19,7 +19,7 @@ use std::sync::mpsc::{SyncSender, TrySendError};
 use std::thread::JoinHandle;
 
 use keel_mvcc::backend::snapshot::{MAX_KEY, MAX_VALUE};
-use keel_mvcc::{Backend, BackendError, BackendSize, BatchOp, Bucket, WriteBatch};
+use keel_mvcc::{Backend, BackendError, BackendSize, BatchOpRef, BatchSource, Bucket, WriteBatch};
 use parking_lot::{Mutex, RwLock};
 
 use crate::direct::DirectWriter;
@@ -445,18 +445,20 @@ impl Inner {
     }
 
     /// Commits `batch` as one frame; with `sync` false the frame is written but not synced
-    /// (a restore syncs once at its end). Returns whether the reclaimer should run.
-    pub(crate) fn commit(&self, batch: &WriteBatch, sync: bool) -> Result<bool, BackendError> {
+    /// (a restore syncs once at its end). The operations are encoded straight from the
+    /// caller's buffers. Returns whether the reclaimer should run.
+    pub(crate) fn commit(&self, batch: &dyn BatchSource, sync: bool) -> Result<bool, BackendError> {
         let mut w = self.writer.lock();
         Self::check_poison(&w)?;
         // Validate everything before writing anything.
         let mut new_buckets: Vec<Bucket> = Vec::new();
-        for op in batch.ops() {
+        let mut estimate = FRAME_HEADER as u64;
+        batch.for_each_op(&mut |op| {
             let (bucket, sizes) = match op {
-                BatchOp::Put { bucket, key, value } => (bucket, [key.len(), value.len()]),
-                BatchOp::Delete { bucket, key } => (bucket, [key.len(), 0]),
-                BatchOp::DeleteRange { bucket, start, end } => {
-                    (bucket, [start.len(), end.as_ref().map_or(0, Vec::len)])
+                BatchOpRef::Put { bucket, key, value } => (bucket, [key.len(), value.len()]),
+                BatchOpRef::Delete { bucket, key } => (bucket, [key.len(), 0]),
+                BatchOpRef::DeleteRange { bucket, start, end } => {
+                    (bucket, [start.len(), end.map_or(0, <[u8]>::len)])
                 }
             };
             if sizes[0] > MAX_KEY {
@@ -475,23 +477,22 @@ impl Inner {
             }
             if !w.version.names.contains_key(bucket) && !new_buckets.contains(bucket) {
                 bucket.validate()?;
-                if matches!(op, BatchOp::Put { .. }) {
+                if matches!(op, BatchOpRef::Put { .. }) {
                     new_buckets.push(bucket.clone());
                 }
             }
-        }
-        if batch.is_empty() {
-            return Ok(false);
-        }
-        let mut estimate = FRAME_HEADER as u64;
-        for op in batch.ops() {
             estimate += match op {
-                BatchOp::Put { key, value, .. } => format::put_len(key.len(), value.len()),
-                BatchOp::Delete { key, .. } => 9 + key.len() as u64,
-                BatchOp::DeleteRange { start, end, .. } => {
-                    13 + (start.len() + end.as_ref().map_or(0, Vec::len)) as u64
+                BatchOpRef::Put { key, value, .. } => format::put_len(key.len(), value.len()),
+                BatchOpRef::Delete { key, .. } => 9 + key.len() as u64,
+                BatchOpRef::DeleteRange { start, end, .. } => {
+                    13 + (start.len() + end.map_or(0, <[u8]>::len)) as u64
                 }
             };
+            Ok(())
+        })?;
+        let ops = batch.op_count();
+        if ops == 0 {
+            return Ok(false);
         }
         for b in w.bucket_names.iter().chain(&new_buckets) {
             estimate += 6 + b.name().len() as u64;
@@ -499,6 +500,7 @@ impl Inner {
         self.begin_frame(&mut w, estimate)?;
         let first_new = w.bucket_names.len() as u32;
         let mut buf = std::mem::take(&mut w.buf);
+        buf.reserve(estimate as usize);
         for (i, b) in new_buckets.iter().enumerate() {
             format::put_bucket(&mut buf, first_new + i as u32, b.name());
         }
@@ -511,26 +513,27 @@ impl Inner {
             })
         };
         // Value offsets of the puts, relative to the frame start, in batch order.
-        let mut value_at = Vec::with_capacity(batch.len());
-        for op in batch.ops() {
+        let mut value_at = Vec::with_capacity(ops);
+        batch.for_each_op(&mut |op| {
             match op {
-                BatchOp::Put { bucket, key, value } => {
+                BatchOpRef::Put { bucket, key, value } => {
                     if let Some(id) = id_of(&w, bucket) {
                         value_at.push(format::put_put(&mut buf, id, key, value) as u64);
                     }
                 }
-                BatchOp::Delete { bucket, key } => {
+                BatchOpRef::Delete { bucket, key } => {
                     if let Some(id) = id_of(&w, bucket) {
                         format::put_delete(&mut buf, id, key);
                     }
                 }
-                BatchOp::DeleteRange { bucket, start, end } => {
+                BatchOpRef::DeleteRange { bucket, start, end } => {
                     if let Some(id) = id_of(&w, bucket) {
-                        format::put_range(&mut buf, id, start, end.as_deref());
+                        format::put_range(&mut buf, id, start, end);
                     }
                 }
             }
-        }
+            Ok(())
+        })?;
         w.buf = buf;
         let start = self.finish_frame(&mut w, sync)?;
 
@@ -547,12 +550,12 @@ impl Inner {
         }
         let seg = w.active.seg.id;
         let mut puts = value_at.into_iter();
-        for op in batch.ops() {
+        batch.for_each_op(&mut |op| {
             match op {
-                BatchOp::Put { bucket, key, value } => {
+                BatchOpRef::Put { bucket, key, value } => {
                     let (Some(id), Some(at)) = (w.version.names.get(bucket).copied(), puts.next())
                     else {
-                        continue;
+                        return Ok(());
                     };
                     let loc = Loc {
                         seg,
@@ -561,18 +564,19 @@ impl Inner {
                     };
                     w.applier().put(id, key, loc);
                 }
-                BatchOp::Delete { bucket, key } => {
+                BatchOpRef::Delete { bucket, key } => {
                     if let Some(id) = w.version.names.get(bucket).copied() {
                         w.applier().delete(id, key);
                     }
                 }
-                BatchOp::DeleteRange { bucket, start, end } => {
+                BatchOpRef::DeleteRange { bucket, start, end } => {
                     if let Some(id) = w.version.names.get(bucket).copied() {
-                        w.applier().delete_range(id, start, end.as_deref());
+                        w.applier().delete_range(id, start, end);
                     }
                 }
             }
-        }
+            Ok(())
+        })?;
         self.publish(&mut w)?;
         let (dead, live) = w.garbage();
         Ok(self.should_reclaim(dead, live))
@@ -610,6 +614,11 @@ impl Backend for FileBackend {
     }
 
     fn commit(&self, batch: &WriteBatch) -> Result<(), BackendError> {
+        self.commit_from(batch)
+    }
+
+    /// Encodes the operations straight from the caller's buffers into the frame.
+    fn commit_from(&self, batch: &dyn BatchSource) -> Result<(), BackendError> {
         let sync = !self.inner.restoring_here();
         if self.inner.commit(batch, sync)? {
             self.nudge_reclaimer();

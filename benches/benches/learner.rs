@@ -437,6 +437,13 @@ fn bench_learner(c: &mut Criterion, rec: &Recorder) {
 }
 
 fn benches(c: &mut Criterion) {
+    // `RUST_LOG=keel_raft_glue=debug` shows each join's phases (stream, restore, install).
+    if std::env::var_os("RUST_LOG").is_some() {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .try_init();
+    }
     let rec = Recorder::new();
     bench_learner(c, &rec);
 }

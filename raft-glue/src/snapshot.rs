@@ -147,6 +147,7 @@ pub(crate) fn send<T: keel_mvcc::ReadTxn>(
     progress: &dyn Fn(u64),
 ) -> Result<(), NodeError> {
     lower_thread_priority();
+    let started = std::time::Instant::now();
     let (from, to) = (msg.from, msg.to);
     let (tx, rx) = bounded(1);
     acks.lock().insert(transfer, tx);
@@ -172,6 +173,13 @@ pub(crate) fn send<T: keel_mvcc::ReadTxn>(
         })?;
         drop(txn);
         w.flush_chunk(true)?;
+        tracing::debug!(
+            from,
+            to,
+            bytes = w.total,
+            ms = started.elapsed().as_secs_f64() * 1e3,
+            "snapshot streamed"
+        );
         match rx.recv_timeout(timeout) {
             Ok(SnapshotAck { error: None, .. }) => Ok(()),
             Ok(SnapshotAck {
@@ -426,12 +434,19 @@ impl<B: keel_mvcc::Backend> LiveRestore<B> {
                     buf: Vec::new(),
                     pos: 0,
                 };
+                let started = std::time::Instant::now();
                 let mut index = IndexBuilder::new();
-                backend
+                let pairs = backend
                     .restore_observed(&mut input, &mut |bucket, key, value| {
                         index.observe(bucket, key, value)
                     })
                     .map_err(|e| NodeError::Store(format!("restoring snapshot: {e}")))?;
+                tracing::debug!(
+                    from = key.0,
+                    pairs,
+                    ms = started.elapsed().as_secs_f64() * 1e3,
+                    "snapshot stream restored"
+                );
                 Ok(Restored {
                     generation,
                     backend,

@@ -19,7 +19,7 @@
 
 use std::io::{self, Read, Write};
 
-use super::{Backend, BackendError, Bucket, PairObserver, ReadTxn, WriteBatch};
+use super::{Backend, BackendError, BatchOpRef, BatchSource, Bucket, ReadTxn, WriteBatch};
 
 /// Stream magic.
 pub const MAGIC: &[u8; 8] = b"KEELSNAP";
@@ -93,17 +93,7 @@ pub fn restore<B: Backend>(backend: &B, input: &mut dyn Read) -> Result<u64, Bac
     if !backend.read_txn()?.buckets()?.is_empty() {
         return Err(BackendError::RestoreNotEmpty);
     }
-    restore_with(input, |batch| backend.commit(batch))
-}
-
-/// Hands every `Put` of `batch` to `observe`, for [`Backend::restore_observed`]
-/// implementations built on [`restore_with`].
-pub fn observe_batch(batch: &WriteBatch, observe: &mut PairObserver<'_>) {
-    for op in batch.ops() {
-        if let super::BatchOp::Put { bucket, key, value } = op {
-            observe(bucket, key, value);
-        }
-    }
+    restore_from(input, |batch| backend.commit_from(batch))
 }
 
 /// Parses and checks a stream, handing its pairs to `apply` in batches; returns the number of
@@ -126,17 +116,196 @@ pub fn observe_batch(batch: &WriteBatch, observe: &mut PairObserver<'_>) {
 ///
 /// An error from `apply` stops the parse and is returned as is. It does not check that the
 /// target is empty: that is the caller's business (see [`BackendError::RestoreNotEmpty`]).
+///
+/// Each batch is copied into a [`WriteBatch`]; [`restore_from`] hands out the same batches
+/// without copying them.
 pub fn restore_with<F>(input: &mut dyn Read, mut apply: F) -> Result<u64, BackendError>
 where
     F: FnMut(&WriteBatch) -> Result<(), BackendError>,
 {
-    let mut r = CrcReader::new(input);
-    let mut header = [0u8; 16];
-    r.take(&mut header)?;
-    if &header[..8] != MAGIC {
+    let mut batch = WriteBatch::new();
+    restore_from(input, |pairs| {
+        batch.clear();
+        for (bucket, key, value) in pairs.iter() {
+            batch.put(bucket, key, value);
+        }
+        apply(&batch)
+    })
+}
+
+/// One batch of pairs handed out by [`restore_from`]: slices of the parser's read buffer,
+/// valid for the call. A [`BatchSource`] of puts, for [`Backend::commit_from`].
+pub struct PairBatch<'a> {
+    buf: &'a [u8],
+    buckets: &'a [Bucket],
+    pairs: &'a [PairAt],
+}
+
+/// Where one pair of a [`PairBatch`] sits in the read buffer (relative to the batch start).
+#[derive(Clone, Copy)]
+struct PairAt {
+    bucket: u32,
+    key: u32,
+    key_len: u32,
+    value: u32,
+    value_len: u32,
+}
+
+impl<'a> PairBatch<'a> {
+    /// The pairs, in stream order: bucket, key, value.
+    pub fn iter(&self) -> impl Iterator<Item = (&'a Bucket, &'a [u8], &'a [u8])> + '_ {
+        let (buf, buckets) = (self.buf, self.buckets);
+        self.pairs.iter().map(move |p| {
+            let key = &buf[p.key as usize..(p.key + p.key_len) as usize];
+            let value = &buf[p.value as usize..(p.value + p.value_len) as usize];
+            (&buckets[p.bucket as usize], key, value)
+        })
+    }
+
+    /// Number of pairs.
+    pub fn len(&self) -> usize {
+        self.pairs.len()
+    }
+
+    /// True when the batch holds no pair (never for a batch [`restore_from`] hands out).
+    pub fn is_empty(&self) -> bool {
+        self.pairs.is_empty()
+    }
+}
+
+impl BatchSource for PairBatch<'_> {
+    fn for_each_op(
+        &self,
+        sink: &mut dyn FnMut(BatchOpRef<'_>) -> Result<(), BackendError>,
+    ) -> Result<(), BackendError> {
+        self.iter()
+            .try_for_each(|(bucket, key, value)| sink(BatchOpRef::Put { bucket, key, value }))
+    }
+
+    fn op_count(&self) -> usize {
+        self.pairs.len()
+    }
+}
+
+/// Bytes read from the input at a time.
+const READ_BLOCK: usize = 1 << 20;
+
+/// The stream being parsed: a read buffer holding the pending batch's frames and what follows
+/// them, with the running checksum over every byte parsed so far.
+struct Parser<'a> {
+    input: &'a mut dyn Read,
+    buf: Vec<u8>,
+    /// Start of the pending batch's frames in `buf`; pair offsets are relative to it.
+    base: usize,
+    /// Next byte to parse.
+    pos: usize,
+    /// End of the bytes read into `buf`.
+    filled: usize,
+    /// Bytes of `buf` before `hashed` are in `crc`.
+    hashed: usize,
+    crc: crc32fast::Hasher,
+    /// Stream offset of `buf[0]`.
+    origin: u64,
+    eof: bool,
+}
+
+impl Parser<'_> {
+    fn offset(&self) -> u64 {
+        self.origin + self.pos as u64
+    }
+
+    /// Makes `n` bytes from `pos` available, reading more input (and moving the pending
+    /// batch's bytes to the front, or growing the buffer, when it is full). `n` is bounded by
+    /// the caller's checks, never read from the stream unchecked.
+    fn need(&mut self, n: usize) -> Result<(), BackendError> {
+        while self.filled - self.pos < n {
+            if self.eof {
+                return Err(bad(self.offset(), "stream ends early"));
+            }
+            if self.buf.len() - self.filled < READ_BLOCK.min(n) {
+                self.hash_to(self.pos);
+                if self.base > 0 {
+                    self.buf.copy_within(self.base..self.filled, 0);
+                    self.origin += self.base as u64;
+                    self.pos -= self.base;
+                    self.filled -= self.base;
+                    self.hashed -= self.base;
+                    self.base = 0;
+                }
+                let want = (self.pos + n).max(self.filled + READ_BLOCK);
+                if self.buf.len() < want {
+                    self.buf.resize(want.next_power_of_two(), 0);
+                }
+            }
+            match self.input.read(&mut self.buf[self.filled..]) {
+                Ok(0) => self.eof = true,
+                Ok(k) => self.filled += k,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(stream_io(self.origin + self.filled as u64, e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes `n` bytes (made available by `need`), returning their offset in `buf`.
+    fn take(&mut self, n: usize) -> Result<usize, BackendError> {
+        self.need(n)?;
+        let at = self.pos;
+        self.pos += n;
+        Ok(at)
+    }
+
+    fn hash_to(&mut self, end: usize) {
+        if end > self.hashed {
+            self.crc.update(&self.buf[self.hashed..end]);
+            self.hashed = end;
+        }
+    }
+
+    fn u8_at(&self, at: usize) -> u8 {
+        self.buf[at]
+    }
+
+    fn u16_at(&self, at: usize) -> u16 {
+        u16::from_le_bytes([self.buf[at], self.buf[at + 1]])
+    }
+
+    fn u32_at(&self, at: usize) -> u32 {
+        let mut b = [0u8; 4];
+        b.copy_from_slice(&self.buf[at..at + 4]);
+        u32::from_le_bytes(b)
+    }
+
+    fn u64_at(&self, at: usize) -> u64 {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&self.buf[at..at + 8]);
+        u64::from_le_bytes(b)
+    }
+}
+
+/// As [`restore_with`], with each batch handed out as slices of the parser's read buffer
+/// instead of a [`WriteBatch`]: no allocation or copy per pair. Same batches, same order,
+/// same rule for the last one, same checks.
+pub fn restore_from<F>(input: &mut dyn Read, mut apply: F) -> Result<u64, BackendError>
+where
+    F: FnMut(&PairBatch<'_>) -> Result<(), BackendError>,
+{
+    let mut p = Parser {
+        input,
+        buf: vec![0u8; RESTORE_BATCH_BYTES + 2 * READ_BLOCK],
+        base: 0,
+        pos: 0,
+        filled: 0,
+        hashed: 0,
+        crc: crc32fast::Hasher::new(),
+        origin: 0,
+        eof: false,
+    };
+    let at = p.take(16)?;
+    if &p.buf[at..at + 8] != MAGIC {
         return Err(bad(0, "not a keel snapshot stream (bad magic)"));
     }
-    let version = u32::from_le_bytes(header[8..12].try_into().expect("4 bytes"));
+    let version = p.u32_at(at + 8);
     if version != VERSION {
         return Err(bad(
             8,
@@ -144,97 +313,136 @@ where
         ));
     }
 
-    let mut batch = WriteBatch::new();
-    let mut bucket: Option<Bucket> = None;
+    let mut buckets: Vec<Bucket> = Vec::new();
+    let mut pending: Vec<PairAt> = Vec::new();
+    let mut payload = 0usize;
+    // The last key of the previous batch, once that batch is handed out (its bytes may be
+    // gone from the buffer); within a batch the previous pair is compared in place.
     let mut last_key: Vec<u8> = Vec::new();
     let mut have_last = false;
     let mut pairs = 0u64;
+    p.base = p.pos;
     loop {
-        let at = r.offset();
-        let mut tag = [0u8; 1];
-        r.take(&mut tag)?;
-        match tag[0] {
+        let at = p.offset();
+        let tag_at = p.take(1)?;
+        let tag = p.u8_at(tag_at);
+        match tag {
             TAG_BUCKET => {
-                let mut len = [0u8; 2];
-                r.take(&mut len)?;
-                let len = u16::from_le_bytes(len) as usize;
+                let len_at = p.take(2)?;
+                let len = p.u16_at(len_at) as usize;
                 if len == 0 || len > super::MAX_BUCKET_NAME {
                     return Err(bad(at, format!("bucket name length {len} out of range")));
                 }
-                let mut name = vec![0u8; len];
-                r.take(&mut name)?;
-                let name =
-                    String::from_utf8(name).map_err(|_| bad(at, "bucket name is not UTF-8"))?;
-                let next = Bucket::from_name(name).map_err(|e| bad(at, e.to_string()))?;
-                if bucket.as_ref().is_some_and(|prev| *prev >= next) {
+                let name_at = p.take(len)?;
+                let name = std::str::from_utf8(&p.buf[name_at..name_at + len])
+                    .map_err(|_| bad(at, "bucket name is not UTF-8"))?;
+                let next =
+                    Bucket::from_name(name.to_owned()).map_err(|e| bad(at, e.to_string()))?;
+                if buckets.last().is_some_and(|prev| *prev >= next) {
                     return Err(bad(at, "buckets out of order"));
                 }
-                bucket = Some(next);
+                buckets.push(next);
                 have_last = false;
             }
             TAG_PAIR => {
-                let Some(current) = bucket.as_ref() else {
+                if buckets.is_empty() {
                     return Err(bad(at, "pair before any bucket"));
-                };
-                let mut lens = [0u8; 8];
-                r.take(&mut lens)?;
-                let klen = u32::from_le_bytes(lens[..4].try_into().expect("4 bytes")) as usize;
-                let vlen = u32::from_le_bytes(lens[4..].try_into().expect("4 bytes")) as usize;
+                }
+                let lens = p.take(8)?;
+                let klen = p.u32_at(lens) as usize;
+                let vlen = p.u32_at(lens + 4) as usize;
                 if klen > MAX_KEY || vlen > MAX_VALUE {
                     return Err(bad(at, format!("pair lengths {klen}/{vlen} exceed limits")));
                 }
-                let mut key = vec![0u8; klen];
-                r.take(&mut key)?;
-                let mut value = vec![0u8; vlen];
-                r.take(&mut value)?;
-                if have_last && last_key >= key {
-                    return Err(bad(at, "keys out of order"));
+                // Key and value together, so that the key is not moved away by a refill.
+                let key_at = p.take(klen + vlen)?;
+                let key = &p.buf[key_at..key_at + klen];
+                if have_last {
+                    let previous = match pending.last() {
+                        Some(prev) if prev.bucket as usize == buckets.len() - 1 => {
+                            let from = p.base + prev.key as usize;
+                            &p.buf[from..from + prev.key_len as usize]
+                        }
+                        _ => last_key.as_slice(),
+                    };
+                    if previous >= key {
+                        return Err(bad(at, "keys out of order"));
+                    }
                 }
-                last_key.clear();
-                last_key.extend_from_slice(&key);
                 have_last = true;
-                batch.put(current, key, value);
+                let rel = key_at - p.base;
+                pending.push(PairAt {
+                    bucket: (buckets.len() - 1) as u32,
+                    key: rel as u32,
+                    key_len: klen as u32,
+                    value: (rel + klen) as u32,
+                    value_len: vlen as u32,
+                });
+                payload += klen + vlen;
                 pairs += 1;
-                if batch.payload_bytes() >= RESTORE_BATCH_BYTES
-                    || batch.len() >= RESTORE_BATCH_PAIRS
-                {
-                    // Held back while the next frame is read: if the stream ends here, this
-                    // is the last batch, and it must follow the checksum.
-                    let mut next = [0u8; 1];
-                    r.take(&mut next)?;
-                    r.unread(next[0]);
-                    if next[0] != TAG_END {
-                        apply(&batch)?;
-                        batch.clear();
+                if payload >= RESTORE_BATCH_BYTES || pending.len() >= RESTORE_BATCH_PAIRS {
+                    // Held back while the next frame's tag is read: if the stream ends here,
+                    // this is the last batch, and it must follow the checksum.
+                    p.need(1)?;
+                    if p.u8_at(p.pos) != TAG_END {
+                        let end = p.pos;
+                        let last = pending[pending.len() - 1];
+                        let from = p.base + last.key as usize;
+                        last_key.clear();
+                        last_key.extend_from_slice(&p.buf[from..from + last.key_len as usize]);
+                        apply(&PairBatch {
+                            buf: &p.buf[p.base..end],
+                            buckets: &buckets,
+                            pairs: &pending,
+                        })?;
+                        pending.clear();
+                        payload = 0;
+                        p.base = end;
                     }
                 }
             }
             TAG_END => {
-                let mut count = [0u8; 8];
-                r.take(&mut count)?;
-                let expected_crc = r.crc.clone().finalize();
-                let mut crc = [0u8; 4];
-                r.take(&mut crc)?;
-                if u32::from_le_bytes(crc) != expected_crc {
+                let count_at = p.take(8)?;
+                let count = p.u64_at(count_at);
+                p.hash_to(p.pos);
+                let expected_crc = p.crc.clone().finalize();
+                let crc_at = p.take(4)?;
+                let crc = p.u32_at(crc_at);
+                if crc != expected_crc {
                     return Err(bad(at, "checksum mismatch"));
                 }
-                if u64::from_le_bytes(count) != pairs {
+                if count != pairs {
                     return Err(bad(at, "pair count mismatch"));
                 }
-                let mut extra = [0u8; 1];
-                match r.input.read(&mut extra) {
-                    Ok(0) => {}
-                    Ok(_) => return Err(bad(r.read, "bytes after the end frame")),
-                    Err(e) => return Err(stream_io(r.read, e)),
+                if p.filled > p.pos {
+                    return Err(bad(p.offset(), "bytes after the end frame"));
                 }
-                if !batch.is_empty() {
-                    apply(&batch)?;
+                let mut extra = [0u8; 1];
+                loop {
+                    match p.input.read(&mut extra) {
+                        Ok(0) => break,
+                        Ok(_) => return Err(bad(p.offset(), "bytes after the end frame")),
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                        Err(e) => return Err(stream_io(p.offset(), e)),
+                    }
+                }
+                if !pending.is_empty() {
+                    apply(&PairBatch {
+                        buf: &p.buf[p.base..at_in_buf(&p, at)],
+                        buckets: &buckets,
+                        pairs: &pending,
+                    })?;
                 }
                 return Ok(pairs);
             }
             other => return Err(bad(at, format!("unknown frame tag {other:#04x}"))),
         }
     }
+}
+
+/// Position in `p.buf` of stream offset `at` (which must be in the buffer).
+fn at_in_buf(p: &Parser<'_>, at: u64) -> usize {
+    (at - p.origin) as usize
 }
 
 fn bad(offset: u64, reason: impl Into<String>) -> BackendError {
@@ -274,58 +482,5 @@ impl<'a> CrcWriter<'a> {
         self.crc.update(bytes);
         self.written += bytes.len() as u64;
         Ok(())
-    }
-}
-
-struct CrcReader<'a> {
-    input: &'a mut dyn Read,
-    crc: crc32fast::Hasher,
-    read: u64,
-    /// One byte already read (and counted in `crc` and `read`), handed out first.
-    pushed_back: Option<u8>,
-}
-
-impl<'a> CrcReader<'a> {
-    fn new(input: &'a mut dyn Read) -> Self {
-        CrcReader {
-            input,
-            crc: crc32fast::Hasher::new(),
-            read: 0,
-            pushed_back: None,
-        }
-    }
-
-    fn take(&mut self, buf: &mut [u8]) -> Result<(), BackendError> {
-        let mut rest = &mut buf[..];
-        if let Some(byte) = self.pushed_back.take() {
-            match rest.split_first_mut() {
-                Some((first, tail)) => {
-                    *first = byte;
-                    rest = tail;
-                }
-                None => {
-                    self.pushed_back = Some(byte);
-                    return Ok(());
-                }
-            }
-        }
-        self.input
-            .read_exact(rest)
-            .map_err(|e| stream_io(self.read, e))?;
-        self.crc.update(rest);
-        self.read += rest.len() as u64;
-        Ok(())
-    }
-
-    /// Stream offset of the next byte `take` hands out.
-    fn offset(&self) -> u64 {
-        self.read - u64::from(self.pushed_back.is_some())
-    }
-
-    /// Gives back the one byte just taken: the next `take` starts with it. It stays counted
-    /// in the checksum and the offset, where it was when first read.
-    fn unread(&mut self, byte: u8) {
-        debug_assert!(self.pushed_back.is_none());
-        self.pushed_back = Some(byte);
     }
 }

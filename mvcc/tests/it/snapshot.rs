@@ -138,3 +138,95 @@ fn apply_error_stops_the_parse() {
     );
     assert_eq!(calls, 1, "apply called after it failed");
 }
+
+/// A reader handing out the stream in pieces of random length (1 byte to 3 MiB).
+struct Choppy<'a> {
+    data: &'a [u8],
+    rng: rand::rngs::StdRng,
+}
+
+impl std::io::Read for Choppy<'_> {
+    fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+        use rand::Rng;
+        let most = out.len().min(self.data.len());
+        if most == 0 {
+            return Ok(0);
+        }
+        let n = if self.rng.random_bool(0.3) {
+            self.rng.random_range(1..=most.min(64))
+        } else {
+            self.rng.random_range(1..=most.min(3 << 20))
+        };
+        out[..n].copy_from_slice(&self.data[..n]);
+        self.data = &self.data[n..];
+        Ok(n)
+    }
+}
+
+#[test]
+fn borrowed_batches_match_owned_ones_whatever_the_reads() {
+    use rand::SeedableRng;
+    // Many small pairs, then values larger than the parser's buffer.
+    let (_dir, path) = fresh_path();
+    let backend = MemBackend::open(&path, &MemOptions::default()).expect("open");
+    let mut batch = WriteBatch::new();
+    for i in 0..(RESTORE_BATCH_PAIRS + 4_321) {
+        batch.put(
+            &keel_mvcc::Bucket::new("a"),
+            format!("k{i:08}"),
+            vec![(i % 251) as u8; i % 40],
+        );
+    }
+    for i in 0..3u8 {
+        batch.put(&keel_mvcc::Bucket::new("b"), vec![i], vec![i; 20 << 20]);
+    }
+    backend.commit(&batch).expect("commit");
+    let mut stream = Vec::new();
+    backend.snapshot(&mut stream).expect("snapshot");
+
+    let mut owned = Vec::new();
+    snapshot::restore_with(&mut &stream[..], |b| {
+        owned.push(b.clone());
+        Ok(())
+    })
+    .expect("restore_with");
+    for seed in 0..4u64 {
+        let mut input = Choppy {
+            data: &stream,
+            rng: rand::rngs::StdRng::seed_from_u64(seed),
+        };
+        let mut borrowed = Vec::new();
+        let pairs = snapshot::restore_from(&mut input, |b| {
+            let mut w = WriteBatch::new();
+            for (bucket, key, value) in b.iter() {
+                w.put(bucket, key, value);
+            }
+            borrowed.push(w);
+            Ok(())
+        })
+        .unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        assert_eq!(
+            pairs as usize,
+            RESTORE_BATCH_PAIRS + 4_321 + 3,
+            "seed {seed}"
+        );
+        assert!(borrowed == owned, "seed {seed}: batches differ");
+    }
+    // Damage anywhere is still caught through choppy reads.
+    for (i, at) in [17usize, stream.len() / 3, stream.len() - 2]
+        .into_iter()
+        .enumerate()
+    {
+        let mut bad = stream.clone();
+        bad[at] ^= 0x20;
+        let mut input = Choppy {
+            data: &bad,
+            rng: rand::rngs::StdRng::seed_from_u64(i as u64),
+        };
+        let result = snapshot::restore_from(&mut input, |_| Ok(()));
+        assert!(
+            matches!(result, Err(BackendError::Snapshot { .. })),
+            "flip at {at}: {result:?}"
+        );
+    }
+}
