@@ -668,7 +668,7 @@ impl WatchHub {
         let mut batch = self.dispatching.lock();
         self.drain_locked(inner, &mut batch);
         let mut st = self.shared.state.lock();
-        self.dispatch_one(inner, &mut st, &d);
+        self.dispatch_one(inner, &mut st, d);
     }
 
     /// True when nothing waits for dispatch.
@@ -687,49 +687,48 @@ impl WatchHub {
     /// for at most [`DISPATCH_BATCH`] revisions at a time.
     fn drain_locked<B: Backend>(&self, inner: &Arc<Inner<B>>, batch: &mut Vec<Dispatch>) {
         std::mem::swap(&mut *self.queue.lock(), batch);
-        for chunk in batch.chunks(DISPATCH_BATCH) {
+        let mut queued = batch.drain(..).peekable();
+        while queued.peek().is_some() {
             let mut st = self.shared.state.lock();
-            for d in chunk {
+            for d in queued.by_ref().take(DISPATCH_BATCH) {
                 self.dispatch_one(inner, &mut st, d);
             }
         }
-        batch.clear();
     }
 
     /// Hands the events of one queued revision to synced watchers. Never blocks on a
     /// watcher. A change no watcher matches costs one key lookup; matched changes are
     /// shared, not copied.
-    fn dispatch_one<B: Backend>(&self, inner: &Arc<Inner<B>>, st: &mut HubState, d: &Dispatch) {
-        let revision = d.revision;
+    fn dispatch_one<B: Backend>(&self, inner: &Arc<Inner<B>>, st: &mut HubState, d: Dispatch) {
+        let Dispatch { revision, changes } = d;
         st.last_notified = st.last_notified.max(revision);
         let mut matches = std::mem::take(&mut st.scratch);
         matches.clear();
         let mut any_prev = false;
-        let rev_changes = {
-            let revs = d.changes.as_slice();
-            for (i, p) in revs.iter().enumerate() {
-                let Some(key) = record_key(&p.record) else {
-                    continue;
-                };
-                let watchers = &st.watchers;
-                st.matcher.for_each_match(key, |slot| {
-                    if let Some(w) = watchers.at(slot)
-                        && w.synced
-                        && w.next_rev <= revision
-                    {
-                        matches.push((slot, i as u32));
-                        any_prev |= w.prev_kv;
-                    }
-                });
-            }
-            if matches.is_empty() {
-                st.scratch = matches;
-                return;
-            }
+        for (i, p) in changes.as_slice().iter().enumerate() {
+            let Some(key) = record_key(&p.record) else {
+                continue;
+            };
+            let watchers = &st.watchers;
+            st.matcher.for_each_match(key, |slot| {
+                if let Some(w) = watchers.at(slot)
+                    && w.synced
+                    && w.next_rev <= revision
+                {
+                    matches.push((slot, i as u32));
+                    any_prev |= w.prev_kv;
+                }
+            });
+        }
+        if matches.is_empty() {
+            st.scratch = matches;
+            return;
+        }
+        let rev_changes = match changes {
             // One change, watchers not asking for its previous pair: share the record alone.
-            if revs.len() == 1 && !any_prev {
-                Shared::One(revs[0].record.clone())
-            } else {
+            QueuedChanges::One(q) if !any_prev => Shared::One(q.record),
+            changes => {
+                let revs = changes.as_slice();
                 if matches.len() > 1 {
                     matches.sort_unstable();
                 }
@@ -778,9 +777,21 @@ impl WatchHub {
             Shared::Many(rev) => rev.changes.len(),
         };
         let mut gone = Vec::new();
+        // The last watcher takes the shared changes themselves, the others a new reference.
+        let mut groups = matches.chunk_by(|a, b| a.0 == b.0).count();
+        let mut rev_changes = Some(rev_changes);
         for group in matches.chunk_by(|a, b| a.0 == b.0) {
+            groups -= 1;
             let Some(w) = st.watchers.at(group[0].0) else {
                 continue;
+            };
+            let rev = if groups == 0 {
+                rev_changes.take()
+            } else {
+                rev_changes.clone()
+            };
+            let Some(rev) = rev else {
+                break;
             };
             let id = w.id;
             let pick = if group.len() == total {
@@ -789,7 +800,7 @@ impl WatchHub {
                 Pick::Some(group.iter().map(|m| m.1).collect())
             };
             let part = Part {
-                rev: rev_changes.clone(),
+                rev,
                 pick,
                 prev_kv: w.prev_kv,
             };
