@@ -423,11 +423,13 @@ impl Backend for LmdbBackend {
         let mut last: Option<(Bucket, Database<Bytes, Bytes>)> = None;
         let mut appending = true;
         let applied = source.for_each_op(&mut |op| {
-            check_op(op, max_key)?;
+            check_key(op, max_key)?;
             let bucket = op_bucket(op);
             let db = match &last {
+                // The same bucket as the last operation: its name was checked then.
                 Some((b, db)) if b == bucket => *db,
                 _ => {
+                    bucket.validate()?;
                     appending = true;
                     let is_put = matches!(op, BatchOpRef::Put { .. });
                     match env::bucket_db(lmdb, &mut wtxn, &dbs, &mut created, bucket, is_put) {
@@ -576,6 +578,11 @@ fn op_bucket(op: BatchOpRef<'_>) -> &Bucket {
 /// longer than `max_key` bytes once marked (see `keys`).
 fn check_op(op: BatchOpRef<'_>, max_key: usize) -> Result<(), BackendError> {
     op_bucket(op).validate()?;
+    check_key(op, max_key)
+}
+
+/// The key-length part of [`check_op`].
+fn check_key(op: BatchOpRef<'_>, max_key: usize) -> Result<(), BackendError> {
     let limit = max_key.saturating_sub(keys::MARK_LEN);
     if let BatchOpRef::Put { key, .. } = op
         && key.len() > limit
