@@ -1,7 +1,8 @@
 //! Matching one changed key against many watchers at once.
 //!
 //! Single-key watchers sit in a hash map from the key to their ids, so a change costs one
-//! lookup whatever the number of watchers. Range watchers sit in an interval index: an array
+//! lookup whatever the number of watchers; keys of up to 38 bytes are held in the map's own
+//! entries, so that lookup compares them without following a pointer. Range watchers sit in an interval index: an array
 //! sorted by range start, read as an implicit balanced binary tree whose every node also knows
 //! the largest range end below it, so a stabbing query visits `O(log n + matches)` nodes and
 //! never a subtree whose ranges all end before the key (etcd's interval tree, static). Added
@@ -227,18 +228,76 @@ impl Intervals {
     }
 }
 
-/// The watchers of one key: most keys have one, kept without an allocation of its own.
+/// Longest key a [`MapKey`] holds inline.
+const INLINE_KEY: usize = 38;
+
+/// A watched key as the map holds it: short keys inline in the map's own entry, so a lookup
+/// compares them without following a pointer to another cache line; longer ones shared.
+#[derive(Clone)]
+enum MapKey {
+    Inline { len: u8, bytes: [u8; INLINE_KEY] },
+    Shared(Arc<[u8]>),
+}
+
+impl MapKey {
+    fn new(key: &Arc<[u8]>) -> MapKey {
+        if key.len() <= INLINE_KEY {
+            let mut bytes = [0u8; INLINE_KEY];
+            bytes[..key.len()].copy_from_slice(key);
+            MapKey::Inline {
+                len: key.len() as u8,
+                bytes,
+            }
+        } else {
+            MapKey::Shared(key.clone())
+        }
+    }
+
+    #[inline]
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            MapKey::Inline { len, bytes } => &bytes[..usize::from(*len)],
+            MapKey::Shared(key) => key,
+        }
+    }
+}
+
+// Hashes and compares as the key's bytes, so the map is searched with a `&[u8]`.
+impl std::hash::Hash for MapKey {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.as_slice().hash(state);
+    }
+}
+
+impl PartialEq for MapKey {
+    fn eq(&self, other: &MapKey) -> bool {
+        self.as_slice() == other.as_slice()
+    }
+}
+
+impl Eq for MapKey {}
+
+impl std::borrow::Borrow<[u8]> for MapKey {
+    fn borrow(&self) -> &[u8] {
+        self.as_slice()
+    }
+}
+
+/// The watchers of one key: most keys have one, kept without an allocation of its own (and
+/// the entry small: more watchers of one key sit in a boxed slice, rebuilt on change).
 enum Ids {
     One(u64),
-    Many(Vec<u64>),
+    Many(Box<[u64]>),
 }
 
 impl Ids {
     fn push(&mut self, id: u64) {
-        match self {
-            Ids::One(first) => *self = Ids::Many(vec![*first, id]),
-            Ids::Many(ids) => ids.push(id),
-        }
+        let mut ids = match self {
+            Ids::One(first) => vec![*first],
+            Ids::Many(ids) => ids.to_vec(),
+        };
+        ids.push(id);
+        *self = Ids::Many(ids.into_boxed_slice());
     }
 
     /// Removes `id`; true when none is left.
@@ -246,7 +305,8 @@ impl Ids {
         match self {
             Ids::One(only) => *only == id,
             Ids::Many(ids) => {
-                ids.retain(|&i| i != id);
+                let left: Box<[u64]> = ids.iter().copied().filter(|&i| i != id).collect();
+                *ids = left;
                 ids.is_empty()
             }
         }
@@ -256,7 +316,7 @@ impl Ids {
 /// Watchers by what they watch: one key, or a range `[key, end)`.
 #[derive(Default)]
 pub(crate) struct Matcher {
-    keys: FxMap<Arc<[u8]>, Ids>,
+    keys: FxMap<MapKey, Ids>,
     ranges: Intervals,
 }
 
@@ -264,7 +324,7 @@ impl Matcher {
     /// Adds watcher `id` of `key` (`end = None`) or of the range `[key, end)`.
     pub fn insert(&mut self, id: u64, key: &Arc<[u8]>, end: Option<&End>) {
         match end {
-            None => match self.keys.entry(key.clone()) {
+            None => match self.keys.entry(MapKey::new(key)) {
                 Entry::Occupied(mut e) => e.get_mut().push(id),
                 Entry::Vacant(e) => {
                     e.insert(Ids::One(id));
@@ -324,6 +384,49 @@ mod tests {
             .map(|i| build.hash_one(format!("key-{i:020}").as_bytes()) & 0x3fff)
             .collect();
         assert!(low.len() > 7_000, "{} distinct low bits", low.len());
+    }
+
+    /// Keys short enough to sit inline and longer shared ones (around the boundary) are
+    /// found, told apart and removed alike.
+    #[test]
+    fn inline_and_shared_keys_match_alike() {
+        let mut m = Matcher::default();
+        let distinct: std::collections::BTreeSet<Vec<u8>> =
+            [0, 1, 2, INLINE_KEY - 1, INLINE_KEY, INLINE_KEY + 1, 100]
+                .iter()
+                .flat_map(|&n| {
+                    [
+                        vec![b'k'; n],
+                        [vec![b'k'; n.saturating_sub(1)], vec![b'x']].concat(),
+                    ]
+                })
+                .collect();
+        let keys: Vec<Arc<[u8]>> = distinct.into_iter().map(Arc::from).collect();
+        for (id, k) in keys.iter().enumerate() {
+            m.insert(id as u64, k, None);
+            m.insert(1_000 + id as u64, k, None);
+        }
+        for (id, k) in keys.iter().enumerate() {
+            let mut got = Vec::new();
+            m.for_each_match(k, |i| got.push(i));
+            got.sort_unstable();
+            assert_eq!(
+                got,
+                [id as u64, 1_000 + id as u64],
+                "key of {} bytes",
+                k.len()
+            );
+            m.remove(id as u64, k, None);
+            m.remove(1_000 + id as u64, k, None);
+            let mut none = Vec::new();
+            m.for_each_match(k, |i| none.push(i));
+            assert!(
+                none.is_empty(),
+                "removed key of {} bytes still matches",
+                k.len()
+            );
+        }
+        assert!(m.keys.is_empty());
     }
 
     /// Each map draws its own seed: the same key hashes apart in two maps, and alike in one.
