@@ -213,6 +213,8 @@ fn headline_on<B: Backend + 'static>(c: &mut Criterion, label: &str, s: Arc<Stor
     // Writer CPU per put, with and without the reader: equal figures mean the reader costs
     // the writer CPU time (cores), not waiting.
     let mut cpu_per_put = [0.0f64; 2];
+    // Every thread's CPU per put, and the reader's per key it read, per phase.
+    let mut split = [String::new(), String::new()];
     let mut window = Duration::ZERO;
     for with_reader in [false, true] {
         let stop = Arc::new(AtomicBool::new(false));
@@ -220,19 +222,22 @@ fn headline_on<B: Backend + 'static>(c: &mut Criterion, label: &str, s: Arc<Stor
         let reader = with_reader.then(|| {
             let (s, stop, scans, started) =
                 (s.clone(), stop.clone(), scans.clone(), started.clone());
-            std::thread::spawn(move || {
-                while !stop.load(Ordering::Acquire) {
-                    let view = s.read().expect("view");
-                    started.store(true, Ordering::Release);
-                    let r = view
-                        .range(&RangeRequest::range(b"key-".to_vec(), vec![0]))
-                        .expect("scan");
-                    assert_eq!(r.count as u64, keys);
-                    assert_eq!(r.kvs.len() as u64, keys, "the scan reads every pair");
-                    black_box(r);
-                    scans.fetch_add(1, Ordering::Relaxed);
-                }
-            })
+            std::thread::Builder::new()
+                .name("reader".to_owned())
+                .spawn(move || {
+                    while !stop.load(Ordering::Acquire) {
+                        let view = s.read().expect("view");
+                        started.store(true, Ordering::Release);
+                        let r = view
+                            .range(&RangeRequest::range(b"key-".to_vec(), vec![0]))
+                            .expect("scan");
+                        assert_eq!(r.count as u64, keys);
+                        assert_eq!(r.kvs.len() as u64, keys, "the scan reads every pair");
+                        black_box(r);
+                        scans.fetch_add(1, Ordering::Relaxed);
+                    }
+                })
+                .expect("spawn reader")
         });
         while with_reader && !started.load(Ordering::Acquire) {
             std::thread::sleep(Duration::from_millis(1));
@@ -244,6 +249,7 @@ fn headline_on<B: Backend + 'static>(c: &mut Criterion, label: &str, s: Arc<Stor
         };
         let scans_before = scans.load(Ordering::Relaxed);
         let (cpu0, puts0) = (thread_cpu(), lat.len());
+        let threads0 = threads_cpu();
         let t_window = Instant::now();
         group.bench_function(name.as_str(), |b| {
             b.iter_custom(|iters| {
@@ -264,9 +270,21 @@ fn headline_on<B: Backend + 'static>(c: &mut Criterion, label: &str, s: Arc<Stor
             let n = (lat.len() - puts0).max(1) as f64;
             cpu_per_put[usize::from(with_reader)] = (c1 - c0).as_secs_f64() * 1e6 / n;
         }
+        let mut threads1 = threads_cpu();
+        let reader_ns = threads1.remove("reader").unwrap_or(0);
+        split[usize::from(with_reader)] =
+            cpu_split(&threads0, &threads1, (lat.len() - puts0) as f64);
         if with_reader {
             window = t_window.elapsed();
             window_scans = scans.load(Ordering::Relaxed) - scans_before;
+            // Partial scans at both ends are not counted: an upper bound.
+            let read = (window_scans * keys).max(1) as f64;
+            split[1].push_str(&format!(
+                "; reader {:.2} us per key read",
+                reader_ns.saturating_sub(threads0.get("reader").copied().unwrap_or(0)) as f64
+                    / 1e3
+                    / read
+            ));
         }
         stop.store(true, Ordering::Release);
         if let Some(r) = reader {
@@ -297,6 +315,10 @@ fn headline_on<B: Backend + 'static>(c: &mut Criterion, label: &str, s: Arc<Stor
     println!(
         "REPORT etcd 3.4 headline ({label}): writer thread CPU per put: {:.2} us alone, {:.2} us with the reader",
         cpu_per_put[0], cpu_per_put[1]
+    );
+    println!(
+        "REPORT etcd 3.4 headline ({label}): CPU per put in us by thread (schedstat), alone: {}; with the reader: {}",
+        split[0], split[1]
     );
 }
 
