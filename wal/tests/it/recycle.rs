@@ -27,19 +27,28 @@ fn end_after(n: u64) -> u64 {
     32 + 24 + n * 224
 }
 
-/// Appends [`fixed`] entries from `next` one at a time until the background preparation
-/// has left `<seq>.tmp` in `dir` (it starts once the active segment is a quarter full).
-fn fill_until_prepared(wal: &Wal, dir: &Path, next: &mut u64, seq: u64) -> PathBuf {
+/// Appends [`fixed`] entries from `next` one at a time until the active segment, which holds
+/// `held` of them, is a quarter full (the background preparation of segment `seq` starts
+/// then), and waits for it to leave `<seq>.tmp` in `dir`. No append follows the one that
+/// starts it, so a rotation can never rename the file away before it is seen, however late
+/// a loaded machine runs the preparation.
+fn fill_until_prepared(wal: &Wal, dir: &Path, next: &mut u64, seq: u64, mut held: u64) -> PathBuf {
     let path = dir.join(format!("{seq:016x}.tmp"));
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let quarter = small().segment_size / 4;
+    let deadline = Instant::now() + Duration::from_secs(30);
     while !path.exists() {
         assert!(
             Instant::now() < deadline,
             "{} never appeared",
             path.display()
         );
-        wal.append(&fixed(*next, *next + 1), None, true).unwrap();
-        *next += 1;
+        if end_after(held) < quarter {
+            wal.append(&fixed(*next, *next + 1), None, true).unwrap();
+            *next += 1;
+            held += 1;
+        } else {
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
     // The rename is the preparation's first step; let it finish writing the header.
     std::thread::sleep(Duration::from_millis(50));
@@ -123,7 +132,7 @@ fn records_of_a_recycled_files_earlier_life_are_never_returned() {
         let first1 = wal.last_index() - 10;
         wal.release_to(first1).unwrap();
         assert_eq!(wal.segment_count(), 2);
-        fill_until_prepared(&wal, dir.path(), &mut next, 3);
+        fill_until_prepared(&wal, dir.path(), &mut next, 3, 1);
         fill_to(&wal, &mut next, 3);
         let stats = wal.stats();
         assert_eq!(stats.recycled, 1, "{stats:?}");
@@ -198,10 +207,11 @@ fn a_recycled_segment_put_in_place_before_its_first_record_opens_cleanly() {
     let mut next = 1u64;
     let (tmp, last) = {
         let wal = Wal::open(dir.path(), small()).unwrap();
+        // The append that started segment 2 is its only entry.
         fill_to(&wal, &mut next, 3);
         wal.release_to(wal.last_index() - 10).unwrap();
         // Fill segment 2 past a quarter so segment 3 is prepared from the released file.
-        let tmp = fill_until_prepared(&wal, dir.path(), &mut next, 3);
+        let tmp = fill_until_prepared(&wal, dir.path(), &mut next, 3, 1);
         assert!(!dir.path().join(format!("{:016x}.free", 0)).exists());
         (tmp, wal.last_index())
     };
