@@ -6,7 +6,9 @@
 //! filling the device queue in front of every other writer's `fdatasync` on the same disk.
 //! [`DirectWriter`] writes them with `O_DIRECT` instead: straight from an aligned buffer of
 //! ours to the disk, in pieces of at most [`PIECE`] bytes, one after the other, so at most one
-//! piece of the restore is ever queued on the device.
+//! piece of the restore is ever queued on the device. The copy into that buffer and the
+//! writes are made by a thread of the writer's own, one frame in flight while the restore
+//! encodes the next.
 //!
 //! `O_DIRECT` needs offsets, lengths and buffer addresses aligned to the device's block;
 //! [`BLOCK`] (4 KiB) covers the devices keel runs on. A frame starts wherever the previous one
@@ -84,6 +86,15 @@ impl AlignedBuf {
         }
     }
 
+    fn as_slice(&self) -> &[u8] {
+        if self.cap == 0 {
+            return &[];
+        }
+        // SAFETY: `ptr` points to `cap` bytes we own, initialised (zeroed at allocation and
+        // only ever written through `as_mut_slice`), and `&self` rules out a mutable borrow.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.cap) }
+    }
+
     fn as_mut_slice(&mut self) -> &mut [u8] {
         if self.cap == 0 {
             return &mut [];
@@ -100,71 +111,259 @@ impl Drop for AlignedBuf {
     }
 }
 
-/// Direct writes to one segment file, in append order.
+/// Work for the writer thread.
+enum Job {
+    /// Write to this file from now on.
+    Target(File),
+    /// Write `head` then `frame`, zero-padded to a block, at `offset` (block-aligned), copied
+    /// into `buf` first.
+    Write {
+        offset: u64,
+        head: Vec<u8>,
+        frame: Vec<u8>,
+        buf: AlignedBuf,
+    },
+}
+
+/// What the writer thread hands back after a write: the buffers, and how the write went.
+type Done = (AlignedBuf, Vec<u8>, io::Result<()>);
+
+/// Writes in flight at most: one being written while the next frame is encoded.
+const IN_FLIGHT: usize = 2;
+
+/// Direct writes to a segment file, in append order, made by a thread of their own: the
+/// caller hands over the frame it encoded and goes on with the next while the thread copies
+/// it into an aligned buffer and the disk takes it. A write's failure is reported by a later
+/// [`write`](Self::write) or by [`finish`](Self::finish), which must be called (and succeed)
+/// before the segment is synced. One writer serves every segment of a restore in turn
+/// ([`retarget`](Self::retarget)), keeping its buffers.
 pub(crate) struct DirectWriter {
-    /// The segment opened a second time, with `O_DIRECT`.
-    file: File,
-    /// Segment this writer belongs to.
+    /// Segment written to.
     pub(crate) segment: u32,
-    buf: AlignedBuf,
+    /// Aligned buffers not in flight.
+    spare: Vec<AlignedBuf>,
+    /// Frame buffers handed back, for the caller to encode into.
+    frames: Vec<Vec<u8>>,
+    /// Writes handed to the thread and not yet back.
+    in_flight: usize,
+    jobs: Option<std::sync::mpsc::SyncSender<Job>>,
+    back: std::sync::mpsc::Receiver<Done>,
+    thread: Option<std::thread::JoinHandle<()>>,
     /// File offset of the block holding the end of the last write, and that block's bytes
     /// before the end.
     tail: Option<(u64, Vec<u8>)>,
+    /// The first write that failed.
+    failed: Option<io::Error>,
+    /// The first write is waited for, so that a file system refusing direct writes is found
+    /// out while the frame can still be written the ordinary way.
+    probed: bool,
+}
+
+fn open_direct(path: &Path) -> io::Result<Option<File>> {
+    match OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+    {
+        Ok(file) => Ok(Some(file)),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+fn writer_thread(jobs: std::sync::mpsc::Receiver<Job>, back: std::sync::mpsc::Sender<Done>) {
+    let mut target: Option<File> = None;
+    for job in jobs {
+        match job {
+            Job::Target(file) => target = Some(file),
+            Job::Write {
+                offset,
+                head,
+                frame,
+                mut buf,
+            } => {
+                let end = head.len() + frame.len();
+                let padded = end.div_ceil(BLOCK) * BLOCK;
+                let result = buf.reserve(padded).and_then(|()| {
+                    let bytes = buf.as_mut_slice();
+                    bytes[..head.len()].copy_from_slice(&head);
+                    bytes[head.len()..end].copy_from_slice(&frame);
+                    bytes[end..padded].fill(0);
+                    let file = target
+                        .as_ref()
+                        .ok_or_else(|| io::Error::other("no segment to write to"))?;
+                    write_pieces(file, offset, &buf.as_slice()[..padded])
+                });
+                if back.send((buf, frame, result)).is_err() {
+                    return;
+                }
+            }
+        }
+    }
 }
 
 impl DirectWriter {
     /// Opens `path` (segment `segment`) for direct writes; `Ok(None)` when the file system
     /// refuses `O_DIRECT`.
     pub(crate) fn open(path: &Path, segment: u32) -> io::Result<Option<DirectWriter>> {
-        match OpenOptions::new()
-            .write(true)
-            .custom_flags(libc::O_DIRECT)
-            .open(path)
-        {
-            Ok(file) => Ok(Some(DirectWriter {
-                file,
-                segment,
-                buf: AlignedBuf::empty(),
-                tail: None,
-            })),
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(None),
-            Err(e) => Err(e),
+        let Some(file) = open_direct(path)? else {
+            return Ok(None);
+        };
+        let (jobs, rx) = std::sync::mpsc::sync_channel::<Job>(IN_FLIGHT + 1);
+        let (tx, back) = std::sync::mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name("keel-file-direct".to_owned())
+            .spawn(move || writer_thread(rx, tx))?;
+        let w = DirectWriter {
+            segment,
+            spare: (0..IN_FLIGHT).map(|_| AlignedBuf::empty()).collect(),
+            frames: Vec::new(),
+            in_flight: 0,
+            jobs: Some(jobs),
+            back,
+            thread: Some(thread),
+            tail: None,
+            failed: None,
+            probed: false,
+        };
+        w.send(Job::Target(file))?;
+        Ok(Some(w))
+    }
+
+    fn send(&self, job: Job) -> io::Result<()> {
+        self.jobs
+            .as_ref()
+            .ok_or_else(|| io::Error::other("the direct writer is finished"))?
+            .send(job)
+            .map_err(|_| io::Error::other("the direct writer thread is gone"))
+    }
+
+    /// Waits for every write in flight, then writes to segment `segment` at `path` from now
+    /// on. `Ok(false)` when that file refuses `O_DIRECT`.
+    pub(crate) fn retarget(&mut self, path: &Path, segment: u32) -> io::Result<bool> {
+        self.finish()?;
+        let Some(file) = open_direct(path)? else {
+            return Ok(false);
+        };
+        self.send(Job::Target(file))?;
+        self.segment = segment;
+        self.tail = None;
+        Ok(true)
+    }
+
+    /// Takes back one write from the thread, noting its outcome.
+    fn take_back(&mut self) -> io::Result<()> {
+        let (buf, frame, result) = self
+            .back
+            .recv()
+            .map_err(|_| io::Error::other("the direct writer thread is gone"))?;
+        self.in_flight -= 1;
+        self.spare.push(buf);
+        self.frames.push(frame);
+        if let Err(e) = result {
+            self.failed.get_or_insert(e);
+        }
+        Ok(())
+    }
+
+    fn check(&self) -> io::Result<()> {
+        match &self.failed {
+            Some(e) => Err(match e.raw_os_error() {
+                Some(code) => io::Error::from_raw_os_error(code),
+                None => io::Error::new(e.kind(), e.to_string()),
+            }),
+            None => Ok(()),
         }
     }
 
-    /// Writes `data` at `offset` of the segment, whose bytes before `offset` are already
-    /// written; `file` is the segment's ordinary handle, used to read back the start of the
-    /// first block when this writer has not written it. `Err` with `EINVAL` means the file
-    /// system took the open but refuses the writes: write through the page cache instead.
-    pub(crate) fn write(&mut self, file: &File, offset: u64, data: &[u8]) -> io::Result<()> {
+    /// Starts writing `frame` at `offset` of the segment, whose bytes before `offset` are
+    /// already written (or being written by this writer), and returns an empty buffer to
+    /// encode the next frame into. `file` is the segment's ordinary handle, used to read back
+    /// the start of the first block when this writer has not written it. `Err` with `EINVAL`
+    /// means the file system took the open but refuses the writes: write through the page
+    /// cache instead (the frame is lost with the error: the caller keeps a copy or re-encodes).
+    pub(crate) fn write(
+        &mut self,
+        file: &File,
+        offset: u64,
+        frame: Vec<u8>,
+    ) -> io::Result<Vec<u8>> {
+        while self.spare.is_empty() {
+            self.take_back()?;
+        }
+        self.check()?;
         let block = offset - offset % BLOCK as u64;
-        let head = (offset - block) as usize;
-        let end = head + data.len();
-        let padded = end.div_ceil(BLOCK) * BLOCK;
-        self.buf.reserve(padded)?;
-        let tail = self.tail.take();
-        let buf = self.buf.as_mut_slice();
-        if head > 0 {
-            match tail {
-                Some((at, bytes)) if at == block && bytes.len() == head => {
-                    buf[..head].copy_from_slice(&bytes);
-                }
-                _ => file.read_exact_at(&mut buf[..head], block)?,
+        let head_len = (offset - block) as usize;
+        let head = match self.tail.take() {
+            _ if head_len == 0 => Vec::new(),
+            Some((at, tail)) if at == block && tail.len() == head_len => tail,
+            _ => {
+                // Not written by this writer, so not in flight: read it back.
+                let mut head = vec![0u8; head_len];
+                file.read_exact_at(&mut head, block)?;
+                head
             }
-        }
-        buf[head..end].copy_from_slice(data);
-        buf[end..padded].fill(0);
-        let mut done = 0;
-        while done < padded {
-            let n = (padded - done).min(PIECE);
-            self.file
-                .write_all_at(&buf[done..done + n], block + done as u64)?;
-            done += n;
-        }
+        };
+        // The bytes of the block where this write ends, for the next write's head.
+        let end = head_len + frame.len();
         let last = end - end % BLOCK;
-        self.tail = Some((block + last as u64, buf[last..end].to_vec()));
-        Ok(())
+        let tail = if last >= head_len {
+            frame[last - head_len..].to_vec()
+        } else {
+            let mut t = head[last..].to_vec();
+            t.extend_from_slice(&frame);
+            t
+        };
+        self.tail = Some((block + last as u64, tail));
+        let buf = self.spare.pop().unwrap_or_else(AlignedBuf::empty);
+        self.send(Job::Write {
+            offset: block,
+            head,
+            frame,
+            buf,
+        })?;
+        self.in_flight += 1;
+        if !self.probed {
+            self.probed = true;
+            self.finish()?;
+        }
+        let mut next = self.frames.pop().unwrap_or_default();
+        next.clear();
+        Ok(next)
     }
+
+    /// A frame buffer the thread handed back: after a refused first write, that frame.
+    pub(crate) fn take_frame(&mut self) -> Option<Vec<u8>> {
+        self.frames.pop()
+    }
+
+    /// Waits for every write in flight; the first failure of any write, if one failed.
+    pub(crate) fn finish(&mut self) -> io::Result<()> {
+        while self.in_flight > 0 {
+            self.take_back()?;
+        }
+        self.check()
+    }
+}
+
+impl Drop for DirectWriter {
+    fn drop(&mut self) {
+        self.jobs = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Writes `buf` at `offset` in pieces of at most [`PIECE`] bytes, one after the other.
+fn write_pieces(file: &File, offset: u64, buf: &[u8]) -> io::Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        let n = (buf.len() - done).min(PIECE);
+        file.write_all_at(&buf[done..done + n], offset + done as u64)?;
+        done += n;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -195,10 +394,11 @@ mod tests {
             .enumerate()
         {
             let data: Vec<u8> = (0..len).map(|j| (i * 31 + j * 7) as u8).collect();
-            w.write(&file, offset, &data).expect("write");
             expected.extend_from_slice(&data);
+            w.write(&file, offset, data).expect("write");
             offset += len as u64;
         }
+        w.finish().expect("finish");
         let mut got = vec![0u8; expected.len()];
         file.read_exact_at(&mut got, 0).expect("read back");
         assert!(

@@ -130,6 +130,14 @@ impl FaultHook for FaultPlan {
     }
 }
 
+/// How a direct write went.
+pub(crate) enum DirectOutcome {
+    /// Handed to the disk; here is a buffer to encode the next frame into.
+    Written(Vec<u8>),
+    /// The file system refuses direct writes; here is the frame, to write it the ordinary way.
+    Refused(Vec<u8>),
+}
+
 /// The store's I/O calls, with the optional hook in front of each.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Io {
@@ -163,33 +171,39 @@ impl Io {
         result.map_err(|e| BackendError::io(path, "pwrite", e))
     }
 
-    /// Positioned write of all of `buf` at `offset` of a segment through its direct writer
-    /// (see `direct`); `file` is the segment's ordinary handle. `Ok(false)`: the file
-    /// system refuses direct writes, write it the ordinary way instead.
+    /// Positioned write of `frame` at `offset` of a segment through its direct writer (see
+    /// `direct`); `file` is the segment's ordinary handle. The write completes in the
+    /// background: its failure is reported by a later call or by the writer's `finish`.
     pub(crate) fn write_direct(
         &self,
         direct: &mut DirectWriter,
         file: &File,
         path: &Path,
         offset: u64,
-        buf: &[u8],
-    ) -> Result<bool, BackendError> {
+        frame: Vec<u8>,
+    ) -> Result<DirectOutcome, BackendError> {
         let fault = match &self.hook {
-            Some(h) => h.before_write(path, offset, buf.len()),
+            Some(h) => h.before_write(path, offset, frame.len()),
             None => WriteFault::Proceed,
         };
         let result = match fault {
-            WriteFault::Proceed => match direct.write(file, offset, buf) {
-                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => return Ok(false),
-                other => other,
+            WriteFault::Proceed => match direct.write(file, offset, frame) {
+                Ok(next) => return Ok(DirectOutcome::Written(next)),
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                    if let Some(frame) = direct.take_frame() {
+                        return Ok(DirectOutcome::Refused(frame));
+                    }
+                    Err(e)
+                }
+                Err(e) => Err(e),
             },
             WriteFault::Fail(e) => Err(e),
             WriteFault::Torn { written } => file
-                .write_all_at(&buf[..written.min(buf.len())], offset)
+                .write_all_at(&frame[..written.min(frame.len())], offset)
                 .and(Err(injected())),
         };
         result
-            .map(|()| true)
+            .map(|()| DirectOutcome::Written(Vec::new()))
             .map_err(|e| BackendError::io(path, "direct pwrite", e))
     }
 

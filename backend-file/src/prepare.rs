@@ -356,6 +356,12 @@ impl Preparer {
 
     /// How space is prepared now: allocation falls back to zeros for good once the file
     /// system turns it down.
+    /// True when space ahead is prepared by writing zeros through the page cache, which must
+    /// not meet a direct write in flight on the same block.
+    pub(crate) fn writes_zeros(&self) -> bool {
+        self.how() == PrepareWith::Zeros
+    }
+
     fn how(&self) -> PrepareWith {
         if self.no_allocate.load(Ordering::Relaxed) {
             PrepareWith::Zeros

@@ -68,8 +68,14 @@ impl Inner {
     /// Makes every frame a restore wrote durable.
     fn sync_restored(&self) -> Result<(), BackendError> {
         let mut w = self.writer.lock();
-        w.direct = None;
         Self::check_poison(&w)?;
+        if let Some(mut d) = w.direct.take()
+            && let Err(e) = d.finish()
+        {
+            let e = BackendError::io(&w.active.seg.path, "direct pwrite", e);
+            Self::poison(&mut w, &e);
+            return Err(e);
+        }
         if w.active.dirty {
             if let Err(e) = self.io.sync_data(&w.active.file, &w.active.seg.path) {
                 Self::poison(&mut w, &e);

@@ -23,7 +23,7 @@ use keel_mvcc::{Backend, BackendError, BackendSize, BatchOpRef, BatchSource, Buc
 use parking_lot::{Mutex, RwLock};
 
 use crate::direct::DirectWriter;
-use crate::fault::Io;
+use crate::fault::{DirectOutcome, Io};
 use crate::format::{self, FRAME_HEADER, HEADER_LEN};
 use crate::options::FileOptions;
 use crate::prepare::Preparer;
@@ -255,6 +255,10 @@ impl Inner {
                 reason: "segment ids exhausted".into(),
             })?;
         let started = (|| {
+            if let Some(d) = &mut w.direct {
+                d.finish()
+                    .map_err(|e| BackendError::io(&w.active.seg.path, "direct pwrite", e))?;
+            }
             if w.active.dirty {
                 // Frames written without a sync (a restore): a sealed segment is durable.
                 self.io.sync_data(&w.active.file, &w.active.seg.path)?;
@@ -356,7 +360,7 @@ impl Inner {
                 .write_at(&w.active.file, path, start, &w.buf)
                 .and_then(|()| self.io.sync_data(&w.active.file, path))
         } else {
-            self.write_unsynced(w, start)
+            self.write_unsynced(w, start, fast)
         };
         let path = &w.active.seg.path;
         if !fast {
@@ -388,30 +392,59 @@ impl Inner {
     /// cache and at most one piece is queued ahead of other writers' syncs; otherwise through
     /// the page cache, starting its writeback so that the one sync at the end has little left
     /// to wait for.
-    fn write_unsynced(&self, w: &mut Writer, start: u64) -> Result<(), BackendError> {
-        let path = &w.active.seg.path;
+    fn write_unsynced(
+        &self,
+        w: &mut Writer,
+        start: u64,
+        prepared: bool,
+    ) -> Result<(), BackendError> {
         let id = w.active.seg.id;
-        if !w.direct_refused {
-            if w.direct.as_ref().is_none_or(|d| d.segment != id) {
-                w.direct = None;
-                match DirectWriter::open(path, id) {
-                    Ok(Some(d)) => w.direct = Some(d),
-                    Ok(None) => w.direct_refused = true,
-                    Err(e) => return Err(BackendError::io(path, "open for direct writes", e)),
+        // Zeros written ahead through the page cache could meet a direct write's last block.
+        let zeros_ahead = self.options.prepare_ahead && self.prep.writes_zeros();
+        if !w.direct_refused && !zeros_ahead {
+            let path = w.active.seg.path.clone();
+            let targeted = match &mut w.direct {
+                Some(d) if d.segment == id => Ok(true),
+                Some(d) => d.retarget(&path, id),
+                None => DirectWriter::open(&path, id).map(|d| {
+                    w.direct = d;
+                    w.direct.is_some()
+                }),
+            };
+            match targeted {
+                Ok(true) => {}
+                Ok(false) => {
+                    w.direct = None;
+                    w.direct_refused = true;
                 }
+                Err(e) => return Err(BackendError::io(&path, "open for direct writes", e)),
             }
             if let Some(d) = &mut w.direct {
-                match self.io.write_direct(d, &w.active.file, path, start, &w.buf) {
-                    Ok(true) => return Ok(()),
-                    Ok(false) => {
+                if !prepared {
+                    // The write lands in the background, but the frame is mapped as soon as
+                    // it is published: the file must already reach that far.
+                    self.io
+                        .allocate(&w.active.file, &path, start, w.buf.len() as u64)?;
+                }
+                let frame = std::mem::take(&mut w.buf);
+                match self
+                    .io
+                    .write_direct(d, &w.active.file, &path, start, frame)?
+                {
+                    DirectOutcome::Written(next) => {
+                        w.buf = next;
+                        return Ok(());
+                    }
+                    DirectOutcome::Refused(frame) => {
                         tracing::info!(path = %path.display(), "direct writes refused; restoring through the page cache");
+                        w.buf = frame;
                         w.direct = None;
                         w.direct_refused = true;
                     }
-                    Err(e) => return Err(e),
                 }
             }
         }
+        let path = &w.active.seg.path;
         self.io.write_at(&w.active.file, path, start, &w.buf)?;
         self.io
             .start_writeback(&w.active.file, path, start, w.buf.len() as u64);
