@@ -311,6 +311,10 @@ impl<T: ReadTxn> Sources<'_, T> {
 /// per byte of `(main, sub)` that differs between the pairs (three or four for a store of
 /// millions of revisions), instead of a comparison sort's `n log n` comparisons.
 fn sort_misses(misses: &mut Vec<(Revision, usize)>) {
+    // Reads of keys written in key order find their revisions in order already.
+    if misses.is_sorted() {
+        return;
+    }
     if misses.len() < 512 {
         misses.sort_unstable();
         return;
