@@ -692,22 +692,30 @@ fn read_events(events: &[keel_mvcc::Event]) -> ReadSum {
     }
 }
 
-/// Fixed workloads for an instruction counter: 20 batches of 1 000 puts plus a commit (no
-/// fsync, or with it for the `-fsync` variants, to trace system calls) on the store or on raw
-/// heed, or 20 ranges of 10 000 keys.
+/// Fixed workloads for an instruction counter: 20 batches (`KEEL_PROFILE_BATCHES`) of 1 000
+/// puts plus a commit (no fsync, or with it for the `-fsync` variants, to trace system calls)
+/// on the store or on raw heed, printing the median time per batch, or 20 ranges of 10 000
+/// keys.
 fn profile(what: &str) {
     let dir = tempfile::tempdir().unwrap();
     let value = [7u8; 150];
+    let batches: usize = std::env::var("KEEL_PROFILE_BATCHES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20);
+    let mut took = Vec::with_capacity(batches);
     match what {
         "profile-put" | "profile-put-fsync" => {
             let s = store(dir.path(), what.ends_with("fsync"), manual_batches());
             let mut next = 0u64;
-            for _ in 0..20 {
+            for _ in 0..batches {
+                let t0 = Instant::now();
                 for _ in 0..1_000 {
                     s.put(&key(next), &value, 0).expect("put");
                     next += 1;
                 }
                 s.force_commit().expect("commit");
+                took.push(t0.elapsed());
             }
         }
         "profile-raw-put" | "profile-raw-put-fsync" => {
@@ -715,13 +723,15 @@ fn profile(what: &str) {
                 keel_benches::lmdb::raw(dir.path(), MAP_SIZE as u64, what.ends_with("fsync"));
             let (env, db) = (reference.env.clone(), reference.db);
             let mut next = 0u64;
-            for _ in 0..20 {
+            for _ in 0..batches {
+                let t0 = Instant::now();
                 let mut wtxn = env.write_txn().expect("write txn");
                 for _ in 0..1_000 {
                     db.put(&mut wtxn, &key(next), &value).expect("put");
                     next += 1;
                 }
                 wtxn.commit().expect("commit");
+                took.push(t0.elapsed());
             }
         }
         "profile-range" => {
@@ -829,6 +839,14 @@ fn profile(what: &str) {
             }
         }
         other => panic!("unknown profile {other}"),
+    }
+    if !took.is_empty() {
+        took.sort_unstable();
+        println!(
+            "{what}: {} batches, median {:.3} ms per batch of 1000 puts and its commit",
+            took.len(),
+            took[took.len() / 2].as_secs_f64() * 1e3
+        );
     }
 }
 
