@@ -56,8 +56,9 @@ pub(crate) const META_FINISHED_COMPACT: &[u8] = b"finished_compact_rev";
 /// Store format written and read by this build.
 pub const STORE_FORMAT: u32 = 1;
 
-/// Keys visited per hold of the key-index read lock.
-pub(crate) const INDEX_CHUNK: usize = 256;
+/// Keys visited per hold of the key-index read lock: a writer waits at most about one chunk
+/// of a scan (some 10 µs) for the lock.
+pub(crate) const INDEX_CHUNK: usize = 64;
 
 pub(crate) struct IndexState {
     pub keys: KeyIndex,
