@@ -121,6 +121,8 @@ enum Job {
         offset: u64,
         head: Vec<u8>,
         frame: Vec<u8>,
+        /// Run on the frame first (it fills in the frame's checksum).
+        seal: Option<fn(&mut [u8])>,
         buf: AlignedBuf,
     },
 }
@@ -179,9 +181,13 @@ fn writer_thread(jobs: std::sync::mpsc::Receiver<Job>, back: std::sync::mpsc::Se
             Job::Write {
                 offset,
                 head,
-                frame,
+                mut frame,
+                seal,
                 mut buf,
             } => {
+                if let Some(seal) = seal {
+                    seal(&mut frame);
+                }
                 let end = head.len() + frame.len();
                 let padded = end.div_ceil(BLOCK) * BLOCK;
                 let result = buf.reserve(padded).and_then(|()| {
@@ -282,11 +288,16 @@ impl DirectWriter {
     /// the start of the first block when this writer has not written it. `Err` with `EINVAL`
     /// means the file system took the open but refuses the writes: write through the page
     /// cache instead (the frame is lost with the error: the caller keeps a copy or re-encodes).
+    ///
+    /// `seal` is run on the frame before it is written: on the writer thread when the frame
+    /// is long enough that its last block does not hold the frame's first bytes (which `seal`
+    /// may change, and which the next write's first block would repeat), else right here.
     pub(crate) fn write(
         &mut self,
         file: &File,
         offset: u64,
-        frame: Vec<u8>,
+        mut frame: Vec<u8>,
+        seal: fn(&mut [u8]),
     ) -> io::Result<Vec<u8>> {
         while self.spare.is_empty() {
             self.take_back()?;
@@ -304,7 +315,14 @@ impl DirectWriter {
                 head
             }
         };
-        // The bytes of the block where this write ends, for the next write's head.
+        let seal = if frame.len() >= 2 * BLOCK {
+            Some(seal)
+        } else {
+            seal(&mut frame);
+            None
+        };
+        // The bytes of the block where this write ends, for the next write's head (past the
+        // frame's first block, so not changed by `seal`).
         let end = head_len + frame.len();
         let last = end - end % BLOCK;
         let tail = if last >= head_len {
@@ -320,6 +338,7 @@ impl DirectWriter {
             offset: block,
             head,
             frame,
+            seal,
             buf,
         })?;
         self.in_flight += 1;
@@ -395,7 +414,7 @@ mod tests {
         {
             let data: Vec<u8> = (0..len).map(|j| (i * 31 + j * 7) as u8).collect();
             expected.extend_from_slice(&data);
-            w.write(&file, offset, data).expect("write");
+            w.write(&file, offset, data, |_| {}).expect("write");
             offset += len as u64;
         }
         w.finish().expect("finish");

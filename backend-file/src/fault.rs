@@ -172,7 +172,7 @@ impl Io {
     }
 
     /// Positioned write of `frame` at `offset` of a segment through its direct writer (see
-    /// `direct`); `file` is the segment's ordinary handle. The write completes in the
+    /// `direct`), `seal` run on it first; `file` is the segment's ordinary handle. The write completes in the
     /// background: its failure is reported by a later call or by the writer's `finish`.
     pub(crate) fn write_direct(
         &self,
@@ -180,14 +180,15 @@ impl Io {
         file: &File,
         path: &Path,
         offset: u64,
-        frame: Vec<u8>,
+        mut frame: Vec<u8>,
+        seal: fn(&mut [u8]),
     ) -> Result<DirectOutcome, BackendError> {
         let fault = match &self.hook {
             Some(h) => h.before_write(path, offset, frame.len()),
             None => WriteFault::Proceed,
         };
         let result = match fault {
-            WriteFault::Proceed => match direct.write(file, offset, frame) {
+            WriteFault::Proceed => match direct.write(file, offset, frame, seal) {
                 Ok(next) => return Ok(DirectOutcome::Written(next)),
                 Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
                     if let Some(frame) = direct.take_frame() {
@@ -198,9 +199,11 @@ impl Io {
                 Err(e) => Err(e),
             },
             WriteFault::Fail(e) => Err(e),
-            WriteFault::Torn { written } => file
-                .write_all_at(&frame[..written.min(frame.len())], offset)
-                .and(Err(injected())),
+            WriteFault::Torn { written } => {
+                seal(&mut frame);
+                file.write_all_at(&frame[..written.min(frame.len())], offset)
+                    .and(Err(injected()))
+            }
         };
         result
             .map(|()| DirectOutcome::Written(Vec::new()))

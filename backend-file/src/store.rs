@@ -100,6 +100,13 @@ impl Writer {
     }
 }
 
+/// Fills in a frame's checksum (over its sequence number and payload); its length and
+/// sequence number are already in place.
+fn seal_frame(frame: &mut [u8]) {
+    let crc = format::frame_crc(&frame[8..]);
+    frame[4..8].copy_from_slice(&crc.to_le_bytes());
+}
+
 impl FileBackend {
     /// Opens (creating if absent) the store in directory `path`.
     pub fn open(path: &Path, options: &FileOptions) -> Result<FileBackend, BackendError> {
@@ -350,11 +357,10 @@ impl Inner {
         }
         let seq = w.next_seq;
         w.buf[8..16].copy_from_slice(&seq.to_le_bytes());
-        let crc = format::frame_crc(&w.buf[8..]);
         w.buf[..4].copy_from_slice(&(len as u32).to_le_bytes());
-        w.buf[4..8].copy_from_slice(&crc.to_le_bytes());
         let fast = self.prep.before_write(start, end);
         let result = if sync {
+            seal_frame(&mut w.buf);
             let path = &w.active.seg.path;
             self.io
                 .write_at(&w.active.file, path, start, &w.buf)
@@ -429,7 +435,7 @@ impl Inner {
                 let frame = std::mem::take(&mut w.buf);
                 match self
                     .io
-                    .write_direct(d, &w.active.file, &path, start, frame)?
+                    .write_direct(d, &w.active.file, &path, start, frame, seal_frame)?
                 {
                     DirectOutcome::Written(next) => {
                         w.buf = next;
@@ -444,6 +450,7 @@ impl Inner {
                 }
             }
         }
+        seal_frame(&mut w.buf);
         let path = &w.active.seg.path;
         self.io.write_at(&w.active.file, path, start, &w.buf)?;
         self.io
