@@ -16,7 +16,7 @@ use std::sync::{Arc, Weak};
 
 use heed::types::Bytes;
 use heed::{CompactionOption, Database, Env, MdbError, PutFlags, RwTxn, WithoutTls};
-use keel_mvcc::backend::snapshot;
+use keel_mvcc::backend::{PairObserver, snapshot};
 use keel_mvcc::{
     Backend, BackendError, BackendSize, BatchOp, BatchOpRef, BatchSource, Bucket, ReadTxn,
     WriteBatch,
@@ -251,6 +251,7 @@ impl LmdbBackend {
         number: u64,
         map_size: usize,
         input: &mut dyn Read,
+        observe: &mut PairObserver<'_>,
     ) -> Result<u64, BackendError> {
         let tmp = env::temp_generation_dir(&self.path, number);
         let dir = env::generation_dir(&self.path, number);
@@ -304,6 +305,7 @@ impl LmdbBackend {
                         .map_err(|e| full(e, "write"))?;
                     continue;
                 };
+                observe(bucket, key, value);
                 // The stream is in (bucket, key) order: each bucket's keys arrive ascending.
                 keys::encode_into(key, &mut stored);
                 db.put_with_flags(&mut wtxn, PutFlags::APPEND, &stored, value)
@@ -492,6 +494,15 @@ impl Backend for LmdbBackend {
     /// map) the backend is left empty and usable, and a crash at any point leaves it empty or
     /// wholly restored.
     fn restore(&self, input: &mut dyn Read) -> Result<u64, BackendError> {
+        self.restore_observed(input, &mut |_, _, _| {})
+    }
+
+    /// As [`restore`](Backend::restore), showing each pair to `observe` as it is appended.
+    fn restore_observed(
+        &self,
+        input: &mut dyn Read,
+        observe: &mut PairObserver<'_>,
+    ) -> Result<u64, BackendError> {
         let mut writer = self.writer.lock();
         if let Some(reason) = &writer.poisoned {
             return Err(BackendError::Poisoned {
@@ -506,7 +517,7 @@ impl Backend for LmdbBackend {
         drop(probe);
         let number = old.number() + 1;
         let map_size = writer.map_size;
-        let pairs = match self.load_generation(number, map_size, input) {
+        let pairs = match self.load_generation(number, map_size, input, observe) {
             Ok(pairs) => pairs,
             Err(e) => {
                 let tmp = env::temp_generation_dir(&self.path, number);
