@@ -1,5 +1,6 @@
 //! The LMDB backend against raw LMDB through heed, in the same run: what keel's bucket
-//! prefixes, batch validation, commit stamp and checked read-transaction start cost.
+//! databases (one LMDB named database per bucket, keys with a 1-byte prefix), batch
+//! validation, commit stamp and checked read-transaction start cost.
 //!
 //! - commit: batches of 1 000 puts (24-byte ever-growing keys, 150-byte values, as the MVCC
 //!   store writes revisions), with fsync and without; only the commit is timed (building the
