@@ -24,6 +24,10 @@
 //! (default: off, as in `TcpOptions::default()`), to see both sides of its trade between
 //! transfer rate and the leader's put latency.
 //!
+//! `KEEL_LEARNER_BENCH_SLOWEST=1` prints each join's five slowest puts with when they started
+//! (after the new member's start) beside when the stream ran; `RUST_LOG=keel_raft_glue=debug`
+//! shows each join's phases (snapshot started, streamed, restored, prepared, installed).
+//!
 //! Run: `cargo bench -p keel-benches --bench learner`; smoke: `... -- --test`.
 
 // criterion_group! generates an undocumented public function.
@@ -302,6 +306,35 @@ fn join(s: &Setup, client: &Client, n: u64) -> Join {
             Err(e) => panic!("promote: {e}"),
         }
     };
+    if std::env::var_os("KEEL_LEARNER_BENCH_SLOWEST").is_some() {
+        // The slowest puts of the join, by when they started after the learner did.
+        let mut v: Vec<(Instant, Duration)> = client
+            .lat
+            .lock()
+            .iter()
+            .filter(|(t, _)| *t >= start && *t < transfer_end)
+            .copied()
+            .collect();
+        v.sort_by_key(|(_, d)| std::cmp::Reverse(*d));
+        let slowest: Vec<String> = v
+            .iter()
+            .take(5)
+            .map(|(t, d)| {
+                format!(
+                    "{:.1} ms at +{:.0} ms",
+                    d.as_secs_f64() * 1e3,
+                    t.duration_since(start).as_secs_f64() * 1e3
+                )
+            })
+            .collect();
+        println!(
+            "SLOWEST join {n}: {} puts, stream from +{:.0} to +{:.0} ms: {}",
+            v.len(),
+            progress.started.duration_since(start).as_secs_f64() * 1e3,
+            progress.last.duration_since(start).as_secs_f64() * 1e3,
+            slowest.join(", ")
+        );
+    }
     let j = Join {
         bytes: progress.sent,
         transfer: progress.last.duration_since(progress.started),

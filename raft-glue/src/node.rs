@@ -1612,6 +1612,7 @@ impl<B: Backend> Driver<B> {
         let to = m.to;
         let index = m.get_snapshot().get_metadata().index;
         let store = self.sm.store();
+        let began = Instant::now();
         let txn = (|| {
             if store.consistent_index() != index {
                 return Err(NodeError::Snapshot {
@@ -1637,6 +1638,13 @@ impl<B: Backend> Driver<B> {
                 return;
             }
         };
+        tracing::debug!(
+            member = self.id,
+            to,
+            index,
+            ms = began.elapsed().as_secs_f64() * 1e3,
+            "snapshot started (pending writes committed, read transaction open)"
+        );
         self.transfer += 1;
         let transfer = self.transfer;
         let transport = self.transport.clone();

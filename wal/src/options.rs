@@ -24,8 +24,8 @@ pub struct WalOptions {
     /// Write zeros over a new segment's whole length (instead of only reserving it with
     /// `fallocate`), so later overwrites are pure data writes and `fdatasync` has no block
     /// allocation or extent conversion to journal. Costs one sequential write of
-    /// `segment_size` per segment, done in the background when `preallocate` is on.
-    /// Default: true.
+    /// `segment_size` per segment (synced a MiB at a time, so it never floods the disk's
+    /// queue), done in the background when `preallocate` is on. Default: true.
     pub zero_fill: bool,
     /// Released segment files kept (as `<seq>.free`) to be recycled as later segments
     /// instead of deleted: their blocks are already written, so reusing one needs no zeroing

@@ -23,7 +23,8 @@
 //! started, so releasing older segments never loses state.
 //!
 //! A segment is prepared as `<seq>.tmp`: created, its header written, its whole length zeroed
-//! (or reserved with `fallocate`), synced; only then renamed to its final name (and the
+//! (1 MiB at a time, each piece synced before the next, so the zeroing never queues more than
+//! that on the disk ahead of other writers' syncs) or reserved with `fallocate`, synced; only then renamed to its final name (and the
 //! directory synced) when the log rotates into it. A released segment's file can be
 //! recycled instead (kept as `<old seq>.free`, renamed to `<seq>.tmp`, its header rewritten
 //! with an end marker after it): its blocks are already written, so `fdatasync` after
@@ -212,6 +213,10 @@ pub(crate) fn prepare(
                 }
                 let n = (size - off).min(zeros.len() as u64) as usize;
                 write_all_at(&*file, &zeros[..n], off)?;
+                // Flushed a piece at a time: written all at once, tens of MiB of zeros would
+                // sit in the device queue ahead of every other writer's fdatasync on the disk
+                // (this log's own appends, or another log's).
+                file.sync_data()?;
                 off += n as u64;
             }
         } else if file.len()? < size {
