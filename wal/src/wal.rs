@@ -802,28 +802,14 @@ impl Wal {
                 }
                 g.stats.direct_writes += 1;
                 for (e, (offset, prev_crc)) in entries.iter().zip(locs) {
-                    let loc = Loc {
-                        term: e.term,
-                        seq,
-                        offset,
-                        len: (ENTRY_PREFIX + e.data.len()) as u32,
-                        prev_crc,
-                    };
                     // Checked above: consecutive and not past last + 1.
-                    let _ = g.index.push(e.index, loc);
+                    let _ = g.index.push(e.index, entry_loc(e, seq, offset, prev_crc));
                 }
             } else {
                 for e in entries {
                     let (offset, prev_crc) = g.writer.entry(e);
-                    let loc = Loc {
-                        term: e.term,
-                        seq,
-                        offset,
-                        len: (ENTRY_PREFIX + e.data.len()) as u32,
-                        prev_crc,
-                    };
                     // Checked above: consecutive and not past last + 1.
-                    let _ = g.index.push(e.index, loc);
+                    let _ = g.index.push(e.index, entry_loc(e, seq, offset, prev_crc));
                 }
                 if let Some(hs) = hs {
                     g.writer.hard_state(hs);
@@ -1445,6 +1431,18 @@ fn check_poison(g: &Inner) -> Result<(), WalError> {
             reason: reason.clone(),
         }),
         None => Ok(()),
+    }
+}
+
+/// Where entry `e`'s record, written at `offset` of segment `seq` after a record whose crc is
+/// `prev_crc`, is.
+fn entry_loc(e: &Entry, seq: u64, offset: u64, prev_crc: u32) -> Loc {
+    Loc {
+        term: e.term,
+        seq,
+        offset,
+        len: (ENTRY_PREFIX + e.data.len()) as u32,
+        prev_crc,
     }
 }
 
