@@ -18,8 +18,7 @@ use heed::types::Bytes;
 use heed::{CompactionOption, Database, Env, MdbError, PutFlags, RwTxn, WithoutTls};
 use keel_mvcc::backend::{PairObserver, snapshot};
 use keel_mvcc::{
-    Backend, BackendError, BackendSize, BatchOp, BatchOpRef, BatchSource, Bucket, ReadTxn,
-    WriteBatch,
+    Backend, BackendError, BackendSize, BatchOpRef, BatchSource, Bucket, ReadTxn, WriteBatch,
 };
 use parking_lot::{Mutex, RwLock};
 
@@ -274,7 +273,7 @@ impl LmdbBackend {
         let none = env::Dbs::default();
         let mut created = Vec::new();
         let mut stored = Vec::new();
-        let pairs = snapshot::restore_with(input, |batch| {
+        let pairs = snapshot::restore_from(input, |batch| {
             let full = |e: heed::Error, op: &'static str| match e {
                 heed::Error::Mdb(MdbError::MapFull) => map_full(&lmdb, map_size, &self.path),
                 heed::Error::Mdb(MdbError::DbsFull) => {
@@ -289,20 +288,12 @@ impl LmdbBackend {
             let mut wtxn = lmdb
                 .write_txn()
                 .map_err(|e| from_heed(&tmp, "begin write transaction", e))?;
-            for op in batch.ops() {
-                check_op(op.as_ref(), max_key)?;
-                let is_put = matches!(op, BatchOp::Put { .. });
-                let bucket = op_bucket(op.as_ref());
-                let Some(db) =
-                    env::bucket_db(&lmdb, &mut wtxn, &none, &mut created, bucket, is_put)
-                        .map_err(|e| full(e, "create a bucket database"))?
+            // Puts only, straight from the parser's buffer.
+            for (bucket, key, value) in batch.iter() {
+                check_op(BatchOpRef::Put { bucket, key, value }, max_key)?;
+                let Some(db) = env::bucket_db(&lmdb, &mut wtxn, &none, &mut created, bucket, true)
+                    .map_err(|e| full(e, "create a bucket database"))?
                 else {
-                    continue;
-                };
-                let BatchOp::Put { key, value, .. } = op else {
-                    // `restore_with` hands out puts only; anything else is applied as usual.
-                    apply(db, &mut wtxn, op.as_ref(), max_key, &mut stored, &mut false)
-                        .map_err(|e| full(e, "write"))?;
                     continue;
                 };
                 observe(bucket, key, value);
