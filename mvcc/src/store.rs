@@ -103,8 +103,10 @@ pub(crate) struct Inner<B: Backend> {
     pub view_pins: Mutex<std::collections::BTreeMap<u64, usize>>,
     pub watch: WatchHub,
     /// The revision at open and the leased live keys then, until taken (see
-    /// [`Store::take_opened_leases`]).
+    /// [`Store::take_opened_leases`]) or dropped by the first write.
     pub opened_leases: Mutex<OpenedLeases>,
+    /// `opened_leases` still holds a list (the first write drops it: it no longer applies).
+    pub opened_leases_held: AtomicBool,
 }
 
 /// A revisioned key-value store over a [`Backend`]. `Send + Sync`; share it with an `Arc`.
@@ -239,6 +241,7 @@ impl<B: Backend> Store<B> {
             commit_requested: AtomicBool::new(false),
             view_pins: Mutex::new(std::collections::BTreeMap::new()),
             opened_leases: Mutex::new(Some((revision, leases))),
+            opened_leases_held: AtomicBool::new(true),
         });
         if let Some(job) = job {
             tracing::info!(revision = job.revision, "resuming interrupted compaction");
@@ -270,6 +273,9 @@ impl<B: Backend> Store<B> {
     /// store can attach them without scanning every key. Taken once: `None` after the first
     /// call, and `None` when a write has changed the store since it was opened.
     pub fn take_opened_leases(&self) -> Option<Vec<(Vec<u8>, LeaseId)>> {
+        self.inner
+            .opened_leases_held
+            .store(false, Ordering::Relaxed);
         let (at, leases) = self.inner.opened_leases.lock().take()?;
         (self.inner.state.lock().revision == at).then(|| leases.into_iter().collect())
     }

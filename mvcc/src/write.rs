@@ -306,6 +306,11 @@ impl<'a, B: Backend> WriteTxn<'a, B> {
             (buf, start, writes)
         };
         self.done = true;
+        let held = &self.inner.opened_leases_held;
+        if changed && held.load(Ordering::Relaxed) && held.swap(false, Ordering::Relaxed) {
+            // The leased keys noted at open no longer describe the store: free them.
+            *self.inner.opened_leases.lock() = None;
+        }
         if notify {
             self.inner
                 .watch
