@@ -44,6 +44,15 @@ pub struct WalOptions {
     /// writer never waits), and never longer than half the recent `fdatasync` time. Zero
     /// disables the wait. At most 100 ms. Default: 1 ms.
     pub group_commit_wait: Duration,
+    /// Group commit: longest time a durable request that finds another thread's sync
+    /// running spins for it (yielding the CPU between checks) before parking. A parked
+    /// request costs the leader a wake-up call and itself a trip through the scheduler once
+    /// the sync ends (tens of µs each on a virtual machine, where an idle CPU must first be
+    /// woken), which the next group waits for; a spinning one sees the sync end at once and
+    /// leaves its CPU to any other runnable thread meanwhile. The spin also ends at twice
+    /// the recent `fdatasync` time, and whenever a sync ends without covering the request.
+    /// Zero parks at once. At most 100 ms. Default: 1 ms.
+    pub durable_spin: Duration,
     /// The file-system seam every file operation goes through. Default: the real file
     /// system ([`RealFs`]); tests inject faults through their own implementation.
     pub fs: Arc<dyn FileSystem>,
@@ -60,6 +69,7 @@ impl Default for WalOptions {
             write_buffer: 1 << 20,
             read_buffer: 4 << 20,
             group_commit_wait: Duration::from_millis(1),
+            durable_spin: Duration::from_millis(1),
             fs: Arc::new(RealFs),
         }
     }
@@ -76,6 +86,7 @@ impl std::fmt::Debug for WalOptions {
             .field("write_buffer", &self.write_buffer)
             .field("read_buffer", &self.read_buffer)
             .field("group_commit_wait", &self.group_commit_wait)
+            .field("durable_spin", &self.durable_spin)
             .finish_non_exhaustive()
     }
 }
@@ -117,6 +128,12 @@ impl WalOptions {
             return Err(WalError::InvalidOption {
                 field: "group_commit_wait",
                 reason: format!("{:?} is longer than 100 ms", self.group_commit_wait),
+            });
+        }
+        if self.durable_spin > Duration::from_millis(100) {
+            return Err(WalError::InvalidOption {
+                field: "durable_spin",
+                reason: format!("{:?} is longer than 100 ms", self.durable_spin),
             });
         }
         Ok(())

@@ -28,6 +28,9 @@ pub struct WalStats {
     pub gathers: u64,
     /// Total time sync leaders spent in those waits.
     pub gather_time: Duration,
+    /// Durable requests that waited for another thread's sync by spinning and saw it end
+    /// without parking ([`crate::WalOptions::durable_spin`]).
+    pub spun: u64,
     /// Segments started since open (rotations).
     pub rotations: u64,
     /// Rotations into a recycled (released, renamed and rewritten) segment file.

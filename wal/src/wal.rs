@@ -13,7 +13,10 @@
 //! while later requests fill the buffer and park. When it finishes it unlists exactly the
 //! parked requests it made durable and, if any remain, one of them to lead the next sync, and
 //! wakes them once the mutex is released (they check an atomic durable mark and return
-//! without taking it), so none of them finds the mutex held by the waker.
+//! without taking it), so none of them finds the mutex held by the waker. A request first
+//! spins for the running sync, yielding its CPU ([`WalOptions::durable_spin`]), and parks
+//! only if it runs long: then the end of a sync costs no wake-ups, and the released
+//! appenders are back for the next group at once.
 //! Reads copy the locations they need under the mutex and read the files without it.
 //!
 //! Release and recycling: released segments are renamed to `<seq>.free` (up to
@@ -158,6 +161,12 @@ pub struct Wal {
     durable: AtomicU64,
     /// Wakes a gathering leader once its group is complete.
     arrived: Condvar,
+    /// Bumped (under the mutex) whenever parked requests are woken: a sync ended, a
+    /// rotation made everything durable, or the log was poisoned. A spinning request stops
+    /// when it moves.
+    wake_rounds: AtomicU64,
+    /// [`WalStats::spun`], counted outside the mutex.
+    spun: AtomicU64,
     _lock: File,
 }
 
@@ -591,6 +600,8 @@ impl Wal {
             inner: Mutex::new(inner),
             durable: AtomicU64::new(0),
             arrived: Condvar::new(),
+            wake_rounds: AtomicU64::new(0),
+            spun: AtomicU64::new(0),
             _lock: lock,
             options,
         };
@@ -924,8 +935,12 @@ impl Wal {
                     });
                 }
                 parked = true;
+                let spin = self.options.durable_spin.min(g.sync_time * 2);
+                let round = self.wake_rounds.load(Ordering::Acquire);
                 drop(g);
-                std::thread::park();
+                if !self.spin_until_woken(target, round, spin) {
+                    std::thread::park();
+                }
                 if self.durable.load(Ordering::Acquire) >= target {
                     // The sync that covered this request unlisted it when it woke it.
                     return Ok(());
@@ -989,6 +1004,28 @@ impl Wal {
         }
     }
 
+    /// Spins (yielding the CPU) for at most `limit` until `target` is durable or the
+    /// parked requests are woken after `round`; false if the time ran out first.
+    fn spin_until_woken(&self, target: u64, round: u64, limit: Duration) -> bool {
+        if limit.is_zero() {
+            return false;
+        }
+        let start = Instant::now();
+        loop {
+            if self.durable.load(Ordering::Acquire) >= target {
+                self.spun.fetch_add(1, Ordering::Relaxed);
+                return true;
+            }
+            if self.wake_rounds.load(Ordering::Acquire) != round {
+                return true;
+            }
+            if start.elapsed() >= limit {
+                return false;
+            }
+            std::thread::yield_now();
+        }
+    }
+
     /// After `durable` moved (or the log was poisoned, or a leader stepped down): wakes every
     /// parked request it covers (all of them once poisoned), and, if requests remain and no
     /// sync is running, one of them to lead the next.
@@ -1002,6 +1039,7 @@ impl Wal {
     /// threads, for the caller to unpark once it has released the mutex.
     fn take_wakes(&self, g: &mut Inner) -> Vec<Thread> {
         self.durable.store(g.durable, Ordering::Release);
+        self.wake_rounds.fetch_add(1, Ordering::Release);
         let durable = g.durable;
         let all = g.poisoned.is_some();
         let mut need_leader = !g.syncing;
@@ -1352,7 +1390,9 @@ impl Wal {
 
     /// Counters of appends, syncs and rotations since open.
     pub fn stats(&self) -> WalStats {
-        self.inner.lock().stats
+        let mut s = self.inner.lock().stats;
+        s.spun = self.spun.load(Ordering::Relaxed);
+        s
     }
 
     /// Number of segment files in the log.

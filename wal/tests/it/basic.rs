@@ -314,6 +314,21 @@ fn bad_appends_and_ranges_are_typed_errors() {
         ),
         "{e}"
     );
+    let bad = WalOptions {
+        durable_spin: std::time::Duration::from_secs(1),
+        ..WalOptions::default()
+    };
+    let e = Wal::open(dir.path(), bad).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            WalError::InvalidOption {
+                field: "durable_spin",
+                ..
+            }
+        ),
+        "{e}"
+    );
 }
 
 #[test]
@@ -388,6 +403,55 @@ fn a_single_writer_never_waits_for_a_group() {
     // Rotations sync the closed segment themselves; every other append has a sync of its own.
     assert_eq!(stats.syncs + stats.rotations, 50, "{stats:?}");
     assert_eq!(stats.gathers, 0, "{stats:?}");
+}
+
+/// 8 threads appending durably through a slow disk (5 ms per `fdatasync`), once spinning for
+/// the running sync and once parking at once: every append is durable and read back either
+/// way, and only the spinning log sees syncs end without parking.
+#[test]
+fn durable_requests_spin_for_a_running_sync_or_park() {
+    for spin in [
+        std::time::Duration::from_millis(50),
+        std::time::Duration::ZERO,
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let (fs, faults) = crate::util::FaultFs::new();
+        faults
+            .sync_delay_us
+            .store(5_000, std::sync::atomic::Ordering::SeqCst);
+        let opts = WalOptions {
+            fs: std::sync::Arc::new(fs),
+            durable_spin: spin,
+            ..WalOptions::default()
+        };
+        let wal = std::sync::Arc::new(Wal::open(dir.path(), opts.clone()).unwrap());
+        let next = std::sync::Arc::new(parking_lot::Mutex::new(1u64));
+        std::thread::scope(|s| {
+            for _ in 0..8 {
+                let (wal, next) = (wal.clone(), next.clone());
+                s.spawn(move || {
+                    for _ in 0..10 {
+                        {
+                            let mut n = next.lock();
+                            wal.append(&[entry(*n, 1)], None, false).unwrap();
+                            *n += 1;
+                        }
+                        wal.sync().unwrap();
+                    }
+                });
+            }
+        });
+        let stats = wal.stats();
+        if spin.is_zero() {
+            assert_eq!(stats.spun, 0, "{stats:?}");
+        } else {
+            assert!(stats.spun > 0, "{stats:?}");
+        }
+        assert!(stats.requests_per_sync() > 1.0, "{stats:?}");
+        drop(wal);
+        let wal = Wal::open(dir.path(), opts).unwrap();
+        assert_eq!(wal.entries(1, 81, None).unwrap(), entries(1, 81, 1));
+    }
 }
 
 /// With a slow disk (10 ms per `fdatasync`), 8 threads appending durably in a loop come back
