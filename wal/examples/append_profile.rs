@@ -6,7 +6,7 @@
 //! machine than wall time, so it shows what the log adds on top of the write itself.
 //!
 //! Run: `cargo run --release -p keel-wal --example append_profile` (`KEEL_PROFILE_ROUNDS`,
-//! default 2000, appends per side).
+//! default 2000, appends per side; `KEEL_PROFILE_DIRECT=0` turns direct writes off).
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -37,7 +37,10 @@ fn main() {
     let size = env("KEEL_PROFILE_ENTRY", 1024);
     let rounds = env("KEEL_PROFILE_ROUNDS", 2000);
     let dir = tempfile::tempdir().expect("temp dir");
-    let opts = WalOptions::default();
+    let opts = WalOptions {
+        direct_writes: env("KEEL_PROFILE_DIRECT", 1) != 0,
+        ..WalOptions::default()
+    };
     let per_segment = opts.segment_size / (size as u64 + 24);
     let wal = Wal::open(&dir.path().join("wal"), opts).expect("open");
     let mut es: Vec<Entry> = (0..batch)
@@ -110,5 +113,13 @@ fn main() {
         per(rw),
         per(rc),
         rw.as_secs_f64() / kw.as_secs_f64()
+    );
+    let st = wal.stats();
+    println!(
+        "  {} syncs of {:.1} us, {} direct flushes, {} direct (vectored) writes",
+        st.syncs,
+        st.sync_time.as_secs_f64() * 1e6 / st.syncs.max(1) as f64,
+        st.direct_flushes,
+        st.direct_writes
     );
 }

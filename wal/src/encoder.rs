@@ -1,11 +1,19 @@
 //! Writing records: the active segment's buffered writer, which frames records into an
 //! in-memory buffer, keeps the crc chain, and writes the buffer out with positioned writes.
+//!
+//! A write that a sync follows goes out as a direct write where the file system allows
+//! (`O_DIRECT`, [`SegmentWriter::flush_direct`]): whole pages from an aligned copy of the
+//! buffer, starting with the bytes already in the file from the last page boundary (kept in
+//! `tail`) and ending with zeros, so the kernel neither copies the records into the page
+//! cache nor has them to write back inside `fdatasync`, which is left with the disk's cache
+//! flush. Rewriting a page's first bytes with the same bytes leaves them as they were
+//! whatever part of the write reaches the disk.
 
 use std::io::{self, IoSlice};
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use crate::io::{WalFile, write_all_at, write_all_vectored_at};
+use crate::io::{DIRECT_ALIGN, WalFile, read_full_at, write_all_at, write_all_vectored_at};
 use crate::record::{
     self, ENTRY_PREFIX, Entry, HEADER_LEN, HardState, Metadata, SnapshotMarker, padded,
 };
@@ -36,9 +44,64 @@ pub(crate) struct SegmentWriter {
     pub data_start: u64,
     /// Scratch for [`SegmentWriter::write_entries`]: the framing around entry data.
     pub side: Vec<u8>,
+    /// The segment opened for direct writes, if the file system allows them.
+    pub direct: Option<Arc<dyn WalFile>>,
+    /// The file's bytes from the page boundary at or below `tail_at` up to it.
+    tail: Vec<u8>,
+    /// The `flushed` offset `tail` ends at; anything else means it must be read first.
+    tail_at: u64,
+    /// Scratch for direct writes, aligned in place.
+    pages: Vec<u8>,
+}
+
+/// What a segment writer starts from.
+pub(crate) struct WriterStart {
+    /// Sequence number of the segment.
+    pub seq: u64,
+    /// Its path.
+    pub path: PathBuf,
+    /// Its file.
+    pub file: Arc<dyn WalFile>,
+    /// The segment opened for direct writes, if the file system allows them.
+    pub direct: Option<Arc<dyn WalFile>>,
+    /// Offset of the next record.
+    pub end: u64,
+    /// Crc of the last record in the segment (0 for a new one).
+    pub crc: u32,
+    /// Size the segment was prepared with.
+    pub size: u64,
 }
 
 impl SegmentWriter {
+    /// A writer appending at `start.end`.
+    pub(crate) fn new(start: WriterStart) -> SegmentWriter {
+        SegmentWriter {
+            seq: start.seq,
+            path: start.path,
+            file: start.file,
+            buf: Vec::new(),
+            flushed: start.end,
+            crc: start.crc,
+            size: start.size,
+            data_start: start.end,
+            side: Vec::new(),
+            direct: start.direct,
+            tail: Vec::new(),
+            tail_at: u64::MAX,
+            pages: Vec::new(),
+        }
+    }
+
+    /// Starts over on another segment (after a rotation), keeping the buffers' memory.
+    pub(crate) fn restart(&mut self, start: WriterStart) {
+        let mut next = SegmentWriter::new(start);
+        next.buf = std::mem::take(&mut self.buf);
+        next.side = std::mem::take(&mut self.side);
+        next.pages = std::mem::take(&mut self.pages);
+        next.buf.clear();
+        *self = next;
+    }
+
     /// Offset of the next record.
     pub(crate) fn end(&self) -> u64 {
         self.flushed + self.buf.len() as u64
@@ -61,6 +124,59 @@ impl SegmentWriter {
         self.flushed += n as u64;
         self.buf.clear();
         Ok(())
+    }
+
+    /// [`SegmentWriter::flush`] as one direct write of whole pages; `Ok(false)` (nothing
+    /// written) where a direct write cannot serve: no direct handle, the last page would
+    /// pass the segment's end, or the file system refused (`EINVAL`; direct writes are then
+    /// off for this segment).
+    pub(crate) fn flush_direct(&mut self) -> io::Result<bool> {
+        let Some(direct) = self.direct.clone() else {
+            return Ok(false);
+        };
+        if self.buf.is_empty() {
+            return Ok(true);
+        }
+        let start = self.flushed - self.flushed % DIRECT_ALIGN as u64;
+        let head = (self.flushed - start) as usize;
+        let n = self.buf.len();
+        let len = (head + n + END_MARK.len()).next_multiple_of(DIRECT_ALIGN);
+        if start + len as u64 > self.size {
+            return Ok(false);
+        }
+        if self.tail_at != self.flushed {
+            self.tail.resize(head, 0);
+            if read_full_at(&*self.file, &mut self.tail, start)? < head {
+                return Ok(false);
+            }
+            self.tail_at = self.flushed;
+        }
+        if self.pages.len() < len + DIRECT_ALIGN {
+            self.pages = vec![0; (len + DIRECT_ALIGN).next_power_of_two()];
+        }
+        let at = self.pages.as_ptr().align_offset(DIRECT_ALIGN);
+        let block = &mut self.pages[at..at + len];
+        block[..head].copy_from_slice(&self.tail);
+        block[head..head + n].copy_from_slice(&self.buf);
+        block[head + n..].fill(0);
+        match write_all_at(&*direct, block, start) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(rustix::io::Errno::INVAL.raw_os_error()) => {
+                tracing::debug!(path = %self.path.display(), error = %e,
+                    "WAL: direct write refused; writing through the page cache");
+                self.direct = None;
+                return Ok(false);
+            }
+            Err(e) => return Err(e),
+        }
+        self.flushed += n as u64;
+        let keep = (self.flushed % DIRECT_ALIGN as u64) as usize;
+        self.tail.clear();
+        self.tail
+            .extend_from_slice(&block[head + n - keep..head + n]);
+        self.tail_at = self.flushed;
+        self.buf.clear();
+        Ok(true)
     }
 
     /// Frames `entries` (and a hard state after them) and writes them at once, behind the

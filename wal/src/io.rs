@@ -70,7 +70,19 @@ pub trait FileSystem: Send + Sync + Debug {
     fn create_dir_all(&self, dir: &Path) -> io::Result<()>;
     /// The names of the files in the directory.
     fn list(&self, dir: &Path) -> io::Result<Vec<String>>;
+    /// Opens an existing file a second time for direct writes (`O_DIRECT`: from the caller's
+    /// memory to the disk, past the page cache), which take offsets, lengths and buffers
+    /// aligned to [`DIRECT_ALIGN`]. `None` where the file system cannot (tmpfs, say): the
+    /// log then writes through the page cache only. The default is `None`.
+    fn open_direct(&self, path: &Path) -> Option<Arc<dyn WalFile>> {
+        let _ = path;
+        None
+    }
 }
+
+/// Alignment of the offsets, lengths and memory of direct writes
+/// ([`FileSystem::open_direct`]): a page, which covers every common logical block size.
+pub const DIRECT_ALIGN: usize = 4096;
 
 /// Writes all of `buf` at `offset`, continuing after short writes.
 pub(crate) fn write_all_at(file: &dyn WalFile, mut buf: &[u8], mut offset: u64) -> io::Result<()> {
@@ -218,6 +230,17 @@ impl FileSystem for RealFs {
     }
     fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
         std::fs::create_dir_all(dir)
+    }
+    fn open_direct(&self, path: &Path) -> Option<Arc<dyn WalFile>> {
+        use rustix::fs::{Mode, OFlags};
+        let flags = OFlags::RDWR | OFlags::DIRECT | OFlags::CLOEXEC;
+        match rustix::fs::open(path, flags, Mode::empty()) {
+            Ok(fd) => Some(Arc::new(RealFile(File::from(fd)))),
+            Err(e) => {
+                tracing::debug!(path = %path.display(), error = %e, "WAL: no direct writes");
+                None
+            }
+        }
     }
     fn list(&self, dir: &Path) -> io::Result<Vec<String>> {
         let mut names = Vec::new();

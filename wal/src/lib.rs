@@ -30,7 +30,8 @@
 //! 24  4  zero
 //! 28  4  CRC-32 of bytes 0..28 (u32)
 //! 32  .. records, each 8-byte aligned, then an end marker (8 zero bytes); after it zeros
-//!        (a new file) or leftovers of the file's earlier life (a recycled one)
+//!        (a new file, and the rest of the page after a direct write) or leftovers of the
+//!        file's earlier life (a recycled one)
 //! ```
 //!
 //! # Record framing
@@ -95,7 +96,7 @@ mod stats;
 mod wal;
 
 pub use error::WalError;
-pub use io::{FileSystem, RealFile, RealFs, WalFile};
+pub use io::{DIRECT_ALIGN, FileSystem, RealFile, RealFs, WalFile};
 pub use options::WalOptions;
 pub use record::{Entry, HardState, MAX_PAYLOAD, Metadata, SnapshotMarker};
 pub use segment::{FORMAT_VERSION, SEGMENT_HEADER_LEN};

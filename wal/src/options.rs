@@ -53,6 +53,13 @@ pub struct WalOptions {
     /// the recent `fdatasync` time, and whenever a sync ends without covering the request.
     /// Zero parks at once. At most 100 ms. Default: 1 ms.
     pub durable_spin: Duration,
+    /// Write the records a sync is about to make durable with a direct write (`O_DIRECT`)
+    /// of whole pages, where the file system allows it, instead of through the page cache:
+    /// the kernel neither copies them into the cache nor writes them back inside
+    /// `fdatasync`, which is left with the disk's cache flush. Appends that are not synced
+    /// at once, and large entries written straight from their own buffers, still go through
+    /// the page cache. Default: true.
+    pub direct_writes: bool,
     /// The file-system seam every file operation goes through. Default: the real file
     /// system ([`RealFs`]); tests inject faults through their own implementation.
     pub fs: Arc<dyn FileSystem>,
@@ -70,6 +77,7 @@ impl Default for WalOptions {
             read_buffer: 4 << 20,
             group_commit_wait: Duration::from_millis(1),
             durable_spin: Duration::from_millis(1),
+            direct_writes: true,
             fs: Arc::new(RealFs),
         }
     }
@@ -87,6 +95,7 @@ impl std::fmt::Debug for WalOptions {
             .field("read_buffer", &self.read_buffer)
             .field("group_commit_wait", &self.group_commit_wait)
             .field("durable_spin", &self.durable_spin)
+            .field("direct_writes", &self.direct_writes)
             .finish_non_exhaustive()
     }
 }

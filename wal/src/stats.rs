@@ -22,6 +22,9 @@ pub struct WalStats {
     /// Durable appends of large entries written straight from the entries' own buffers
     /// (one vectored write) rather than copied into the write buffer.
     pub direct_writes: u64,
+    /// Writes ahead of a group commit's `fdatasync` made as direct writes
+    /// ([`crate::WalOptions::direct_writes`]).
+    pub direct_flushes: u64,
     /// Bytes of records encoded.
     pub bytes: u64,
     /// Times a sync leader waited for the appenders of the previous group to come back.

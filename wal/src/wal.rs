@@ -38,7 +38,7 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 use tracing::{debug, warn};
 
 use crate::decoder::{Next, SegmentReader};
-use crate::encoder::SegmentWriter;
+use crate::encoder::{SegmentWriter, WriterStart};
 use crate::error::WalError;
 use crate::index::{Loc, LogIndex};
 use crate::io::{FileSystem, WalFile, read_full_at};
@@ -474,20 +474,20 @@ impl Wal {
                 seeded,
             }) => {
                 let flen = file.len().map_err(|e| WalError::io("stat", &path, e))?;
-                (
-                    SegmentWriter {
-                        seq,
-                        path,
-                        file,
-                        buf: Vec::new(),
-                        flushed: end,
-                        crc: st.crc,
-                        size: flen.max(size),
-                        data_start: end,
-                        side: Vec::new(),
-                    },
-                    seeded,
-                )
+                let direct = options
+                    .direct_writes
+                    .then(|| fs.open_direct(&path))
+                    .flatten();
+                let start = WriterStart {
+                    seq,
+                    path,
+                    file,
+                    direct,
+                    end,
+                    crc: st.crc,
+                    size: flen.max(size),
+                };
+                (SegmentWriter::new(start), seeded)
             }
             None => {
                 let (seq, first) = fresh;
@@ -505,20 +505,20 @@ impl Wal {
                         file: p.file.clone(),
                     },
                 );
-                (
-                    SegmentWriter {
-                        seq,
-                        path,
-                        file: p.file,
-                        buf: Vec::new(),
-                        flushed: SEGMENT_HEADER_LEN,
-                        crc: 0,
-                        size,
-                        data_start: SEGMENT_HEADER_LEN,
-                        side: Vec::new(),
-                    },
-                    false,
-                )
+                let direct = options
+                    .direct_writes
+                    .then(|| fs.open_direct(&path))
+                    .flatten();
+                let start = WriterStart {
+                    seq,
+                    path,
+                    file: p.file,
+                    direct,
+                    end: SEGMENT_HEADER_LEN,
+                    crc: 0,
+                    size,
+                };
+                (SegmentWriter::new(start), false)
             }
         };
         let next_seq = writer.seq + 1;
@@ -733,20 +733,18 @@ impl Wal {
             }
         };
         let prev = g.writer.crc;
-        let mut buf = std::mem::take(&mut g.writer.buf);
-        buf.clear();
-        let side = std::mem::take(&mut g.writer.side);
-        g.writer = SegmentWriter {
+        let direct = (self.options.direct_writes)
+            .then(|| self.fs.open_direct(&path))
+            .flatten();
+        g.writer.restart(WriterStart {
             seq,
             path: path.clone(),
             file: prepared.file.clone(),
-            buf,
-            flushed: SEGMENT_HEADER_LEN,
+            direct,
+            end: SEGMENT_HEADER_LEN,
             crc: 0,
             size: self.options.segment_size,
-            data_start: SEGMENT_HEADER_LEN,
-            side,
-        };
+        });
         g.writer.seed(prev, first);
         write_state(g);
         g.writer.data_start = g.writer.end();
@@ -964,7 +962,7 @@ impl Wal {
             g.started = upto;
             g.last_group = (g.requests - g.covered).max(1);
             g.covered = g.requests;
-            if let Err(e) = flush(&mut g) {
+            if let Err(e) = flush_for_sync(&mut g) {
                 g.syncing = false;
                 self.wake(&mut g);
                 return Err(e);
@@ -1494,6 +1492,23 @@ fn flush(g: &mut Inner) -> Result<(), WalError> {
         return Err(err);
     }
     Ok(())
+}
+
+/// Writes the buffer out for a sync that follows at once: directly where it can (see the
+/// encoder), else through the page cache; a failure poisons the log.
+fn flush_for_sync(g: &mut Inner) -> Result<(), WalError> {
+    match g.writer.flush_direct() {
+        Ok(true) => {
+            g.stats.direct_flushes += 1;
+            Ok(())
+        }
+        Ok(false) => flush(g),
+        Err(e) => {
+            let err = WalError::io("direct write", &g.writer.path, e);
+            g.poisoned = Some(err.to_string());
+            Err(err)
+        }
+    }
 }
 
 /// Encodes the state records that open a segment.

@@ -6,6 +6,7 @@ mod crash;
 mod direct;
 mod faults;
 mod model;
+mod page_bypass;
 mod recycle;
 mod torn;
 mod util;
