@@ -2,12 +2,13 @@
 //! in-memory buffer, keeps the crc chain, and writes the buffer out with positioned writes.
 //!
 //! A write that a sync follows goes out as a direct write where the file system allows
-//! (`O_DIRECT`, [`SegmentWriter::flush_direct`]): whole pages from an aligned copy of the
-//! buffer, starting with the bytes already in the file from the last page boundary (kept in
-//! `tail`) and ending with zeros, so the kernel neither copies the records into the page
-//! cache nor has them to write back inside `fdatasync`, which is left with the disk's cache
-//! flush. Rewriting a page's first bytes with the same bytes leaves them as they were
-//! whatever part of the write reaches the disk.
+//! (`O_DIRECT`, [`SegmentWriter::flush_direct`]): whole pages, starting with the bytes
+//! already in the file from the last page boundary and ending with zeros, so the kernel
+//! neither copies the records into the page cache nor has them to write back inside
+//! `fdatasync`, which is left with the disk's cache flush. The write buffer keeps those
+//! first bytes in front of the records, at a page-aligned address, so the pages go out
+//! straight from it. Rewriting a page's first bytes with the same bytes leaves them as they
+//! were whatever part of the write reaches the disk.
 
 use std::io::{self, IoSlice};
 use std::path::PathBuf;
@@ -32,8 +33,16 @@ pub(crate) struct SegmentWriter {
     pub path: PathBuf,
     /// Its file.
     pub file: Arc<dyn WalFile>,
-    /// Encoded records not yet written; they go at `flushed`.
-    pub buf: Vec<u8>,
+    /// `lead` bytes that are not records, then the encoded records not yet written (they
+    /// go at `flushed`). `buf[file_from..]` are the file's bytes up to the end of the
+    /// records: when they reach back to the page boundary below `flushed`, at a page-aligned
+    /// address (as [`SegmentWriter::rebase`] leaves them), a direct write of those pages
+    /// goes straight from this buffer.
+    buf: Vec<u8>,
+    /// Where the records start in `buf`.
+    lead: usize,
+    /// Where the file's bytes start in `buf` (see `buf`).
+    file_from: usize,
     /// File offset up to which records have been written.
     pub flushed: u64,
     /// Crc of the last record encoded (seed of the next).
@@ -46,13 +55,14 @@ pub(crate) struct SegmentWriter {
     pub side: Vec<u8>,
     /// The segment opened for direct writes, if the file system allows them.
     pub direct: Option<Arc<dyn WalFile>>,
-    /// The file's bytes from the page boundary at or below `tail_at` up to it.
-    tail: Vec<u8>,
-    /// The `flushed` offset `tail` ends at; anything else means it must be read first.
-    tail_at: u64,
-    /// Scratch for direct writes, aligned in place.
+    /// Scratch for the direct writes `buf` cannot serve in place, aligned in place.
     pages: Vec<u8>,
 }
+
+/// Memory the write buffer keeps once a direct write has used it: records up to about this
+/// many bytes stay at the aligned address a direct write needs (a larger buffer moves, and
+/// its direct write then goes through a copy).
+const BUF_RESERVE: usize = (1 << 20) + 4 * DIRECT_ALIGN;
 
 /// What a segment writer starts from.
 pub(crate) struct WriterStart {
@@ -80,14 +90,14 @@ impl SegmentWriter {
             path: start.path,
             file: start.file,
             buf: Vec::new(),
+            lead: 0,
+            file_from: 0,
             flushed: start.end,
             crc: start.crc,
             size: start.size,
             data_start: start.end,
             side: Vec::new(),
             direct: start.direct,
-            tail: Vec::new(),
-            tail_at: u64::MAX,
             pages: Vec::new(),
         }
     }
@@ -104,26 +114,55 @@ impl SegmentWriter {
 
     /// Offset of the next record.
     pub(crate) fn end(&self) -> u64 {
-        self.flushed + self.buf.len() as u64
+        self.flushed + self.pending() as u64
+    }
+
+    /// Bytes of records encoded and not yet written.
+    pub(crate) fn pending(&self) -> usize {
+        self.buf.len() - self.lead
     }
 
     /// Writes the buffered records to the file (not synced), followed by an end marker (a
     /// zero record header, overwritten by the next write) when it fits in the segment.
     pub(crate) fn flush(&mut self) -> io::Result<()> {
-        if self.buf.is_empty() {
+        let n = self.pending();
+        if n == 0 {
             return Ok(());
         }
-        let n = self.buf.len();
+        let end = self.buf.len();
         let marked = self.end() + END_MARK.len() as u64 <= self.size;
         if marked {
             self.buf.extend_from_slice(&END_MARK);
         }
-        let res = write_all_at(&*self.file, &self.buf, self.flushed);
-        self.buf.truncate(n);
+        let res = write_all_at(&*self.file, &self.buf[self.lead..], self.flushed);
+        self.buf.truncate(end);
         res?;
         self.flushed += n as u64;
-        self.buf.clear();
+        self.rebase();
         Ok(())
+    }
+
+    /// Once everything in the buffer is written: starts it over with the file's bytes from
+    /// the page boundary below `flushed` (when it holds them) at a page-aligned address.
+    fn rebase(&mut self) {
+        let keep = (self.flushed % DIRECT_ALIGN as u64) as usize;
+        if keep > self.buf.len() - self.file_from {
+            self.buf.clear();
+            self.lead = 0;
+            self.file_from = 0;
+            return;
+        }
+        let mut tail = [0u8; DIRECT_ALIGN];
+        tail[..keep].copy_from_slice(&self.buf[self.buf.len() - keep..]);
+        if self.buf.capacity() < BUF_RESERVE {
+            self.buf = Vec::with_capacity(BUF_RESERVE);
+        }
+        self.buf.clear();
+        let pad = self.buf.as_ptr().align_offset(DIRECT_ALIGN);
+        self.buf.resize(pad, 0);
+        self.buf.extend_from_slice(&tail[..keep]);
+        self.file_from = pad;
+        self.lead = pad + keep;
     }
 
     /// [`SegmentWriter::flush`] as one direct write of whole pages; `Ok(false)` (nothing
@@ -134,32 +173,40 @@ impl SegmentWriter {
         let Some(direct) = self.direct.clone() else {
             return Ok(false);
         };
-        if self.buf.is_empty() {
+        let n = self.pending();
+        if n == 0 {
             return Ok(true);
         }
         let start = self.flushed - self.flushed % DIRECT_ALIGN as u64;
         let head = (self.flushed - start) as usize;
-        let n = self.buf.len();
         let len = (head + n + END_MARK.len()).next_multiple_of(DIRECT_ALIGN);
         if start + len as u64 > self.size {
             return Ok(false);
         }
-        if self.tail_at != self.flushed {
-            self.tail.resize(head, 0);
-            if read_full_at(&*self.file, &mut self.tail, start)? < head {
+        let end = self.buf.len();
+        let res = if self.lead - self.file_from >= head {
+            // The page's first bytes are in the buffer: in place if it is aligned there.
+            let from = self.lead - head;
+            self.buf.resize(from + len, 0);
+            let block = &self.buf[from..];
+            if block.as_ptr().align_offset(DIRECT_ALIGN) == 0 {
+                write_all_at(&*direct, block, start)
+            } else {
+                let copy = aligned(&mut self.pages, len);
+                copy.copy_from_slice(block);
+                write_all_at(&*direct, copy, start)
+            }
+        } else {
+            let copy = aligned(&mut self.pages, len);
+            if read_full_at(&*self.file, &mut copy[..head], start)? < head {
                 return Ok(false);
             }
-            self.tail_at = self.flushed;
-        }
-        if self.pages.len() < len + DIRECT_ALIGN {
-            self.pages = vec![0; (len + DIRECT_ALIGN).next_power_of_two()];
-        }
-        let at = self.pages.as_ptr().align_offset(DIRECT_ALIGN);
-        let block = &mut self.pages[at..at + len];
-        block[..head].copy_from_slice(&self.tail);
-        block[head..head + n].copy_from_slice(&self.buf);
-        block[head + n..].fill(0);
-        match write_all_at(&*direct, block, start) {
+            copy[head..head + n].copy_from_slice(&self.buf[self.lead..]);
+            copy[head + n..].fill(0);
+            write_all_at(&*direct, copy, start)
+        };
+        self.buf.truncate(end);
+        match res {
             Ok(()) => {}
             Err(e) if e.raw_os_error() == Some(rustix::io::Errno::INVAL.raw_os_error()) => {
                 tracing::debug!(path = %self.path.display(), error = %e,
@@ -170,12 +217,11 @@ impl SegmentWriter {
             Err(e) => return Err(e),
         }
         self.flushed += n as u64;
-        let keep = (self.flushed % DIRECT_ALIGN as u64) as usize;
-        self.tail.clear();
-        self.tail
-            .extend_from_slice(&block[head + n - keep..head + n]);
-        self.tail_at = self.flushed;
-        self.buf.clear();
+        if self.lead - self.file_from < head {
+            // The page's first bytes came from the file: the buffer holds only the records.
+            self.file_from = self.lead;
+        }
+        self.rebase();
         Ok(true)
     }
 
@@ -219,8 +265,8 @@ impl SegmentWriter {
             side.extend_from_slice(&END_MARK);
         }
         let mut iov = Vec::with_capacity(2 * entries.len() + 2);
-        if !self.buf.is_empty() {
-            iov.push(IoSlice::new(&self.buf));
+        if self.pending() > 0 {
+            iov.push(IoSlice::new(&self.buf[self.lead..]));
         }
         let mut from = 0;
         let mut pad = 0;
@@ -238,6 +284,8 @@ impl SegmentWriter {
         res?;
         self.flushed = end;
         self.buf.clear();
+        self.lead = 0;
+        self.file_from = 0;
         self.crc = crc;
         Ok(())
     }
@@ -266,4 +314,13 @@ impl SegmentWriter {
     pub(crate) fn metadata(&mut self, m: &Metadata) {
         self.crc = record::encode_metadata(&mut self.buf, m, self.crc);
     }
+}
+
+/// `len` bytes of `pages` at a page-aligned address (growing it as needed).
+fn aligned(pages: &mut Vec<u8>, len: usize) -> &mut [u8] {
+    if pages.len() < len + DIRECT_ALIGN {
+        *pages = vec![0; (len + DIRECT_ALIGN).next_power_of_two()];
+    }
+    let at = pages.as_ptr().align_offset(DIRECT_ALIGN);
+    &mut pages[at..at + len]
 }

@@ -667,7 +667,7 @@ impl Wal {
         // Older segments are whole and durable: only the last one can have a torn tail. (A
         // log whose every record is durable already, say after a durable append, has
         // nothing to write or sync.)
-        if g.durable < g.written || !g.writer.buf.is_empty() {
+        if g.durable < g.written || g.writer.pending() > 0 {
             let w = &mut g.writer;
             if let Err(e) = w.flush().and_then(|()| w.file.sync_data()) {
                 let err = WalError::io("write and sync", &w.path, e);
@@ -748,7 +748,7 @@ impl Wal {
         g.writer.seed(prev, first);
         write_state(g);
         g.writer.data_start = g.writer.end();
-        g.written += g.writer.buf.len() as u64;
+        g.written += g.writer.pending() as u64;
         g.segments.insert(
             seq,
             SegInfo {
@@ -831,7 +831,7 @@ impl Wal {
             g.stats.appends += 1;
             g.stats.bytes += g.writer.end() - before;
             self.maybe_prealloc(&mut g);
-            if g.writer.buf.len() >= self.options.write_buffer {
+            if g.writer.pending() >= self.options.write_buffer {
                 flush(&mut g)?;
             }
         }
