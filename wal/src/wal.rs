@@ -9,8 +9,9 @@
 //! that finds no sync running becomes the leader: if the previous sync served several
 //! requests, it first waits (briefly, [`WalOptions::group_commit_wait`]) for as many to be
 //! pending again, since the appenders that sync released are usually on their way back. The
-//! leader writes the buffer out (one `pwrite`) and runs `fdatasync` with the mutex released,
-//! while later requests fill the buffer and park. When it finishes it unlists exactly the
+//! leader writes the buffer out under the mutex (one direct write of whole pages where the
+//! file system allows, [`WalOptions::direct_writes`], else one `pwrite`) and runs
+//! `fdatasync` with the mutex released, while later requests fill the buffer and park. When it finishes it unlists exactly the
 //! parked requests it made durable and, if any remain, one of them to lead the next sync, and
 //! wakes them once the mutex is released (they check an atomic durable mark and return
 //! without taking it), so none of them finds the mutex held by the waker. A request first
