@@ -768,7 +768,7 @@ fn profile(what: &str) {
         }
         "profile-headline" | "profile-headline-alone" => {
             // The headline's writer (200 000 puts of 1 KiB over 100 000 keys, fsync, default
-            // batching), with the full-scan reader on a thread named "reader" unless alone.
+            // batching; `KEEL_PROFILE_PUTS` sets how many), with the full-scan reader on a thread named "reader" unless alone.
             let s = Arc::new(store(dir.path(), true, StoreOptions::default()));
             let keys = 100_000u64;
             let value = vec![3u8; 1024];
@@ -805,7 +805,10 @@ fn profile(what: &str) {
             let scans0 = scanned.load(Ordering::Relaxed);
             let cpu0 = thread_cpu();
             let start = Instant::now();
-            let puts = 200_000u64;
+            let puts: u64 = std::env::var("KEEL_PROFILE_PUTS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(200_000);
             for n in 0..puts {
                 s.put(&key(n.wrapping_mul(7919) % keys), &value, 0)
                     .expect("put");

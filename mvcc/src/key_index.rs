@@ -10,6 +10,7 @@
 //! The index is rebuilt on open from the `key` bucket; it lives behind one `RwLock` in the
 //! store, and readers hold the read lock only for short chunks of a scan.
 
+use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, HashSet};
 use std::ops::Bound as RangeBound;
 
@@ -325,10 +326,127 @@ impl Gens {
     }
 }
 
+/// Longest key an [`IndexKey`] holds inline.
+const INLINE_KEY: usize = 38;
+
+/// A key as the index holds it: keys of up to [`INLINE_KEY`] bytes inline in the map's own
+/// node, so the comparisons of a lookup (some thirty) read the node's cache lines instead of
+/// following a pointer to a separate allocation per key, and a new key costs no allocation of
+/// its own; longer keys on the heap. Ordered as the key's bytes, so the map is searched with
+/// a `&[u8]`.
+#[derive(Clone)]
+pub(crate) enum IndexKey {
+    Inline { len: u8, bytes: [u8; INLINE_KEY] },
+    Heap(Box<[u8]>),
+}
+
+impl IndexKey {
+    #[inline]
+    pub fn as_slice(&self) -> &[u8] {
+        match self {
+            IndexKey::Inline { len, bytes } => &bytes[..usize::from(*len)],
+            IndexKey::Heap(key) => key,
+        }
+    }
+}
+
+impl From<&[u8]> for IndexKey {
+    fn from(key: &[u8]) -> IndexKey {
+        if key.len() <= INLINE_KEY {
+            let mut bytes = [0u8; INLINE_KEY];
+            bytes[..key.len()].copy_from_slice(key);
+            IndexKey::Inline {
+                len: key.len() as u8,
+                bytes,
+            }
+        } else {
+            IndexKey::Heap(key.into())
+        }
+    }
+}
+
+impl std::fmt::Debug for IndexKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.as_slice().fmt(f)
+    }
+}
+
+// Equality and order are the key's bytes' (as `Borrow` requires).
+impl PartialEq for IndexKey {
+    #[inline]
+    fn eq(&self, other: &IndexKey) -> bool {
+        self.as_slice() == other.as_slice()
+    }
+}
+
+impl Eq for IndexKey {}
+
+impl PartialOrd for IndexKey {
+    #[inline]
+    fn partial_cmp(&self, other: &IndexKey) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for IndexKey {
+    #[inline]
+    fn cmp(&self, other: &IndexKey) -> std::cmp::Ordering {
+        match (self, other) {
+            // Zero-padded bytes compare as the keys do up to the shorter key's length, and
+            // past it the longer key's bytes against zeros: unequal there means the longer
+            // key is greater; equal means the rest is zeros, and the length decides. So
+            // compare the padded words, then the lengths.
+            (IndexKey::Inline { len: la, bytes: a }, IndexKey::Inline { len: lb, bytes: b }) => {
+                compare_padded(a, b).then(la.cmp(lb))
+            }
+            _ => self.as_slice().cmp(other.as_slice()),
+        }
+    }
+}
+
+/// Compares two inline keys' padded bytes as big-endian words (which order as their bytes
+/// do). All five words are read at once: keys sharing long prefixes, the common case, would
+/// get past most of them anyway, and the straight-line loads beat a loop that stops early.
+#[inline]
+fn compare_padded(a: &[u8; INLINE_KEY], b: &[u8; INLINE_KEY]) -> std::cmp::Ordering {
+    #[inline]
+    fn word(k: &[u8; INLINE_KEY], i: usize) -> u64 {
+        u64::from_be_bytes([
+            k[i],
+            k[i + 1],
+            k[i + 2],
+            k[i + 3],
+            k[i + 4],
+            k[i + 5],
+            k[i + 6],
+            k[i + 7],
+        ])
+    }
+    // The last word ends at the array's end (INLINE_KEY = 38): its first two bytes repeat the
+    // fourth word's last two, which were equal if it is reached.
+    let words = |k| {
+        [
+            word(k, 0),
+            word(k, 8),
+            word(k, 16),
+            word(k, 24),
+            word(k, INLINE_KEY - 8),
+        ]
+    };
+    words(a).cmp(&words(b))
+}
+
+impl std::borrow::Borrow<[u8]> for IndexKey {
+    #[inline]
+    fn borrow(&self) -> &[u8] {
+        self.as_slice()
+    }
+}
+
 /// The key index.
 #[derive(Debug, Default)]
 pub(crate) struct KeyIndex {
-    map: BTreeMap<Box<[u8]>, KeyEntry>,
+    map: BTreeMap<IndexKey, KeyEntry>,
 }
 
 impl KeyIndex {
@@ -337,24 +455,20 @@ impl KeyIndex {
     }
 
     pub fn get(&self, key: &[u8], at: u64) -> Option<KeyAt> {
-        self.map.get(key)?.get(at)
+        self.map.get(&IndexKey::from(key))?.get(at)
     }
 
-    /// [`get`](Self::get) at `at`, then [`put`](Self::put) of `rev`, in one lookup for an
-    /// existing key (two for a new one).
+    /// [`get`](Self::get) at `at`, then [`put`](Self::put) of `rev`, in one lookup.
     pub fn get_and_put(&mut self, key: &[u8], at: u64, rev: Revision) -> Option<KeyAt> {
-        if self.is_past_last(key) {
-            self.map.insert(key.into(), KeyEntry::created_by(rev));
-            return None;
-        }
-        match self.map.get_mut(key) {
-            Some(e) => {
+        match self.map.entry(IndexKey::from(key)) {
+            Entry::Occupied(mut o) => {
+                let e = o.get_mut();
                 let prev = e.get(at);
                 e.put(rev);
                 prev
             }
-            None => {
-                self.map.insert(key.into(), KeyEntry::created_by(rev));
+            Entry::Vacant(v) => {
+                v.insert(KeyEntry::created_by(rev));
                 None
             }
         }
@@ -365,25 +479,20 @@ impl KeyIndex {
         self.get_and_put(key, 0, rev);
     }
 
-    /// True when `key` sorts after every key of the index (a new key appended at the end, as
-    /// with ever-growing keys): no lookup is needed before inserting it.
-    fn is_past_last(&self, key: &[u8]) -> bool {
-        self.map
-            .last_key_value()
-            .is_none_or(|(last, _)| key > &**last)
-    }
-
     /// Records a deletion; false when the key is not live.
     pub fn tombstone(&mut self, key: &[u8], rev: Revision) -> bool {
-        self.map.get_mut(key).is_some_and(|e| e.tombstone(rev))
+        self.map
+            .get_mut(&IndexKey::from(key))
+            .is_some_and(|e| e.tombstone(rev))
     }
 
     /// Undoes the change at `rev` of `key` (its latest), dropping the key if nothing is left.
     pub fn rollback(&mut self, key: &[u8], rev: Revision) {
-        if let Some(e) = self.map.get_mut(key) {
+        let key = IndexKey::from(key);
+        if let Some(e) = self.map.get_mut(&key) {
             e.rollback(rev);
             if e.is_empty() {
-                self.map.remove(key);
+                self.map.remove(&key);
             }
         }
     }
@@ -391,12 +500,11 @@ impl KeyIndex {
     /// Rebuild step for a stored put (see [`KeyEntry::restore`] for keys seen first or after a
     /// tombstone).
     pub fn restore_put(&mut self, key: &[u8], created: u64, rev: Revision, ver: u64) {
-        match self.map.get_mut(key) {
-            Some(e) if e.is_live() => e.put(rev),
-            Some(e) => e.restore(created, rev, ver),
-            None => {
-                let e = KeyEntry::Single { ver, created, rev };
-                self.map.insert(key.into(), e);
+        match self.map.entry(IndexKey::from(key)) {
+            Entry::Occupied(mut o) if o.get().is_live() => o.get_mut().put(rev),
+            Entry::Occupied(mut o) => o.get_mut().restore(created, rev, ver),
+            Entry::Vacant(v) => {
+                v.insert(KeyEntry::Single { ver, created, rev });
             }
         }
     }
@@ -430,11 +538,9 @@ impl KeyIndex {
         {
             return true;
         }
-        for (k, e) in self
-            .map
-            .range::<[u8], (RangeBound<&[u8]>, RangeBound<&[u8]>)>((lower, upper))
-        {
-            if !f(k, e) {
+        let probe = |b: RangeBound<&[u8]>| b.map(IndexKey::from);
+        for (k, e) in self.map.range((probe(lower), probe(upper))) {
+            if !f(k.as_slice(), e) {
                 return false;
             }
         }
@@ -467,6 +573,75 @@ mod tests {
 
     fn r(main: u64) -> Revision {
         Revision::new(main, 0)
+    }
+
+    #[test]
+    fn index_keys_order_as_their_bytes() {
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        // A small alphabet with zero bytes (the inline padding) and lengths on both sides of
+        // the inline limit: shared prefixes, keys that are prefixes of others, zero tails.
+        let mut key = || -> Vec<u8> {
+            let len = (next() % (INLINE_KEY as u64 + 6)) as usize;
+            (0..len)
+                .map(|_| [0u8, b'a', 0xff][(next() % 3) as usize])
+                .collect()
+        };
+        for _ in 0..50_000 {
+            let (a, b) = (key(), key());
+            let (ka, kb) = (IndexKey::from(&a[..]), IndexKey::from(&b[..]));
+            assert_eq!(ka.cmp(&kb), a.cmp(&b), "{a:?} vs {b:?}");
+            assert_eq!(ka == kb, a == b, "{a:?} vs {b:?}");
+        }
+    }
+
+    #[test]
+    fn inline_and_heap_keys_sort_and_match_alike() {
+        // Lengths around the inline limit, sharing prefixes, in a scrambled order.
+        let mut keys: Vec<Vec<u8>> = Vec::new();
+        for len in INLINE_KEY - 2..=INLINE_KEY + 2 {
+            for last in [0u8, b'a', 0xff] {
+                let mut k = vec![b'k'; len];
+                k[len - 1] = last;
+                keys.push(k);
+            }
+        }
+        keys.push(Vec::new());
+        let mut idx = KeyIndex::default();
+        for (i, k) in keys.iter().enumerate().rev() {
+            idx.put(k, r(i as u64 + 1));
+        }
+        let mut sorted = keys.clone();
+        sorted.sort();
+        let mut seen = Vec::new();
+        idx.scan(b"", &Bound::Unbounded, None, |k, _| {
+            seen.push(k.to_vec());
+            true
+        });
+        assert_eq!(seen, sorted);
+        for (i, k) in keys.iter().enumerate() {
+            assert_eq!(
+                idx.get(k, u64::MAX).map(|a| a.modified),
+                Some(r(i as u64 + 1))
+            );
+            assert_eq!(
+                IndexKey::from(&k[..]).cmp(&IndexKey::from(&keys[0][..])),
+                k.cmp(&keys[0])
+            );
+        }
+        assert!(matches!(
+            IndexKey::from(&keys[0][..]),
+            IndexKey::Inline { .. }
+        ));
+        assert!(matches!(
+            IndexKey::from(&vec![0u8; INLINE_KEY + 1][..]),
+            IndexKey::Heap(_)
+        ));
     }
 
     #[test]
