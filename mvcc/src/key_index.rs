@@ -327,7 +327,7 @@ impl Gens {
 }
 
 /// Longest key an [`IndexKey`] holds inline.
-const INLINE_KEY: usize = 38;
+const INLINE_KEY: usize = 30;
 
 /// A key as the index holds it: keys of up to [`INLINE_KEY`] bytes inline in the map's own
 /// node, so the comparisons of a lookup (some thirty) read the node's cache lines instead of
@@ -405,7 +405,7 @@ impl Ord for IndexKey {
 }
 
 /// Compares two inline keys' padded bytes as big-endian words (which order as their bytes
-/// do). All five words are read at once: keys sharing long prefixes, the common case, would
+/// do). All four words are read at once: keys sharing long prefixes, the common case, would
 /// get past most of them anyway, and the straight-line loads beat a loop that stops early.
 #[inline]
 fn compare_padded(a: &[u8; INLINE_KEY], b: &[u8; INLINE_KEY]) -> std::cmp::Ordering {
@@ -422,17 +422,9 @@ fn compare_padded(a: &[u8; INLINE_KEY], b: &[u8; INLINE_KEY]) -> std::cmp::Order
             k[i + 7],
         ])
     }
-    // The last word ends at the array's end (INLINE_KEY = 38): its first two bytes repeat the
-    // fourth word's last two, which were equal if it is reached.
-    let words = |k| {
-        [
-            word(k, 0),
-            word(k, 8),
-            word(k, 16),
-            word(k, 24),
-            word(k, INLINE_KEY - 8),
-        ]
-    };
+    // The last word ends at the array's end (INLINE_KEY = 30): its first two bytes repeat the
+    // third word's last two, which were equal if it is reached.
+    let words = |k| [word(k, 0), word(k, 8), word(k, 16), word(k, INLINE_KEY - 8)];
     words(a).cmp(&words(b))
 }
 
