@@ -1,7 +1,7 @@
 //! Restore from a snapshot stream with one sync at the end.
 //!
-//! The stream is parsed and checked by keel-mvcc's [`snapshot::restore_from`], and each batch
-//! of a few MiB it yields is committed through [`Backend::commit_from`], encoded straight from
+//! The stream is parsed and checked by keel-mvcc's [`snapshot::restore_from_batched`], and
+//! each batch of at most [`RESTORE_FRAME_BYTES`] it yields is committed through [`Backend::commit_from`], encoded straight from
 //! the parser's buffer (and shown to the caller's observer, for
 //! [`Backend::restore_observed`]). Commits made on the restoring thread write their frames
 //! without syncing them: straight to the disk where the file system allows it (see `direct`:
@@ -23,6 +23,14 @@ use keel_mvcc::backend::snapshot;
 use keel_mvcc::{Backend, BackendError, ReadTxn};
 
 use crate::recovery::RESTORING;
+
+/// Payload bytes of the batches a restore commits, one frame each. Small enough that a batch
+/// is still in the processor's cache while it is parsed, shown to the observer, encoded into
+/// its frame and copied into the direct writer's buffer. (Measured on 2 cores, restoring a
+/// 222 MB stream of 1 KiB values while it arrives: the restoring thread's CPU time was about
+/// 250 ms with 8 MiB batches, 200 ms with 1 MiB and 165 ms with 512 KiB; the direct writer's
+/// 75, 58 and 55 ms.)
+pub(crate) const RESTORE_FRAME_BYTES: usize = 512 << 10;
 use crate::store::{FileBackend, Inner};
 
 impl FileBackend {
@@ -44,7 +52,7 @@ impl FileBackend {
             .map_err(|e| BackendError::io(&marker, "create", e))?;
         inner.io.sync_dir(&inner.dir)?;
         *inner.restoring.lock() = Some(std::thread::current().id());
-        let loaded = snapshot::restore_from(input, |batch| {
+        let loaded = snapshot::restore_from_batched(input, RESTORE_FRAME_BYTES, |batch| {
             for (bucket, key, value) in batch.iter() {
                 observe(bucket, key, value);
             }

@@ -28,6 +28,11 @@
 //! (after the new member's start) beside when the stream ran; `RUST_LOG=keel_raft_glue=debug`
 //! shows each join's phases (snapshot started, streamed, restored, prepared, installed).
 //!
+//! `KEEL_LEARNER_BENCH_CPU=1` prints each join's CPU time from the learner's start to its
+//! promotion: the whole process's, and that of each thread alive at both ends, by name
+//! (schedstat; threads that end in between, such as the snapshot sender and restore, log
+//! theirs at debug level: `RUST_LOG=keel_raft_glue=debug,keel_backend_file=debug`).
+//!
 //! Run: `cargo bench -p keel-benches --bench learner`; smoke: `... -- --test`.
 
 // criterion_group! generates an undocumented public function.
@@ -249,6 +254,60 @@ struct Join {
     p99_before: Option<Duration>,
 }
 
+/// CPU time of every thread of this process: `tid -> (name, ns)` (Linux schedstat).
+fn thread_cpu() -> std::collections::HashMap<u64, (String, u64)> {
+    let mut out = std::collections::HashMap::new();
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return out;
+    };
+    for t in tasks.flatten() {
+        let Some(tid) = t.file_name().to_str().and_then(|s| s.parse::<u64>().ok()) else {
+            continue;
+        };
+        let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+        let ns = std::fs::read_to_string(t.path().join("schedstat"))
+            .ok()
+            .and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok());
+        if let Some(ns) = ns {
+            out.insert(tid, (comm.trim().to_owned(), ns));
+        }
+    }
+    out
+}
+
+/// CPU time of the whole process (user + system), from `/proc/self/stat`, in clock ticks of
+/// 10 ms.
+fn process_cpu_ms() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // Fields after the command name, which ends with the last ')'.
+    let rest = stat.rsplit(')').next().unwrap_or("");
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    // utime and stime are fields 14 and 15 of the whole line: 12 and 13 after the name.
+    (ticks(11) + ticks(12)) * 10.0
+}
+
+/// Prints the CPU each thread used between two [`thread_cpu`] samples, summed by name.
+fn print_cpu(n: u64, before: &std::collections::HashMap<u64, (String, u64)>, process_ms: f64) {
+    let after = thread_cpu();
+    let mut by_name: std::collections::BTreeMap<String, u64> = Default::default();
+    for (tid, (name, ns)) in &after {
+        let was = before.get(tid).map_or(0, |(_, ns)| *ns);
+        *by_name.entry(name.clone()).or_default() += ns.saturating_sub(was);
+    }
+    let mut v: Vec<(String, u64)> = by_name.into_iter().filter(|(_, ns)| *ns > 0).collect();
+    v.sort_by_key(|(_, ns)| std::cmp::Reverse(*ns));
+    let list: Vec<String> = v
+        .iter()
+        .take(12)
+        .map(|(name, ns)| format!("{name} {:.0}", *ns as f64 / 1e6))
+        .collect();
+    println!(
+        "CPU join {n}: process {process_ms:.0} ms; threads alive throughout (ms): {}",
+        list.join(", ")
+    );
+}
+
 /// Adds a learner, starts it, waits for the transfer and the promotion gate, then removes
 /// it again (so the next join starts from the same cluster).
 fn join(s: &Setup, client: &Client, n: u64) -> Join {
@@ -275,6 +334,7 @@ fn join(s: &Setup, client: &Client, n: u64) -> Join {
         .expect("peer");
     }
     let dir = s.root.path().join(format!("learner-{n}"));
+    let cpu = std::env::var_os("KEEL_LEARNER_BENCH_CPU").map(|_| (thread_cpu(), process_cpu_ms()));
     let start = Instant::now();
     let learner = Node::start(
         config(m.id, Vec::new(), dir.clone(), Vec::new()),
@@ -306,6 +366,9 @@ fn join(s: &Setup, client: &Client, n: u64) -> Join {
             Err(e) => panic!("promote: {e}"),
         }
     };
+    if let Some((before, process_before)) = &cpu {
+        print_cpu(n, before, process_cpu_ms() - process_before);
+    }
     if std::env::var_os("KEEL_LEARNER_BENCH_SLOWEST").is_some() {
         // The slowest puts of the join, by when they started after the learner did.
         let mut v: Vec<(Instant, Duration)> = client

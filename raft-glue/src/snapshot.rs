@@ -10,7 +10,9 @@
 //! writes the backend-independent stream ([`keel_mvcc::backend::snapshot`]) as
 //! [`SnapshotChunk`]s of `snapshot_chunk_bytes`, each with its CRC-32, the first carrying the
 //! `MsgSnapshot`, the last carrying the stream's length and CRC-32, and waits for the
-//! receiver's [`SnapshotAck`]. The outcome is reported to raft-rs (`report_snapshot`); on
+//! receiver's [`SnapshotAck`]. The stream is hashed once: each chunk's CRC-32 is computed as
+//! it is cut, and both the stream's own checksum (its end frame) and the end marker's are
+//! combined from those. The outcome is reported to raft-rs (`report_snapshot`); on
 //! failure raft-rs probes again and a new transfer starts.
 //!
 //! # Receiver
@@ -25,7 +27,10 @@
 //! the stream ends; such a transfer is not stored in a file at all (the restored backend is
 //! its durable copy). The file is used only when no restore could be started; a transfer
 //! whose restore was displaced by a newer transfer is refused, and the leader sends it again.
-//! Only once the whole stream is verified is the restored store opened, completed and synced
+//! The key index is built from the pairs as they are loaded, without recomputing each
+//! record's own checksum (the stream's covers those bytes; see
+//! [`IndexBuilder::for_checked_stream`]). Only once the whole stream is verified is the
+//! restored store opened, completed and synced
 //! (the learner then holds the snapshot durably), and only then is the `MsgSnapshot` handed
 //! to raft-rs, which makes the node switch to that generation, keeping the same open store.
 //! The ack goes back once the switch is done. An aborted transfer drops its restore; the
@@ -68,6 +73,19 @@ pub(crate) fn lower_thread_priority() {
     }
 }
 
+/// CPU time the calling thread has run so far, from `/proc/thread-self/schedstat` (Linux);
+/// `None` where that is not readable. Logged by the snapshot threads when they end.
+pub(crate) fn thread_cpu() -> Option<Duration> {
+    let stat = fs::read_to_string("/proc/thread-self/schedstat").ok()?;
+    let ns = stat.split_whitespace().next()?.parse().ok()?;
+    Some(Duration::from_nanos(ns))
+}
+
+/// [`thread_cpu`] in milliseconds, for logs (-1 when unknown).
+pub(crate) fn thread_cpu_ms() -> f64 {
+    thread_cpu().map_or(-1.0, |d| d.as_secs_f64() * 1e3)
+}
+
 /// Waiting senders, by transfer id.
 pub(crate) type AckWaiters = Arc<Mutex<HashMap<u64, Sender<SnapshotAck>>>>;
 
@@ -82,7 +100,12 @@ struct ChunkWriter<'a> {
     buf: Vec<u8>,
     chunk: usize,
     total: u64,
+    /// CRC-32 of the chunks sent so far.
     hasher: crc32fast::Hasher,
+    /// CRC-32 of `buf[..hashed]`: the stream's checksum was asked for while the chunk was
+    /// being filled, so its start is hashed already.
+    chunk_hasher: crc32fast::Hasher,
+    hashed: usize,
     /// Paces the stream when the transport does not (the in-memory network).
     limiter: Option<&'a crate::tcp::RateLimiter>,
     /// Told the length of each chunk before it is sent (member status).
@@ -97,7 +120,10 @@ impl ChunkWriter<'_> {
         }
         (self.progress)(data.len() as u64);
         // The data is hashed once; the stream's CRC is extended by combination.
-        let crc = crc32fast::hash(&data);
+        let mut hasher = std::mem::replace(&mut self.chunk_hasher, crc32fast::Hasher::new());
+        hasher.update(&data[self.hashed..]);
+        self.hashed = 0;
+        let crc = hasher.finalize();
         extend_crc(&mut self.hasher, crc, data.len());
         self.total += data.len() as u64;
         let chunk = SnapshotChunk {
@@ -129,6 +155,18 @@ impl Write for ChunkWriter<'_> {
 
     fn flush(&mut self) -> io::Result<()> {
         Ok(())
+    }
+}
+
+/// The stream's own checksum is the one the chunks carry, combined: the stream is hashed
+/// once, chunk by chunk (see [`keel_mvcc::backend::snapshot::write_checksummed`]).
+impl keel_mvcc::backend::snapshot::ChecksummedWrite for ChunkWriter<'_> {
+    fn crc(&mut self) -> u32 {
+        self.chunk_hasher.update(&self.buf[self.hashed..]);
+        self.hashed = self.buf.len();
+        let mut all = self.hasher.clone();
+        all.combine(&self.chunk_hasher);
+        all.finalize()
     }
 }
 
@@ -167,13 +205,17 @@ pub(crate) fn send<T: keel_mvcc::ReadTxn>(
             chunk: chunk_bytes,
             total: 0,
             hasher: crc32fast::Hasher::new(),
+            chunk_hasher: crc32fast::Hasher::new(),
+            hashed: 0,
             limiter,
             progress,
         };
-        keel_mvcc::backend::snapshot::write(&txn, &mut w).map_err(|e| NodeError::Snapshot {
-            from,
-            to,
-            reason: format!("streaming the backend: {e}"),
+        keel_mvcc::backend::snapshot::write_checksummed(&txn, &mut w).map_err(|e| {
+            NodeError::Snapshot {
+                from,
+                to,
+                reason: format!("streaming the backend: {e}"),
+            }
         })?;
         drop(txn);
         w.flush_chunk(true)?;
@@ -182,6 +224,7 @@ pub(crate) fn send<T: keel_mvcc::ReadTxn>(
             to,
             bytes = w.total,
             ms = started.elapsed().as_secs_f64() * 1e3,
+            cpu_ms = thread_cpu_ms(),
             "snapshot streamed"
         );
         match rx.recv_timeout(timeout) {
@@ -439,7 +482,8 @@ impl<B: keel_mvcc::Backend> LiveRestore<B> {
                     pos: 0,
                 };
                 let started = std::time::Instant::now();
-                let mut index = IndexBuilder::new();
+                // The stream's checksum covers the records: their own are not recomputed.
+                let mut index = IndexBuilder::for_checked_stream();
                 let pairs = backend
                     .restore_observed(&mut input, &mut |bucket, key, value| {
                         index.observe(bucket, key, value)
@@ -449,6 +493,7 @@ impl<B: keel_mvcc::Backend> LiveRestore<B> {
                     from = key.0,
                     pairs,
                     ms = started.elapsed().as_secs_f64() * 1e3,
+                    cpu_ms = thread_cpu_ms(),
                     "snapshot stream restored"
                 );
                 Ok(Restored {

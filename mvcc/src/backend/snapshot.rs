@@ -40,9 +40,32 @@ pub const RESTORE_BATCH_BYTES: usize = 8 << 20;
 pub const RESTORE_BATCH_PAIRS: usize = 50_000;
 
 /// Writes the whole content visible to `txn` to `out` in the format above; returns the bytes
-/// written.
+/// written. The stream's checksum is computed here, over each piece as it is written; a sink
+/// that checksums the bytes anyway (a transport sending them in checksummed chunks) should
+/// use [`write_checksummed`] instead, so that the stream is hashed once.
 pub fn write<T: ReadTxn + ?Sized>(txn: &T, out: &mut dyn Write) -> Result<u64, BackendError> {
-    let mut w = CrcWriter::new(out);
+    write_checksummed(
+        txn,
+        &mut HashingWriter {
+            out,
+            crc: crc32fast::Hasher::new(),
+        },
+    )
+}
+
+/// A sink that keeps the CRC-32 of every byte written to it, for [`write_checksummed`].
+pub trait ChecksummedWrite: Write {
+    /// CRC-32 (IEEE, as computed by `crc32fast`) of every byte written so far.
+    fn crc(&mut self) -> u32;
+}
+
+/// As [`fn@write`], taking the stream's checksum from the sink ([`ChecksummedWrite::crc`],
+/// asked once, just before the `crc` field is written) instead of hashing the stream itself.
+pub fn write_checksummed<T: ReadTxn + ?Sized>(
+    txn: &T,
+    out: &mut dyn ChecksummedWrite,
+) -> Result<u64, BackendError> {
+    let mut w = CountingWriter { out, written: 0 };
     let mut header = [0u8; 16];
     header[..8].copy_from_slice(MAGIC);
     header[8..12].copy_from_slice(&VERSION.to_le_bytes());
@@ -76,9 +99,11 @@ pub fn write<T: ReadTxn + ?Sized>(txn: &T, out: &mut dyn Write) -> Result<u64, B
             pairs += 1;
         }
     }
-    w.put(&[TAG_END])?;
-    w.put(&pairs.to_le_bytes())?;
-    let crc = w.crc.clone().finalize();
+    let mut end = [0u8; 9];
+    end[0] = TAG_END;
+    end[1..].copy_from_slice(&pairs.to_le_bytes());
+    w.put(&end)?;
+    let crc = w.out.crc();
     w.put(&crc.to_le_bytes())?;
     w.out.flush().map_err(|e| stream_io(w.written, e))?;
     Ok(w.written)
@@ -222,7 +247,7 @@ impl Parser<'_> {
             if self.eof {
                 return Err(bad(self.offset(), "stream ends early"));
             }
-            if self.buf.len() - self.filled < READ_BLOCK.min(n) {
+            if self.buf.len() - self.filled < READ_BLOCK {
                 self.hash_to(self.pos);
                 if self.base > 0 {
                     self.buf.copy_within(self.base..self.filled, 0);
@@ -286,13 +311,30 @@ impl Parser<'_> {
 /// As [`restore_with`], with each batch handed out as slices of the parser's read buffer
 /// instead of a [`WriteBatch`]: no allocation or copy per pair. Same batches, same order,
 /// same rule for the last one, same checks.
-pub fn restore_from<F>(input: &mut dyn Read, mut apply: F) -> Result<u64, BackendError>
+pub fn restore_from<F>(input: &mut dyn Read, apply: F) -> Result<u64, BackendError>
 where
     F: FnMut(&PairBatch<'_>) -> Result<(), BackendError>,
 {
+    restore_from_batched(input, RESTORE_BATCH_BYTES, apply)
+}
+
+/// As [`restore_from`], with batches of at most `batch_bytes` payload bytes (plus one pair;
+/// at least one pair each) instead of [`RESTORE_BATCH_BYTES`]. Smaller batches stay in the
+/// processor's cache while they are parsed, observed and copied on into the backend (a
+/// backend that copies each batch into a write of its own anyway); larger ones mean fewer
+/// commits (a backend that syncs each). The parser's buffer is `batch_bytes` plus 2 MiB.
+pub fn restore_from_batched<F>(
+    input: &mut dyn Read,
+    batch_bytes: usize,
+    mut apply: F,
+) -> Result<u64, BackendError>
+where
+    F: FnMut(&PairBatch<'_>) -> Result<(), BackendError>,
+{
+    let batch_bytes = batch_bytes.max(1);
     let mut p = Parser {
         input,
-        buf: vec![0u8; RESTORE_BATCH_BYTES + 2 * READ_BLOCK],
+        buf: vec![0u8; batch_bytes + 2 * READ_BLOCK],
         base: 0,
         pos: 0,
         filled: 0,
@@ -323,6 +365,27 @@ where
     let mut pairs = 0u64;
     p.base = p.pos;
     loop {
+        // The read buffer has no room for another read and is nearly all parsed: the next
+        // read will move the pending pairs and what follows them to the front. Hand a sizeable
+        // pending batch out first (the next frame has started and is not the end frame), so
+        // that little is moved.
+        if p.pos - p.base >= EARLY_HAND_OUT_MIN
+            && p.buf.len() - p.filled < READ_BLOCK
+            && p.filled > p.pos
+            && p.filled - p.pos < EARLY_HAND_OUT
+            && p.u8_at(p.pos) != TAG_END
+        {
+            let end = p.pos;
+            hand_out(
+                &mut p,
+                end,
+                &buckets,
+                &mut pending,
+                &mut last_key,
+                &mut apply,
+            )?;
+            payload = 0;
+        }
         let at = p.offset();
         let tag_at = p.take(1)?;
         let tag = p.u8_at(tag_at);
@@ -380,24 +443,21 @@ where
                 });
                 payload += klen + vlen;
                 pairs += 1;
-                if payload >= RESTORE_BATCH_BYTES || pending.len() >= RESTORE_BATCH_PAIRS {
+                if payload >= batch_bytes || pending.len() >= RESTORE_BATCH_PAIRS {
                     // Held back while the next frame's tag is read: if the stream ends here,
                     // this is the last batch, and it must follow the checksum.
                     p.need(1)?;
                     if p.u8_at(p.pos) != TAG_END {
                         let end = p.pos;
-                        let last = pending[pending.len() - 1];
-                        let from = p.base + last.key as usize;
-                        last_key.clear();
-                        last_key.extend_from_slice(&p.buf[from..from + last.key_len as usize]);
-                        apply(&PairBatch {
-                            buf: &p.buf[p.base..end],
-                            buckets: &buckets,
-                            pairs: &pending,
-                        })?;
-                        pending.clear();
+                        hand_out(
+                            &mut p,
+                            end,
+                            &buckets,
+                            &mut pending,
+                            &mut last_key,
+                            &mut apply,
+                        )?;
                         payload = 0;
-                        p.base = end;
                     }
                 }
             }
@@ -440,6 +500,41 @@ where
     }
 }
 
+/// Within this many unparsed bytes of a full read buffer, the pending pairs are handed out
+/// before the buffer is compacted ...
+const EARLY_HAND_OUT: usize = 64 << 10;
+/// ... when they span at least this many bytes (so at most one early batch per compaction:
+/// fewer bytes than this are left to parse).
+const EARLY_HAND_OUT_MIN: usize = 2 * EARLY_HAND_OUT;
+
+/// Hands the pending pairs (which end at `end` in the buffer) to `apply`, remembering the last
+/// key for the order check, and starts the next batch at `end`.
+fn hand_out<F>(
+    p: &mut Parser<'_>,
+    end: usize,
+    buckets: &[Bucket],
+    pending: &mut Vec<PairAt>,
+    last_key: &mut Vec<u8>,
+    apply: &mut F,
+) -> Result<(), BackendError>
+where
+    F: FnMut(&PairBatch<'_>) -> Result<(), BackendError>,
+{
+    if let Some(last) = pending.last() {
+        let from = p.base + last.key as usize;
+        last_key.clear();
+        last_key.extend_from_slice(&p.buf[from..from + last.key_len as usize]);
+        apply(&PairBatch {
+            buf: &p.buf[p.base..end],
+            buckets,
+            pairs: pending,
+        })?;
+    }
+    pending.clear();
+    p.base = end;
+    Ok(())
+}
+
 /// Position in `p.buf` of stream offset `at` (which must be in the buffer).
 fn at_in_buf(p: &Parser<'_>, at: u64) -> usize {
     (at - p.origin) as usize
@@ -460,27 +555,42 @@ fn stream_io(offset: u64, e: io::Error) -> BackendError {
     }
 }
 
-struct CrcWriter<'a> {
-    out: &'a mut dyn Write,
-    crc: crc32fast::Hasher,
+/// Counts the bytes written to a sink.
+struct CountingWriter<'a> {
+    out: &'a mut dyn ChecksummedWrite,
     written: u64,
 }
 
-impl<'a> CrcWriter<'a> {
-    fn new(out: &'a mut dyn Write) -> Self {
-        CrcWriter {
-            out,
-            crc: crc32fast::Hasher::new(),
-            written: 0,
-        }
-    }
-
+impl CountingWriter<'_> {
     fn put(&mut self, bytes: &[u8]) -> Result<(), BackendError> {
         self.out
             .write_all(bytes)
             .map_err(|e| stream_io(self.written, e))?;
-        self.crc.update(bytes);
         self.written += bytes.len() as u64;
         Ok(())
+    }
+}
+
+/// A plain sink, hashing what is written to it.
+struct HashingWriter<'a> {
+    out: &'a mut dyn Write,
+    crc: crc32fast::Hasher,
+}
+
+impl Write for HashingWriter<'_> {
+    fn write(&mut self, bytes: &[u8]) -> io::Result<usize> {
+        let n = self.out.write(bytes)?;
+        self.crc.update(&bytes[..n]);
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.out.flush()
+    }
+}
+
+impl ChecksummedWrite for HashingWriter<'_> {
+    fn crc(&mut self) -> u32 {
+        self.crc.clone().finalize()
     }
 }
