@@ -19,7 +19,10 @@
 //!
 //! Chunks are appended to `<dir>/snap/<from>-<transfer>.tmp` in order; a chunk out of order,
 //! failing its CRC, or a stream whose length or CRC differs from the end marker aborts the
-//! transfer: the temporary file is deleted and a negative ack sent, nothing is installed. A
+//! transfer: the temporary file is deleted and a negative ack sent, nothing is installed.
+//! (A stream restored while it arrives, below, is hashed once, by the restore: a damaged
+//! chunk fails the stream's own checksum, checked before the last batch is loaded, and the
+//! transfer is refused when it ends.) A
 //! complete stream is fsynced and renamed to `<dir>/snap/<index>-<term>.snap` (directory
 //! fsynced). Normally, though, each accepted chunk is fed, as it arrives, to a
 //! `LiveRestore` that rebuilds the next backend generation (`<dir>/backend-<n>`, see
@@ -356,14 +359,22 @@ impl Assembler {
                 c.seq, inc.next
             )));
         }
-        let crc = crc32fast::hash(&c.data);
-        if crc != c.crc {
-            return Err(fail(format!("chunk {} fails its checksum", c.seq)));
-        }
-        if let Some(file) = &mut inc.file {
-            file.write_all(&c.data)
-                .map_err(|e| NodeError::io(&inc.path, "write", e))?;
-        }
+        let crc = match &mut inc.file {
+            Some(file) => {
+                let crc = crc32fast::hash(&c.data);
+                if crc != c.crc {
+                    return Err(fail(format!("chunk {} fails its checksum", c.seq)));
+                }
+                file.write_all(&c.data)
+                    .map_err(|e| NodeError::io(&inc.path, "write", e))?;
+                crc
+            }
+            // Restored while it arrives: the restore checks the stream's own checksum over
+            // these same bytes before it loads the last batch, and the transfer is refused
+            // when that fails, so they are not hashed here as well. The chunks' order, their
+            // lengths and the end marker (against the chunks' CRCs) are still checked.
+            None => c.crc,
+        };
         extend_crc(&mut inc.hasher, crc, c.data.len());
         inc.len += c.data.len() as u64;
         inc.next += 1;
@@ -624,7 +635,8 @@ mod tests {
             .collect();
         assert!(tmp.is_empty(), "aborted transfers leave nothing behind");
 
-        // Without a file, a transfer is still checked chunk by chunk and at its end.
+        // Without a file, a transfer's chunks are still checked for order, and their CRCs
+        // against the end marker (their data is checked by the restore).
         fs::remove_file(&path).expect("remove");
         assert!(
             a.chunk(&chunk(0, &all[..5], None), false)
@@ -647,5 +659,54 @@ mod tests {
             0,
             "nothing stored"
         );
+    }
+
+    /// A transfer restored while it arrives is hashed once, by the restore: a damaged chunk
+    /// the assembler passes on fails the stream's own checksum, and nothing is loaded past
+    /// the last batch; the same chunks undamaged restore completely.
+    #[cfg(feature = "backend-file")]
+    #[test]
+    fn a_damaged_chunk_fails_the_live_restore() {
+        use keel_mvcc::{Backend, Bucket, ReadTxn, WriteBatch};
+        type Fb = keel_backend_file::FileBackend;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let source = Fb::open(&dir.path().join("source"), &Default::default()).expect("open");
+        let bucket = Bucket::from_name("data".to_owned()).expect("bucket");
+        let mut batch = WriteBatch::new();
+        for i in 0..2000u32 {
+            batch.put(&bucket, format!("k{i:05}").into_bytes(), vec![i as u8; 100]);
+        }
+        source.commit(&batch).expect("commit");
+        let mut stream = Vec::new();
+        keel_mvcc::backend::snapshot::write(&source.read_txn().expect("txn"), &mut stream)
+            .expect("stream");
+        let pieces: Vec<&[u8]> = stream.chunks(4096).collect();
+        let end = Some((stream.len() as u64, crc32fast::hash(&stream)));
+        for damaged in [None, Some(pieces.len() / 2)] {
+            let node_dir = dir.path().join(format!("node-{damaged:?}"));
+            fs::create_dir_all(&node_dir).expect("dir");
+            let mut a = Assembler::new(node_dir.join("snap")).expect("assembler");
+            let live =
+                LiveRestore::<Fb>::start((1, 5), &node_dir, &Default::default()).expect("start");
+            for (seq, piece) in pieces.iter().enumerate() {
+                let last = seq + 1 == pieces.len();
+                let mut c = chunk(seq as u32, piece, if last { end } else { None });
+                if damaged == Some(seq) {
+                    c.data[100] ^= 0x40;
+                }
+                let done = a.chunk(&c, false).expect("accepted");
+                assert_eq!(done.is_some(), last);
+                live.feed(c.data);
+            }
+            match (damaged, live.finish()) {
+                (None, Ok(restored)) => {
+                    let txn = restored.backend.read_txn().expect("txn");
+                    let pairs = txn.range(&bucket, &[], None).expect("range").count();
+                    assert_eq!(pairs, 2000);
+                }
+                (Some(_), Err(e)) => assert!(e.to_string().contains("snapshot"), "{e}"),
+                (d, r) => panic!("damaged {d:?}: restore {:?}", r.map(|_| ())),
+            }
+        }
     }
 }
