@@ -26,8 +26,12 @@ use crate::env::{Dbs, Generation};
 use crate::error::{LmdbError, from_heed};
 use crate::keys;
 
-/// Attempts at opening a read transaction whose snapshot matches its commit stamp.
+/// Attempts at opening a read transaction whose snapshot matches its commit stamp: with
+/// the back-off below, about ten seconds of a writer that does not publish.
 const MAX_OPEN_ATTEMPTS: u32 = 10_000;
+/// Attempts that only yield the CPU before the next; later ones sleep, 10 µs doubling up to
+/// 1.28 ms.
+const SPIN_ATTEMPTS: u32 = 64;
 
 /// Keys up to this many stored bytes are looked up without allocating.
 const STACK_KEY: usize = 512;
@@ -99,7 +103,14 @@ impl LmdbReadTxn {
                 id,
                 "read transaction saw a later commit or an unpublished bucket; reopening"
             );
-            std::thread::yield_now();
+            // The writer publishes within microseconds unless it is descheduled (a loaded
+            // machine): yield at first, then back off up to a millisecond per attempt.
+            if attempt < SPIN_ATTEMPTS {
+                std::thread::yield_now();
+            } else {
+                let exp = (attempt - SPIN_ATTEMPTS).min(7);
+                std::thread::sleep(std::time::Duration::from_micros(10 << exp));
+            }
         }
         Err(BackendError::Other(Box::new(
             LmdbError::NoConsistentSnapshot {
