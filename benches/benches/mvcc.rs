@@ -641,6 +641,15 @@ fn fan_out() {
     );
 }
 
+/// Nanoseconds this thread has spent runnable but waiting for a CPU (the second field of
+/// `/proc/thread-self/schedstat`; 0 where it is missing).
+fn thread_run_delay_ns() -> u64 {
+    std::fs::read_to_string("/proc/thread-self/schedstat")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1)?.parse().ok())
+        .unwrap_or(0)
+}
+
 /// CPU time this thread has run, in nanoseconds (`/proc/thread-self/schedstat`); `None`
 /// where that file is missing.
 fn thread_run_ns() -> Option<u64> {
@@ -804,6 +813,7 @@ fn profile(what: &str) {
             let split0 = threads_cpu();
             let scans0 = scanned.load(Ordering::Relaxed);
             let cpu0 = thread_cpu();
+            let delay0 = thread_run_delay_ns();
             let start = Instant::now();
             let puts: u64 = std::env::var("KEEL_PROFILE_PUTS")
                 .ok()
@@ -818,11 +828,14 @@ fn profile(what: &str) {
                 .zip(cpu0)
                 .map_or(0.0, |(b, a)| (b - a).as_secs_f64() * 1e6 / puts as f64);
             let split1 = threads_cpu();
+            // Time the writer was runnable but waiting for a CPU: the rest of its wall time
+            // beyond its CPU time it spent blocked (locks, the commit back-pressure).
+            let queued = thread_run_delay_ns().saturating_sub(delay0) as f64 / 1e3 / puts as f64;
             let scanned_keys = (scanned.load(Ordering::Relaxed) - scans0) * keys;
             stop.store(true, Ordering::Release);
             let scans = reader.map_or(0, |r| r.join().expect("reader"));
             println!(
-                "{what}: {puts} puts in {:.3} s ({:.2} us each, writer CPU {cpu:.2} us per put), {scans} scans",
+                "{what}: {puts} puts in {:.3} s ({:.2} us each, writer CPU {cpu:.2} us per put, waiting for a CPU {queued:.2} us per put), {scans} scans",
                 took.as_secs_f64(),
                 took.as_secs_f64() * 1e6 / puts as f64
             );
