@@ -30,8 +30,9 @@
 //!
 //! `KEEL_LEARNER_BENCH_CPU=1` prints each join's CPU time from the learner's start to its
 //! promotion: the whole process's, and that of each thread alive at both ends, by name
-//! (schedstat; threads that end in between, such as the snapshot sender and restore, log
-//! theirs at debug level: `RUST_LOG=keel_raft_glue=debug,keel_backend_file=debug`).
+//! (schedstat). Threads that end in between (the snapshot sender, the restore, its key index
+//! and direct writer) log theirs at debug level:
+//! `RUST_LOG=keel_raft_glue=debug,keel_backend_file=debug,keel_mvcc=debug`.
 //!
 //! Run: `cargo bench -p keel-benches --bench learner`; smoke: `... -- --test`.
 

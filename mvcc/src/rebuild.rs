@@ -5,8 +5,12 @@
 //! pass; a caller restoring a snapshot feeds it the pairs as the backend loads them
 //! ([`Backend::restore_observed`](crate::Backend::restore_observed)) and opens the store
 //! with [`Store::open_rebuilt`](crate::Store::open_rebuilt), so the copy is never read back.
+//! For a snapshot stream, [`IndexBuilder::on_thread`] builds the index on a thread of its own
+//! from the records' heads, so that the thread loading the pairs does not also build it.
 
 use std::collections::HashMap;
+use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
+use std::thread::JoinHandle;
 
 use crate::backend::Bucket;
 use crate::error::MvccError;
@@ -62,6 +66,19 @@ impl IndexBuilder {
         }
     }
 
+    /// A builder for a checked stream (as [`for_checked_stream`](Self::for_checked_stream))
+    /// run on a thread of its own, named `name`, which first runs `on_start`. The handle's
+    /// `observe` takes the pairs as [`observe`](Self::observe) does, keeping only what the
+    /// index needs of each record (its revision key, length, header and key) and handing
+    /// those to the thread in blocks of 64 KiB; its `finish` returns the builder, or `None`
+    /// when the thread failed.
+    pub fn on_thread(
+        name: String,
+        on_start: impl FnOnce() + Send + 'static,
+    ) -> std::io::Result<IndexThread> {
+        IndexThread::start(name, on_start)
+    }
+
     /// Takes one pair of a backend: records of the `key` bucket are indexed, pairs of other
     /// buckets are ignored. Records must come in ascending revision order (the bucket's key
     /// order). A damaged record is remembered and fails the open.
@@ -87,6 +104,12 @@ impl IndexBuilder {
         } else {
             decode_record(rev, value)?
         };
+        self.add_decoded(rev, tombstone, &rec);
+        Ok(())
+    }
+
+    /// Indexes one decoded record of revision `rev`.
+    fn add_decoded(&mut self, rev: Revision, tombstone: bool, rec: &RecordRef<'_>) {
         if tombstone {
             self.keys.tombstone(rec.key, rev);
         } else {
@@ -100,6 +123,19 @@ impl IndexBuilder {
         }
         self.revision = self.revision.max(rev.main);
         self.records += 1;
+    }
+
+    /// Indexes one record from what an [`IndexThread`] kept of it: its revision key, its
+    /// length and its head (header and key).
+    fn add_head(&mut self, key: &[u8], len: usize, head: &[u8]) -> Result<(), MvccError> {
+        let Some((rev, tombstone)) = Revision::from_key(key) else {
+            return Err(MvccError::Corrupt {
+                revision: Revision::default(),
+                reason: format!("key bucket holds a non-revision key {key:02x?}"),
+            });
+        };
+        let rec = decode_head(rev, len, head)?;
+        self.add_decoded(rev, tombstone, &rec);
         Ok(())
     }
 
@@ -147,6 +183,181 @@ fn decode_record_framing(rev: Revision, bytes: &[u8]) -> Result<RecordRef<'_>, M
     })
 }
 
+/// Bytes of a record before its key (format in [`crate::kv`]).
+const RECORD_HEADER: usize = 37;
+/// Bytes of a record's checksum, at its end.
+const RECORD_CRC: usize = 4;
+
+/// As [`decode_record_framing`], from the first bytes of a record of `len` bytes (at least its
+/// header and key, when the record is sound): the value is not needed, and comes out empty.
+fn decode_head(rev: Revision, len: usize, head: &[u8]) -> Result<RecordRef<'_>, MvccError> {
+    let corrupt = |reason: String| MvccError::Corrupt {
+        revision: rev,
+        reason,
+    };
+    if len < RECORD_HEADER + RECORD_CRC || head.len() < RECORD_HEADER {
+        return Err(corrupt(format!("record of {len} bytes is too short")));
+    }
+    if head[0] != crate::kv::RECORD_FORMAT {
+        return Err(corrupt(format!("unknown record format {}", head[0])));
+    }
+    let key_len = u32::from_be_bytes([head[33], head[34], head[35], head[36]]) as usize;
+    if key_len > len - RECORD_CRC - RECORD_HEADER || head.len() < RECORD_HEADER + key_len {
+        return Err(corrupt(format!("key length {key_len} exceeds the record")));
+    }
+    let be64 = |at: usize| {
+        let mut a = [0u8; 8];
+        a.copy_from_slice(&head[at..at + 8]);
+        u64::from_be_bytes(a)
+    };
+    Ok(RecordRef {
+        key: &head[RECORD_HEADER..RECORD_HEADER + key_len],
+        value: &[],
+        create_revision: be64(1),
+        mod_revision: be64(9),
+        version: be64(17),
+        lease: be64(25) as i64,
+    })
+}
+
+/// Bytes of the blocks an [`IndexThread`] hands to its thread.
+const BLOCK: usize = 64 << 10;
+
+/// Builds the key index of a checked snapshot stream (see
+/// [`IndexBuilder::for_checked_stream`]) on a thread of its own while another thread loads
+/// the pairs: [`observe`](Self::observe) keeps only what the index needs of each record of
+/// the `key` bucket (its revision key, its length, its header and key: about 70 bytes of a
+/// 1 KiB record) and hands those to the thread in blocks of 64 KiB; the thread indexes them.
+/// So the loading thread does not also search and grow the index.
+pub struct IndexThread {
+    block: Vec<u8>,
+    tx: Option<SyncSender<Vec<u8>>>,
+    /// Blocks the thread is done with, to fill again.
+    spare: Receiver<Vec<u8>>,
+    handle: Option<JoinHandle<IndexBuilder>>,
+}
+
+impl IndexThread {
+    /// Starts the thread (named `name`), which first runs `on_start` (to lower its priority,
+    /// say), then indexes what it is handed with a builder for a checked stream.
+    fn start(
+        name: String,
+        on_start: impl FnOnce() + Send + 'static,
+    ) -> std::io::Result<IndexThread> {
+        let (tx, rx) = sync_channel::<Vec<u8>>(4);
+        let (spare_tx, spare) = sync_channel::<Vec<u8>>(8);
+        let handle = std::thread::Builder::new().name(name).spawn(move || {
+            on_start();
+            let mut built = IndexBuilder::for_checked_stream();
+            for block in rx {
+                index_block(&mut built, &block);
+                let _ = spare_tx.try_send(block);
+            }
+            // CPU time of this thread (Linux schedstat), for the log.
+            let cpu_ms = std::fs::read_to_string("/proc/thread-self/schedstat")
+                .ok()
+                .and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+                .map_or(-1.0, |ns| ns as f64 / 1e6);
+            tracing::debug!(
+                records = built.records,
+                cpu_ms,
+                "key index built on its thread"
+            );
+            built
+        })?;
+        Ok(IndexThread {
+            block: Vec::with_capacity(BLOCK),
+            tx: Some(tx),
+            spare,
+            handle: Some(handle),
+        })
+    }
+
+    /// Takes one pair, as [`IndexBuilder::observe`] does.
+    pub fn observe(&mut self, bucket: &Bucket, key: &[u8], value: &[u8]) {
+        if *bucket != KEY_BUCKET {
+            return;
+        }
+        let key_len = match value.get(33..RECORD_HEADER) {
+            Some(b) => u32::from_be_bytes([b[0], b[1], b[2], b[3]]) as usize,
+            None => 0,
+        };
+        let head = &value[..value.len().min(RECORD_HEADER.saturating_add(key_len))];
+        // Entry: revision key length u32 | revision key | record length u32 | head length
+        // u32 | head (native byte order: it never leaves the process).
+        let b = &mut self.block;
+        b.extend_from_slice(&(key.len() as u32).to_ne_bytes());
+        b.extend_from_slice(key);
+        b.extend_from_slice(&(value.len() as u32).to_ne_bytes());
+        b.extend_from_slice(&(head.len() as u32).to_ne_bytes());
+        b.extend_from_slice(head);
+        if self.block.len() >= BLOCK {
+            self.hand_over();
+        }
+    }
+
+    fn hand_over(&mut self) {
+        let next = match self.spare.try_recv() {
+            Ok(mut block) => {
+                block.clear();
+                block
+            }
+            Err(_) => Vec::with_capacity(BLOCK),
+        };
+        let block = std::mem::replace(&mut self.block, next);
+        if let Some(tx) = &self.tx {
+            // A thread that is gone is reported by `finish`.
+            let _ = tx.send(block);
+        }
+    }
+
+    /// Hands over what is left and waits for the thread: the builder holding every record
+    /// observed, or `None` when the thread failed.
+    pub fn finish(mut self) -> Option<IndexBuilder> {
+        if !self.block.is_empty() {
+            self.hand_over();
+        }
+        self.tx = None;
+        self.handle.take()?.join().ok()
+    }
+}
+
+impl Drop for IndexThread {
+    fn drop(&mut self) {
+        self.tx = None;
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// Indexes the entries of one block made by [`IndexThread::observe`].
+fn index_block(built: &mut IndexBuilder, mut block: &[u8]) {
+    fn take<'a>(block: &mut &'a [u8], n: usize) -> &'a [u8] {
+        let (a, b) = block.split_at(n.min(block.len()));
+        *block = b;
+        a
+    }
+    fn u32_of(block: &mut &[u8]) -> usize {
+        match take(block, 4) {
+            &[a, b, c, d] => u32::from_ne_bytes([a, b, c, d]) as usize,
+            _ => 0,
+        }
+    }
+    while block.len() >= 4 {
+        let key_len = u32_of(&mut block);
+        let key = take(&mut block, key_len);
+        let len = u32_of(&mut block);
+        let head_len = u32_of(&mut block);
+        let head = take(&mut block, head_len);
+        if built.error.is_none()
+            && let Err(e) = built.add_head(key, len, head)
+        {
+            built.error = Some(e);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -184,6 +395,78 @@ mod tests {
         assert!(
             IndexBuilder::for_checked_stream()
                 .add(&key, &record[..20])
+                .is_err()
+        );
+    }
+
+    /// The records of a small history: puts with and without a lease, a tombstone, a put
+    /// after it, in revision order.
+    fn history() -> Vec<(Vec<u8>, Vec<u8>)> {
+        let rec = |key: &[u8], value: &[u8], create: u64, rev: u64, version: u64, lease| {
+            let kv = KeyValue {
+                key: key.to_vec(),
+                value: value.to_vec(),
+                create_revision: create,
+                mod_revision: rev,
+                version,
+                lease,
+            };
+            (
+                Revision::new(rev, 0).to_key(create == 0),
+                encode_record(&kv),
+            )
+        };
+        let mut out = Vec::new();
+        for i in 0..3000u64 {
+            let key = format!("key-{:04}", i % 1000).into_bytes();
+            let (create, version) = (i % 1000 + 2, i / 1000 + 1);
+            out.push(rec(&key, &[7; 300], create, i + 2, version, (i % 7) as i64));
+        }
+        out.push(rec(b"key-0001", b"", 0, 3002, 0, 0));
+        out.push(rec(b"key-0001", b"again", 3003, 3003, 1, 9));
+        out
+    }
+
+    #[test]
+    fn the_index_thread_builds_what_the_builder_builds() {
+        let bucket = KEY_BUCKET;
+        let other = Bucket::from_name("meta".to_owned()).expect("bucket");
+        let mut direct = IndexBuilder::for_checked_stream();
+        let mut threaded = IndexBuilder::on_thread("index-test".into(), || {}).expect("thread");
+        for (key, value) in history() {
+            direct.observe(&bucket, &key, &value);
+            threaded.observe(&bucket, &key, &value);
+            // Other buckets are ignored by both.
+            direct.observe(&other, b"x", b"y");
+            threaded.observe(&other, b"x", b"y");
+        }
+        let threaded = threaded.finish().expect("thread finished");
+        assert!(direct.error.is_none() && threaded.error.is_none());
+        assert_eq!(
+            (threaded.records, threaded.revision, threaded.keys.len()),
+            (direct.records, direct.revision, direct.keys.len())
+        );
+        assert_eq!(threaded.records, 3002);
+        assert_eq!(threaded.leases, direct.leases);
+        for i in 0..1000u64 {
+            let key = format!("key-{i:04}").into_bytes();
+            for at in [1, 500, 1500, 3001, 3002, 3003] {
+                assert_eq!(threaded.keys.get(&key, at), direct.keys.get(&key, at));
+            }
+        }
+        assert_eq!(threaded.leases.get(&b"key-0001"[..]), Some(&9));
+
+        // A record with broken framing fails the build, as it does the builder's.
+        let mut threaded = IndexBuilder::on_thread("index-test".into(), || {}).expect("thread");
+        let (key, mut value) = history().remove(0);
+        value[33..37].copy_from_slice(&5000u32.to_be_bytes());
+        threaded.observe(&bucket, &key, &value);
+        threaded.observe(&bucket, &key, &value[..10]);
+        let built = threaded.finish().expect("thread finished");
+        assert!(built.error.is_some());
+        assert!(
+            IndexBuilder::for_checked_stream()
+                .add(&key, &value)
                 .is_err()
         );
     }

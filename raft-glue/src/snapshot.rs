@@ -30,8 +30,8 @@
 //! the stream ends; such a transfer is not stored in a file at all (the restored backend is
 //! its durable copy). The file is used only when no restore could be started; a transfer
 //! whose restore was displaced by a newer transfer is refused, and the leader sends it again.
-//! The key index is built from the pairs as they are loaded, without recomputing each
-//! record's own checksum (the stream's covers those bytes; see
+//! The key index is built from the pairs as they are loaded, on a thread of its own
+//! ([`IndexBuilder::on_thread`]), without recomputing each record's own checksum (the stream's covers those bytes; see
 //! [`IndexBuilder::for_checked_stream`]). Only once the whole stream is verified is the
 //! restored store opened, completed and synced
 //! (the learner then holds the snapshot durably), and only then is the `MsgSnapshot` handed
@@ -493,13 +493,23 @@ impl<B: keel_mvcc::Backend> LiveRestore<B> {
                     pos: 0,
                 };
                 let started = std::time::Instant::now();
-                // The stream's checksum covers the records: their own are not recomputed.
-                let mut index = IndexBuilder::for_checked_stream();
+                // The key index is built on a thread of its own, from the records' heads; the
+                // stream's checksum covers the records: their own are not recomputed.
+                let mut index =
+                    IndexBuilder::on_thread(format!("keel-snap-index-{}", key.0), || {
+                        lower_thread_priority();
+                    })
+                    .map_err(|e| {
+                        NodeError::io(PathBuf::from("keel-snap-index"), "spawn thread", e)
+                    })?;
                 let pairs = backend
                     .restore_observed(&mut input, &mut |bucket, key, value| {
                         index.observe(bucket, key, value)
                     })
                     .map_err(|e| NodeError::Store(format!("restoring snapshot: {e}")))?;
+                let index = index.finish().ok_or_else(|| {
+                    NodeError::Store("the snapshot's key index thread failed".into())
+                })?;
                 tracing::debug!(
                     from = key.0,
                     pairs,
