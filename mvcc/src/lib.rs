@@ -40,7 +40,7 @@ pub use error::MvccError;
 pub use kv::{KeyValue, LeaseId};
 pub use options::StoreOptions;
 pub use read::ReadView;
-pub use rebuild::IndexBuilder;
+pub use rebuild::{IndexBuilder, IndexThread};
 pub use request::{
     Compare, CompareResult, CompareTarget, DeleteRangeRequest, DeleteResponse, HashKv, PutRequest,
     PutResponse, RangeRequest, RangeResponse, TxnOp, TxnOpResponse, TxnRequest, TxnResponse,
