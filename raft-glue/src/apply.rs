@@ -332,6 +332,8 @@ pub(crate) struct StateMachine<B: Backend> {
     generation: parking_lot::Mutex<u64>,
     /// A restored snapshot waiting to be installed.
     prepared: PreparedSlot<B>,
+    /// The thread closing the store a snapshot install replaced and removing its directory.
+    retiring: parking_lot::Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 impl<B: Backend> StateMachine<B> {
@@ -373,6 +375,7 @@ impl<B: Backend> StateMachine<B> {
             current: Arc::new(RwLock::new(Arc::new(current))),
             generation: parking_lot::Mutex::new(current_gen),
             prepared: Arc::new(parking_lot::Mutex::new(None)),
+            retiring: parking_lot::Mutex::new(None),
         })
     }
 
@@ -581,7 +584,7 @@ impl<B: Backend> StateMachine<B> {
     /// Installs the snapshot for `index` restored by [`finish_restore`] and left in the
     /// [`prepared_slot`](Self::prepared_slot): makes its generation current (the `CURRENT`
     /// switch is the commit point), swaps its open store in with a lessor over it, and
-    /// removes the previous generation. Fails (and changes nothing) when none is prepared for
+    /// retires the previous generation. Fails (and changes nothing) when none is prepared for
     /// that index.
     pub fn install_prepared(&self, index: u64) -> Result<(), NodeError> {
         let prepared = self.prepared.lock().take();
@@ -608,10 +611,44 @@ impl<B: Backend> StateMachine<B> {
             lessor: Arc::new(lessor),
         };
         let previous = std::mem::replace(&mut *self.current.write(), Arc::new(current));
-        drop(previous);
         let old_gen = std::mem::replace(&mut *self.generation.lock(), new_gen);
-        generation::remove(&self.dir, old_gen);
+        self.retire(previous, old_gen);
         Ok(())
+    }
+
+    /// Closes the replaced store and removes its generation's directory on a thread of its
+    /// own: closing waits for the backend's background work (space being prepared and
+    /// synced, tens of milliseconds on a busy disk), which the Raft thread installing a
+    /// snapshot has no reason to wait for. Dropping the state machine waits for it.
+    fn retire(&self, previous: Arc<Current<B>>, generation: u64) {
+        let mut retiring = self.retiring.lock();
+        if let Some(h) = retiring.take() {
+            let _ = h.join();
+        }
+        let dir = self.dir.clone();
+        let retire = move || {
+            drop(previous);
+            generation::remove(&dir, generation);
+        };
+        match std::thread::Builder::new()
+            .name("keel-retire".into())
+            .spawn(retire)
+        {
+            Ok(h) => *retiring = Some(h),
+            Err(e) => {
+                // The failed spawn dropped the closure, and the store with it.
+                tracing::debug!(error = %e, "cannot start a thread to retire a store");
+                generation::remove(&self.dir, generation);
+            }
+        }
+    }
+}
+
+impl<B: Backend> Drop for StateMachine<B> {
+    fn drop(&mut self) {
+        if let Some(h) = self.retiring.get_mut().take() {
+            let _ = h.join();
+        }
     }
 }
 
