@@ -135,35 +135,68 @@ fn be64(b: &[u8], at: usize) -> u64 {
 
 /// Decodes and checks a record stored under `rev`.
 pub(crate) fn decode_record(rev: Revision, bytes: &[u8]) -> Result<RecordRef<'_>, MvccError> {
+    if bytes.len() >= HEADER + CRC {
+        let (body, crc) = bytes.split_at(bytes.len() - CRC);
+        let stored = u32::from_be_bytes([crc[0], crc[1], crc[2], crc[3]]);
+        if crc32fast::hash(body) != stored {
+            return Err(MvccError::Corrupt {
+                revision: rev,
+                reason: "record checksum mismatch".to_owned(),
+            });
+        }
+    }
+    decode_record_unchecked(rev, bytes)
+}
+
+/// [`decode_record`] without computing the checksum, for records whose bytes a stream
+/// checksum already covers: the format number and the key length are still checked.
+pub(crate) fn decode_record_unchecked(
+    rev: Revision,
+    bytes: &[u8],
+) -> Result<RecordRef<'_>, MvccError> {
+    let mut rec = decode_head(rev, bytes.len(), bytes)?;
+    rec.value = &bytes[HEADER + rec.key.len()..bytes.len() - CRC];
+    Ok(rec)
+}
+
+/// Bytes of a record of `len` bytes that [`decode_head`] needs: its header and its key
+/// (the key's length is read from `header`, the record's first bytes, when they hold it).
+pub(crate) fn head_len(len: usize, header: &[u8]) -> usize {
+    let key_len = match header.get(33..HEADER) {
+        Some(b) => u32::from_be_bytes([b[0], b[1], b[2], b[3]]) as usize,
+        None => 0,
+    };
+    len.min(HEADER.saturating_add(key_len))
+}
+
+/// Decodes the fields of a record of `len` bytes from its first bytes `head` (at least
+/// [`head_len`] of them), without its checksum; the value comes out empty.
+pub(crate) fn decode_head(
+    rev: Revision,
+    len: usize,
+    head: &[u8],
+) -> Result<RecordRef<'_>, MvccError> {
     let corrupt = |reason: String| MvccError::Corrupt {
         revision: rev,
         reason,
     };
-    if bytes.len() < HEADER + CRC {
-        return Err(corrupt(format!(
-            "record of {} bytes is too short",
-            bytes.len()
-        )));
+    if len < HEADER + CRC || head.len() < HEADER {
+        return Err(corrupt(format!("record of {len} bytes is too short")));
     }
-    let (body, crc) = bytes.split_at(bytes.len() - CRC);
-    let stored = u32::from_be_bytes([crc[0], crc[1], crc[2], crc[3]]);
-    if crc32fast::hash(body) != stored {
-        return Err(corrupt("record checksum mismatch".to_owned()));
+    if head[0] != RECORD_FORMAT {
+        return Err(corrupt(format!("unknown record format {}", head[0])));
     }
-    if body[0] != RECORD_FORMAT {
-        return Err(corrupt(format!("unknown record format {}", body[0])));
-    }
-    let key_len = u32::from_be_bytes([body[33], body[34], body[35], body[36]]) as usize;
-    if key_len > body.len() - HEADER {
+    let key_len = u32::from_be_bytes([head[33], head[34], head[35], head[36]]) as usize;
+    if key_len > len - CRC - HEADER || head.len() < HEADER + key_len {
         return Err(corrupt(format!("key length {key_len} exceeds the record")));
     }
     Ok(RecordRef {
-        key: &body[HEADER..HEADER + key_len],
-        value: &body[HEADER + key_len..],
-        create_revision: be64(body, 1),
-        mod_revision: be64(body, 9),
-        version: be64(body, 17),
-        lease: be64(body, 25) as i64,
+        key: &head[HEADER..HEADER + key_len],
+        value: &[],
+        create_revision: be64(head, 1),
+        mod_revision: be64(head, 9),
+        version: be64(head, 17),
+        lease: be64(head, 25) as i64,
     })
 }
 

@@ -15,7 +15,9 @@ use std::thread::JoinHandle;
 use crate::backend::Bucket;
 use crate::error::MvccError;
 use crate::key_index::KeyIndex;
-use crate::kv::{LeaseId, RecordRef, decode_record};
+use crate::kv::{
+    LeaseId, RecordRef, decode_head, decode_record, decode_record_unchecked, head_len,
+};
 use crate::revision::Revision;
 use crate::store::KEY_BUCKET;
 
@@ -100,7 +102,7 @@ impl IndexBuilder {
             });
         };
         let rec = if self.stream_checked {
-            decode_record_framing(rev, value)?
+            decode_record_unchecked(rev, value)?
         } else {
             decode_record(rev, value)?
         };
@@ -143,81 +145,6 @@ impl IndexBuilder {
     pub fn records(&self) -> u64 {
         self.records
     }
-}
-
-/// Decodes a record (format in [`crate::kv`]) without computing its checksum: for records
-/// whose bytes a stream checksum covers. The format number and the key length are checked.
-fn decode_record_framing(rev: Revision, bytes: &[u8]) -> Result<RecordRef<'_>, MvccError> {
-    const HEADER: usize = 37;
-    const CRC: usize = 4;
-    let corrupt = |reason: String| MvccError::Corrupt {
-        revision: rev,
-        reason,
-    };
-    if bytes.len() < HEADER + CRC {
-        return Err(corrupt(format!(
-            "record of {} bytes is too short",
-            bytes.len()
-        )));
-    }
-    let body = &bytes[..bytes.len() - CRC];
-    if body[0] != crate::kv::RECORD_FORMAT {
-        return Err(corrupt(format!("unknown record format {}", body[0])));
-    }
-    let be64 = |at: usize| {
-        let mut a = [0u8; 8];
-        a.copy_from_slice(&body[at..at + 8]);
-        u64::from_be_bytes(a)
-    };
-    let key_len = u32::from_be_bytes([body[33], body[34], body[35], body[36]]) as usize;
-    if key_len > body.len() - HEADER {
-        return Err(corrupt(format!("key length {key_len} exceeds the record")));
-    }
-    Ok(RecordRef {
-        key: &body[HEADER..HEADER + key_len],
-        value: &body[HEADER + key_len..],
-        create_revision: be64(1),
-        mod_revision: be64(9),
-        version: be64(17),
-        lease: be64(25) as i64,
-    })
-}
-
-/// Bytes of a record before its key (format in [`crate::kv`]).
-const RECORD_HEADER: usize = 37;
-/// Bytes of a record's checksum, at its end.
-const RECORD_CRC: usize = 4;
-
-/// As [`decode_record_framing`], from the first bytes of a record of `len` bytes (at least its
-/// header and key, when the record is sound): the value is not needed, and comes out empty.
-fn decode_head(rev: Revision, len: usize, head: &[u8]) -> Result<RecordRef<'_>, MvccError> {
-    let corrupt = |reason: String| MvccError::Corrupt {
-        revision: rev,
-        reason,
-    };
-    if len < RECORD_HEADER + RECORD_CRC || head.len() < RECORD_HEADER {
-        return Err(corrupt(format!("record of {len} bytes is too short")));
-    }
-    if head[0] != crate::kv::RECORD_FORMAT {
-        return Err(corrupt(format!("unknown record format {}", head[0])));
-    }
-    let key_len = u32::from_be_bytes([head[33], head[34], head[35], head[36]]) as usize;
-    if key_len > len - RECORD_CRC - RECORD_HEADER || head.len() < RECORD_HEADER + key_len {
-        return Err(corrupt(format!("key length {key_len} exceeds the record")));
-    }
-    let be64 = |at: usize| {
-        let mut a = [0u8; 8];
-        a.copy_from_slice(&head[at..at + 8]);
-        u64::from_be_bytes(a)
-    };
-    Ok(RecordRef {
-        key: &head[RECORD_HEADER..RECORD_HEADER + key_len],
-        value: &[],
-        create_revision: be64(1),
-        mod_revision: be64(9),
-        version: be64(17),
-        lease: be64(25) as i64,
-    })
 }
 
 /// Bytes of the blocks an [`IndexThread`] hands to its thread.
@@ -278,11 +205,7 @@ impl IndexThread {
         if *bucket != KEY_BUCKET {
             return;
         }
-        let key_len = match value.get(33..RECORD_HEADER) {
-            Some(b) => u32::from_be_bytes([b[0], b[1], b[2], b[3]]) as usize,
-            None => 0,
-        };
-        let head = &value[..value.len().min(RECORD_HEADER.saturating_add(key_len))];
+        let head = &value[..head_len(value.len(), value)];
         // Entry: revision key length u32 | revision key | record length u32 | head length
         // u32 | head (native byte order: it never leaves the process).
         let b = &mut self.block;
