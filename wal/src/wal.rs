@@ -475,10 +475,7 @@ impl Wal {
                 seeded,
             }) => {
                 let flen = file.len().map_err(|e| WalError::io("stat", &path, e))?;
-                let direct = options
-                    .direct_writes
-                    .then(|| fs.open_direct(&path))
-                    .flatten();
+                let direct = direct_handle(&*fs, &options, &path);
                 let start = WriterStart {
                     seq,
                     path,
@@ -506,10 +503,7 @@ impl Wal {
                         file: p.file.clone(),
                     },
                 );
-                let direct = options
-                    .direct_writes
-                    .then(|| fs.open_direct(&path))
-                    .flatten();
+                let direct = direct_handle(&*fs, &options, &path);
                 let start = WriterStart {
                     seq,
                     path,
@@ -734,9 +728,7 @@ impl Wal {
             }
         };
         let prev = g.writer.crc;
-        let direct = (self.options.direct_writes)
-            .then(|| self.fs.open_direct(&path))
-            .flatten();
+        let direct = direct_handle(&*self.fs, &self.options, &path);
         g.writer.restart(WriterStart {
             seq,
             path: path.clone(),
@@ -1482,6 +1474,20 @@ fn entry_loc(e: &Entry, seq: u64, offset: u64, prev_crc: u32) -> Loc {
         offset,
         len: (ENTRY_PREFIX + e.data.len()) as u32,
         prev_crc,
+    }
+}
+
+/// The active segment's handle for direct writes, when they are on and the file system
+/// takes them.
+fn direct_handle(
+    fs: &dyn FileSystem,
+    options: &WalOptions,
+    path: &Path,
+) -> Option<Arc<dyn WalFile>> {
+    if options.direct_writes {
+        fs.open_direct(path)
+    } else {
+        None
     }
 }
 
