@@ -143,10 +143,11 @@ impl SegmentWriter {
     }
 
     /// Once everything in the buffer is written: starts it over with the file's bytes from
-    /// the page boundary below `flushed` (when it holds them) at a page-aligned address.
+    /// the page boundary below `flushed` (when it holds them and direct writes are on) at a
+    /// page-aligned address.
     fn rebase(&mut self) {
         let keep = (self.flushed % DIRECT_ALIGN as u64) as usize;
-        if keep > self.buf.len() - self.file_from {
+        if self.direct.is_none() || keep > self.buf.len() - self.file_from {
             self.buf.clear();
             self.lead = 0;
             self.file_from = 0;
