@@ -167,16 +167,16 @@ impl SegmentWriter {
     }
 
     /// [`SegmentWriter::flush`] as one direct write of whole pages; `Ok(false)` (nothing
-    /// written) where a direct write cannot serve: no direct handle, the last page would
-    /// pass the segment's end, or the file system refused (`EINVAL`; direct writes are then
-    /// off for this segment).
+    /// written) where there is nothing to write or a direct write cannot serve: no direct
+    /// handle, the last page would pass the segment's end, or the file system refused
+    /// (`EINVAL`; direct writes are then off for this segment).
     pub(crate) fn flush_direct(&mut self) -> io::Result<bool> {
         let Some(direct) = self.direct.clone() else {
             return Ok(false);
         };
         let n = self.pending();
         if n == 0 {
-            return Ok(true);
+            return Ok(false);
         }
         let start = self.flushed - self.flushed % DIRECT_ALIGN as u64;
         let head = (self.flushed - start) as usize;

@@ -11,14 +11,15 @@
 //! pending again, since the appenders that sync released are usually on their way back. The
 //! leader writes the buffer out under the mutex (one direct write of whole pages where the
 //! file system allows, [`WalOptions::direct_writes`], else one `pwrite`) and runs
-//! `fdatasync` with the mutex released, while later requests fill the buffer and park. When it finishes it unlists exactly the
-//! parked requests it made durable and, if any remain, one of them to lead the next sync, and
-//! wakes them once the mutex is released (they check an atomic durable mark and return
-//! without taking it), so none of them finds the mutex held by the waker. A request first
-//! spins for the running sync, yielding its CPU ([`WalOptions::durable_spin`]), and parks
-//! only if it runs long: then the end of a sync costs no wake-ups, and the released
-//! appenders are back for the next group at once.
-//! Reads copy the locations they need under the mutex and read the files without it.
+//! `fdatasync` with the mutex released, while later requests fill the buffer and wait. A
+//! waiting request first spins for the running sync, yielding its CPU
+//! ([`WalOptions::durable_spin`]), and parks only if it runs long: then the end of a sync
+//! costs no wake-ups, and the released appenders are back for the next group at once. When
+//! the sync finishes, the leader unlists exactly the parked requests it made durable and, if
+//! any remain, one of them to lead the next sync, and wakes them once the mutex is released
+//! (they check an atomic durable mark and return without taking it), so none of them finds
+//! the mutex held by the waker. Reads copy the locations they need under the mutex and read
+//! the files without it.
 //!
 //! Release and recycling: released segments are renamed to `<seq>.free` (up to
 //! [`WalOptions::recycle_segments`] of them) and become the next prepared segment instead of
