@@ -1,12 +1,13 @@
 //! Restore from a snapshot stream with one sync at the end.
 //!
 //! The stream is parsed and checked by keel-mvcc's [`snapshot::restore_from_batched`], and
-//! each batch of at most [`RESTORE_FRAME_BYTES`] it yields is committed through [`Backend::commit_from`], encoded straight from
-//! the parser's buffer (and shown to the caller's observer, for
-//! [`Backend::restore_observed`]). Commits made on the restoring thread write their frames
-//! without syncing them: straight to the disk where the file system allows it (see `direct`:
-//! no copy into the page cache, at most one piece queued on the device ahead of other
-//! writers' syncs), otherwise through the page cache, starting their writeback. A segment
+//! each batch of at most [`RESTORE_FRAME_BYTES`] it yields is committed through
+//! [`Backend::commit_from`], encoded straight from the parser's buffer (and shown to the
+//! caller's observer, for [`Backend::restore_observed`]). Commits made on the restoring
+//! thread write their frames without syncing them: straight to the disk where the file
+//! system allows it (see `direct`: no copy into the page cache, at most one piece queued on
+//! the device ahead of other writers' syncs), otherwise through the page cache, starting
+//! their writeback. A segment
 //! that fills is synced when it is sealed, and the active one once the whole stream has been
 //! checked, before `restore` returns `Ok`. So a restore costs about one sync per segment
 //! instead of one per batch, and that sync finds the data already written.

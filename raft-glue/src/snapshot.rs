@@ -22,19 +22,18 @@
 //! transfer: the temporary file is deleted and a negative ack sent, nothing is installed.
 //! (A stream restored while it arrives, below, is hashed once, by the restore: a damaged
 //! chunk fails the stream's own checksum, checked before the last batch is loaded, and the
-//! transfer is refused when it ends.) A
-//! complete stream is fsynced and renamed to `<dir>/snap/<index>-<term>.snap` (directory
-//! fsynced). Normally, though, each accepted chunk is fed, as it arrives, to a
+//! transfer is refused when it ends.) A complete stream is fsynced and renamed to
+//! `<dir>/snap/<index>-<term>.snap` (directory fsynced). Normally, though, each accepted chunk is fed, as it arrives, to a
 //! `LiveRestore` that rebuilds the next backend generation (`<dir>/backend-<n>`, see
 //! [`generation`] and [`crate::apply`]) on its own thread, so the backend is ready soon after
 //! the stream ends; such a transfer is not stored in a file at all (the restored backend is
 //! its durable copy). The file is used only when no restore could be started; a transfer
 //! whose restore was displaced by a newer transfer is refused, and the leader sends it again.
 //! The key index is built from the pairs as they are loaded, on a thread of its own
-//! ([`IndexBuilder::on_thread`]), without recomputing each record's own checksum (the stream's covers those bytes; see
-//! [`IndexBuilder::for_checked_stream`]). Only once the whole stream is verified is the
-//! restored store opened, completed and synced
-//! (the learner then holds the snapshot durably), and only then is the `MsgSnapshot` handed
+//! ([`IndexBuilder::on_thread`]), without recomputing each record's own checksum (the
+//! stream's covers those bytes; see [`IndexBuilder::for_checked_stream`]). Only once the
+//! whole stream is verified is the restored store opened, completed and synced (the learner
+//! then holds the snapshot durably), and only then is the `MsgSnapshot` handed
 //! to raft-rs, which makes the node switch to that generation, keeping the same open store.
 //! The ack goes back once the switch is done. An aborted transfer drops its restore; the
 //! partial directory is never installed and is removed by the next restore or at open.
