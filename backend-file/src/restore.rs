@@ -24,6 +24,7 @@ use keel_mvcc::backend::snapshot;
 use keel_mvcc::{Backend, BackendError, ReadTxn};
 
 use crate::recovery::RESTORING;
+use crate::store::{FileBackend, Inner};
 
 /// Payload bytes of the batches a restore commits, one frame each. Small enough that a batch
 /// is still in the processor's cache while it is parsed, shown to the observer, encoded into
@@ -32,7 +33,6 @@ use crate::recovery::RESTORING;
 /// 250 ms with 8 MiB batches, 200 ms with 1 MiB and 165 ms with 512 KiB; the direct writer's
 /// 75, 58 and 55 ms.)
 pub(crate) const RESTORE_FRAME_BYTES: usize = 512 << 10;
-use crate::store::{FileBackend, Inner};
 
 impl FileBackend {
     pub(crate) fn restore_stream(
