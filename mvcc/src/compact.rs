@@ -21,6 +21,7 @@ use crossbeam_channel::{Receiver, RecvTimeoutError};
 
 use crate::backend::{Backend, ReadTxn, WriteBatch};
 use crate::error::MvccError;
+use crate::kv::hash_as_format_1;
 use crate::read::ReadView;
 use crate::request::HashKv;
 use crate::revision::Revision;
@@ -202,7 +203,7 @@ pub(crate) fn hash_kv<B: Backend>(
                 return Ok(true);
             }
             h.update(k);
-            h.update(v);
+            hash_as_format_1(&mut h, r, v)?;
             Ok(true)
         })?;
     Ok(HashKv {

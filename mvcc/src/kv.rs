@@ -1,7 +1,28 @@
 //! Key-value pairs as the store returns them, and the record that stores one change in the
 //! `key` bucket.
 //!
-//! Record format (value of a revision key, see [`crate::revision`]); integers big-endian:
+//! A record is the value stored under a revision key (see [`crate::revision`]). Its first byte
+//! is its format number; the store writes format 2 and reads both.
+//!
+//! Format 2 (written since it exists): a variable-length header of unsigned LEB128 varints
+//! (7 bits per byte, least significant group first, high bit set on every byte but the last;
+//! at most 10 bytes for a u64), some 8 bytes for a fresh key instead of format 1's 37:
+//!
+//! ```text
+//! offset 0        format          u8      (= 2)
+//! then            mod_revision    varint  (the change's main revision)
+//! then            mod - create    varint  (mod_revision - create_revision; a tombstone's
+//!                                          create_revision is 0, so this is mod_revision)
+//! then            version         varint  (0 for a tombstone)
+//! then            lease           varint  of the zigzag form of the i64 lease
+//!                                         ((l << 1) ^ (l >> 63); 0 = no lease)
+//! then            key_len         varint  (at most u32::MAX)
+//! then            key             key_len bytes
+//! then            value           the rest up to the checksum (empty for a tombstone)
+//! last 4 bytes    crc             u32 big-endian, CRC-32 (IEEE) of every byte before it
+//! ```
+//!
+//! Format 1 (stores written before format 2; read, never written); integers big-endian:
 //!
 //! ```text
 //! offset 0        format          u8   (= 1)
@@ -23,10 +44,17 @@ use crate::revision::Revision;
 /// A lease identifier; `0` means "no lease" (etcd).
 pub type LeaseId = i64;
 
-/// Current record format number.
-pub const RECORD_FORMAT: u8 = 1;
-const HEADER: usize = 37;
-const CRC: usize = 4;
+/// Current record format number: the one the store writes.
+pub const RECORD_FORMAT: u8 = 2;
+/// The first record format, still read.
+const FORMAT_1: u8 = 1;
+/// Format 1's fixed header.
+const HEADER_1: usize = 37;
+/// Longest format 2 header: the format byte and five varints of at most 10 bytes.
+const MAX_HEADER_2: usize = 1 + 5 * 10;
+/// Bytes of a record's trailing checksum.
+pub(crate) const RECORD_CRC: usize = 4;
+const CRC: usize = RECORD_CRC;
 
 /// A key with its value and metadata, as of some revision.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -45,23 +73,75 @@ pub struct KeyValue {
     pub lease: LeaseId,
 }
 
-/// Encodes one change.
+/// Encodes one change in record format 1, as stores written before format 2 hold it.
 #[cfg(test)]
 pub(crate) fn encode_record(kv: &KeyValue) -> Vec<u8> {
-    encode_parts(
-        &kv.key,
-        &kv.value,
-        kv.create_revision,
-        kv.mod_revision,
-        kv.version,
-        kv.lease,
-    )
-    .to_vec()
+    let mut body = Vec::with_capacity(HEADER_1 + kv.key.len() + kv.value.len() + CRC);
+    body.push(FORMAT_1);
+    body.extend_from_slice(&kv.create_revision.to_be_bytes());
+    body.extend_from_slice(&kv.mod_revision.to_be_bytes());
+    body.extend_from_slice(&kv.version.to_be_bytes());
+    body.extend_from_slice(&kv.lease.to_be_bytes());
+    body.extend_from_slice(&(kv.key.len() as u32).to_be_bytes());
+    body.extend_from_slice(&kv.key);
+    body.extend_from_slice(&kv.value);
+    let crc = crc32fast::hash(&body);
+    body.extend_from_slice(&crc.to_be_bytes());
+    body
+}
+
+/// Writes `v` as a varint at `buf[at..]` (which has room for 10 bytes); returns where it ends.
+#[inline]
+fn put_varint(buf: &mut [u8; MAX_HEADER_2], mut at: usize, mut v: u64) -> usize {
+    while v >= 0x80 {
+        buf[at] = (v as u8) | 0x80;
+        v >>= 7;
+        at += 1;
+    }
+    buf[at] = v as u8;
+    at + 1
+}
+
+/// Reads a varint at `b[*at..]`, moving `at` past it; `None` when it runs past `b` or
+/// overflows a u64.
+#[inline]
+fn get_varint(b: &[u8], at: &mut usize) -> Option<u64> {
+    let mut v = 0u64;
+    let mut shift = 0u32;
+    loop {
+        let byte = *b.get(*at)?;
+        *at += 1;
+        if shift == 63 && byte > 1 {
+            return None;
+        }
+        v |= u64::from(byte & 0x7f) << shift;
+        if byte & 0x80 == 0 {
+            return Some(v);
+        }
+        shift += 7;
+    }
+}
+
+/// The format 2 header of a change, in `buf`; returns its length.
+fn header_2(
+    buf: &mut [u8; MAX_HEADER_2],
+    key_len: usize,
+    create_revision: u64,
+    mod_revision: u64,
+    version: u64,
+    lease: LeaseId,
+) -> usize {
+    buf[0] = RECORD_FORMAT;
+    let mut n = put_varint(buf, 1, mod_revision);
+    n = put_varint(buf, n, mod_revision.wrapping_sub(create_revision));
+    n = put_varint(buf, n, version);
+    n = put_varint(buf, n, ((lease << 1) ^ (lease >> 63)) as u64);
+    put_varint(buf, n, key_len as u64)
 }
 
 /// Encodes one change from its parts (a tombstone has an empty value and zero create
-/// revision and version), in one shared allocation: watchers receive the record itself,
-/// not a copy.
+/// revision and version) in the current format, in one shared allocation: watchers receive
+/// the record itself, not a copy.
 pub(crate) fn encode_parts(
     key: &[u8],
     value: &[u8],
@@ -70,22 +150,57 @@ pub(crate) fn encode_parts(
     version: u64,
     lease: LeaseId,
 ) -> Arc<[u8]> {
-    let len = HEADER + key.len() + value.len() + CRC;
+    let mut head = [0u8; MAX_HEADER_2];
+    let h = header_2(
+        &mut head,
+        key.len(),
+        create_revision,
+        mod_revision,
+        version,
+        lease,
+    );
+    let len = h + key.len() + value.len() + CRC;
     // A fresh `Arc` is unique, so `get_mut` always succeeds and the bytes are filled in place.
     let mut rec: Arc<[u8]> = std::iter::repeat_n(0u8, len).collect();
     if let Some(out) = Arc::get_mut(&mut rec) {
         let (body, crc) = out.split_at_mut(len - CRC);
-        body[0] = RECORD_FORMAT;
-        body[1..9].copy_from_slice(&create_revision.to_be_bytes());
-        body[9..17].copy_from_slice(&mod_revision.to_be_bytes());
-        body[17..25].copy_from_slice(&version.to_be_bytes());
-        body[25..33].copy_from_slice(&lease.to_be_bytes());
-        body[33..HEADER].copy_from_slice(&(key.len() as u32).to_be_bytes());
-        body[HEADER..HEADER + key.len()].copy_from_slice(key);
-        body[HEADER + key.len()..].copy_from_slice(value);
+        body[..h].copy_from_slice(&head[..h]);
+        body[h..h + key.len()].copy_from_slice(key);
+        body[h + key.len()..].copy_from_slice(value);
         crc.copy_from_slice(&crc32fast::hash(body).to_be_bytes());
     }
     rec
+}
+
+/// Feeds `h` the record stored under `rev` as format 1 encodes it, whatever format it was
+/// written in (a format 2 record is checked, then re-encoded): the history hash of
+/// [`Store::hash_kv`](crate::Store::hash_kv) does not depend on the record format, so members
+/// holding the same history agree although some wrote it in format 1 and others in format 2
+/// (during a rolling upgrade, say).
+pub(crate) fn hash_as_format_1(
+    h: &mut crc32fast::Hasher,
+    rev: Revision,
+    bytes: &[u8],
+) -> Result<(), MvccError> {
+    if bytes.first() != Some(&RECORD_FORMAT) {
+        h.update(bytes);
+        return Ok(());
+    }
+    let rec = decode_record(rev, bytes)?;
+    let mut head = [0u8; HEADER_1];
+    head[0] = FORMAT_1;
+    head[1..9].copy_from_slice(&rec.create_revision.to_be_bytes());
+    head[9..17].copy_from_slice(&rec.mod_revision.to_be_bytes());
+    head[17..25].copy_from_slice(&rec.version.to_be_bytes());
+    head[25..33].copy_from_slice(&rec.lease.to_be_bytes());
+    head[33..].copy_from_slice(&(rec.key.len() as u32).to_be_bytes());
+    let mut crc = crc32fast::Hasher::new();
+    for part in [&head[..], rec.key, rec.value] {
+        crc.update(part);
+        h.update(part);
+    }
+    h.update(&crc.finalize().to_be_bytes());
+    Ok(())
 }
 
 /// A decoded record borrowing its key and value.
@@ -133,9 +248,52 @@ fn be64(b: &[u8], at: usize) -> u64 {
     u64::from_be_bytes(a)
 }
 
+/// A record's header fields and where its key lies.
+struct Head {
+    create_revision: u64,
+    mod_revision: u64,
+    version: u64,
+    lease: LeaseId,
+    key_start: usize,
+    key_len: usize,
+}
+
+/// Parses the header at the start of `head` (of either format); the error is the reason.
+fn parse_head(head: &[u8]) -> Result<Head, String> {
+    match head.first() {
+        Some(&RECORD_FORMAT) => {
+            let mut at = 1;
+            let mut next = || get_varint(head, &mut at).ok_or("record header is cut short");
+            let mod_revision = next()?;
+            let create_delta = next()?;
+            let version = next()?;
+            let zigzag = next()?;
+            let key_len = next()?;
+            Ok(Head {
+                create_revision: mod_revision.wrapping_sub(create_delta),
+                mod_revision,
+                version,
+                lease: ((zigzag >> 1) as i64) ^ -((zigzag & 1) as i64),
+                key_start: at,
+                key_len: usize::try_from(key_len).unwrap_or(usize::MAX),
+            })
+        }
+        Some(&FORMAT_1) if head.len() >= HEADER_1 => Ok(Head {
+            create_revision: be64(head, 1),
+            mod_revision: be64(head, 9),
+            version: be64(head, 17),
+            lease: be64(head, 25) as i64,
+            key_start: HEADER_1,
+            key_len: u32::from_be_bytes([head[33], head[34], head[35], head[36]]) as usize,
+        }),
+        Some(&FORMAT_1) | None => Err("record header is cut short".to_owned()),
+        Some(f) => Err(format!("unknown record format {f}")),
+    }
+}
+
 /// Decodes and checks a record stored under `rev`.
 pub(crate) fn decode_record(rev: Revision, bytes: &[u8]) -> Result<RecordRef<'_>, MvccError> {
-    if bytes.len() >= HEADER + CRC {
+    if bytes.len() >= CRC {
         let (body, crc) = bytes.split_at(bytes.len() - CRC);
         let stored = u32::from_be_bytes([crc[0], crc[1], crc[2], crc[3]]);
         if crc32fast::hash(body) != stored {
@@ -149,24 +307,24 @@ pub(crate) fn decode_record(rev: Revision, bytes: &[u8]) -> Result<RecordRef<'_>
 }
 
 /// [`decode_record`] without computing the checksum, for records whose bytes a stream
-/// checksum already covers: the format number and the key length are still checked.
+/// checksum already covers (or that the store wrote itself and holds in memory): the format
+/// number and the key length are still checked.
 pub(crate) fn decode_record_unchecked(
     rev: Revision,
     bytes: &[u8],
 ) -> Result<RecordRef<'_>, MvccError> {
-    let mut rec = decode_head(rev, bytes.len(), bytes)?;
-    rec.value = &bytes[HEADER + rec.key.len()..bytes.len() - CRC];
+    let (mut rec, key_end) = decode_parts(rev, bytes.len(), bytes)?;
+    rec.value = &bytes[key_end..bytes.len() - CRC];
     Ok(rec)
 }
 
 /// Bytes of a record of `len` bytes that [`decode_head`] needs: its header and its key
 /// (the key's length is read from `header`, the record's first bytes, when they hold it).
 pub(crate) fn head_len(len: usize, header: &[u8]) -> usize {
-    let key_len = match header.get(33..HEADER) {
-        Some(b) => u32::from_be_bytes([b[0], b[1], b[2], b[3]]) as usize,
-        None => 0,
-    };
-    len.min(HEADER.saturating_add(key_len))
+    match parse_head(header) {
+        Ok(h) => len.min(h.key_start.saturating_add(h.key_len)),
+        Err(_) => len.min(header.len()),
+    }
 }
 
 /// Decodes the fields of a record of `len` bytes from its first bytes `head` (at least
@@ -176,50 +334,239 @@ pub(crate) fn decode_head(
     len: usize,
     head: &[u8],
 ) -> Result<RecordRef<'_>, MvccError> {
+    decode_parts(rev, len, head).map(|(rec, _)| rec)
+}
+
+/// [`decode_head`], also returning where the key ends (and the value starts).
+fn decode_parts(
+    rev: Revision,
+    len: usize,
+    head: &[u8],
+) -> Result<(RecordRef<'_>, usize), MvccError> {
     let corrupt = |reason: String| MvccError::Corrupt {
         revision: rev,
         reason,
     };
-    if len < HEADER + CRC || head.len() < HEADER {
-        return Err(corrupt(format!("record of {len} bytes is too short")));
+    let head = &head[..head.len().min(len)];
+    let h = parse_head(head).map_err(|reason| match head.first() {
+        Some(&RECORD_FORMAT | &FORMAT_1) => corrupt(format!("record of {len} bytes: {reason}")),
+        _ if len < CRC + 1 => corrupt(format!("record of {len} bytes is too short")),
+        _ => corrupt(reason),
+    })?;
+    let room = len.saturating_sub(CRC).saturating_sub(h.key_start);
+    if h.key_start + CRC > len || h.key_len > room || head.len() < h.key_start + h.key_len {
+        return Err(corrupt(format!(
+            "key length {} exceeds the record of {len} bytes",
+            h.key_len
+        )));
     }
-    if head[0] != RECORD_FORMAT {
-        return Err(corrupt(format!("unknown record format {}", head[0])));
-    }
-    let key_len = u32::from_be_bytes([head[33], head[34], head[35], head[36]]) as usize;
-    if key_len > len - CRC - HEADER || head.len() < HEADER + key_len {
-        return Err(corrupt(format!("key length {key_len} exceeds the record")));
-    }
-    Ok(RecordRef {
-        key: &head[HEADER..HEADER + key_len],
-        value: &[],
-        create_revision: be64(head, 1),
-        mod_revision: be64(head, 9),
-        version: be64(head, 17),
-        lease: be64(head, 25) as i64,
-    })
+    let key_end = h.key_start + h.key_len;
+    Ok((
+        RecordRef {
+            key: &head[h.key_start..key_end],
+            value: &[],
+            create_revision: h.create_revision,
+            mod_revision: h.mod_revision,
+            version: h.version,
+            lease: h.lease,
+        },
+        key_end,
+    ))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn kv(
+        key: &[u8],
+        value: &[u8],
+        create: u64,
+        modified: u64,
+        version: u64,
+        lease: i64,
+    ) -> KeyValue {
+        KeyValue {
+            key: key.to_vec(),
+            value: value.to_vec(),
+            create_revision: create,
+            mod_revision: modified,
+            version,
+            lease,
+        }
+    }
+
+    fn encode(kv: &KeyValue) -> Vec<u8> {
+        encode_parts(
+            &kv.key,
+            &kv.value,
+            kv.create_revision,
+            kv.mod_revision,
+            kv.version,
+            kv.lease,
+        )
+        .to_vec()
+    }
+
+    /// Changes whose fields cover one-byte and ten-byte varints, negative and extreme
+    /// leases, tombstones and empty values.
+    fn samples() -> Vec<KeyValue> {
+        vec![
+            kv(b"k", b"value", 3, 7, 2, -5),
+            kv(
+                b"key-00000000000000000001",
+                &[7; 150],
+                1_000_000,
+                1_000_000,
+                1,
+                0,
+            ),
+            kv(b"gone", b"", 0, 42, 0, 0),
+            kv(&[0xff; 300], &[1; 70_000], 1, u64::MAX, u64::MAX, i64::MIN),
+            kv(b"x", b"", u64::MAX, 0, 127, i64::MAX),
+            kv(b"lease", b"v", 128, 16_384, 128, 0x7a3c_1f00_dead_beef),
+        ]
+    }
+
     #[test]
-    fn record_round_trip_and_checksum() {
-        let kv = KeyValue {
-            key: b"k".to_vec(),
-            value: b"value".to_vec(),
-            create_revision: 3,
-            mod_revision: 7,
-            version: 2,
-            lease: -5,
-        };
-        let mut bytes = encode_record(&kv);
-        let back = decode_record(Revision::new(7, 0), &bytes)
-            .unwrap()
-            .to_kv(true);
-        assert_eq!(back, kv);
-        bytes[40] ^= 1;
-        assert!(decode_record(Revision::new(7, 0), &bytes).is_err());
+    fn format_2_round_trips_and_checks_its_checksum() {
+        for kv in samples() {
+            let rev = Revision::new(kv.mod_revision, 0);
+            let mut bytes = encode(&kv);
+            assert_eq!(bytes[0], RECORD_FORMAT);
+            let back = decode_record(rev, &bytes).unwrap().to_kv(true);
+            assert_eq!(back, kv);
+            // The head alone gives every field but the value.
+            let head = &bytes[..head_len(bytes.len(), &bytes)];
+            assert_eq!(head.len(), bytes.len() - kv.value.len() - CRC);
+            let fields = decode_head(rev, bytes.len(), head).unwrap().to_kv(false);
+            assert_eq!(
+                fields,
+                KeyValue {
+                    value: Vec::new(),
+                    ..kv.clone()
+                }
+            );
+            for at in [1, bytes.len() / 2, bytes.len() - 1] {
+                bytes[at] ^= 0x10;
+                assert!(
+                    decode_record(rev, &bytes).is_err(),
+                    "flip at {at} unnoticed"
+                );
+                bytes[at] ^= 0x10;
+            }
+        }
+    }
+
+    #[test]
+    fn format_1_records_stay_readable() {
+        for kv in samples() {
+            let rev = Revision::new(kv.mod_revision, 0);
+            let mut bytes = encode_record(&kv);
+            assert_eq!(bytes[0], 1);
+            assert_eq!(decode_record(rev, &bytes).unwrap().to_kv(true), kv);
+            assert_eq!(
+                decode_record_unchecked(rev, &bytes).unwrap().to_kv(true),
+                kv
+            );
+            let head = &bytes[..head_len(bytes.len(), &bytes)];
+            assert_eq!(head.len(), HEADER_1 + kv.key.len());
+            let fields = decode_head(rev, bytes.len(), head).unwrap().to_kv(false);
+            assert_eq!(
+                fields,
+                KeyValue {
+                    value: Vec::new(),
+                    ..kv.clone()
+                }
+            );
+            let at = 40.min(bytes.len() - 5);
+            bytes[at] ^= 1;
+            assert!(decode_record(rev, &bytes).is_err());
+        }
+    }
+
+    #[test]
+    fn the_history_hash_sees_format_1_bytes_whatever_the_format() {
+        for kv in samples() {
+            let rev = Revision::new(kv.mod_revision, 0);
+            let hash = |bytes: &[u8]| {
+                let mut h = crc32fast::Hasher::new();
+                hash_as_format_1(&mut h, rev, bytes).unwrap();
+                h.finalize()
+            };
+            let v1 = encode_record(&kv);
+            assert_eq!(hash(&encode(&kv)), hash(&v1));
+            assert_eq!(hash(&v1), crc32fast::hash(&v1));
+        }
+        let mut damaged = encode(&samples()[0]);
+        damaged[3] ^= 4;
+        let mut h = crc32fast::Hasher::new();
+        assert!(hash_as_format_1(&mut h, Revision::new(7, 0), &damaged).is_err());
+    }
+
+    #[test]
+    fn a_fresh_key_costs_a_dozen_bytes_of_header_and_checksum() {
+        let kv = kv(
+            b"key-00000000000000000001",
+            &[7; 150],
+            1_000_000,
+            1_000_000,
+            1,
+            0,
+        );
+        let bytes = encode(&kv);
+        let overhead = bytes.len() - kv.key.len() - kv.value.len();
+        assert!(overhead <= 12, "{overhead} bytes of header and checksum");
+        assert_eq!(
+            encode_record(&kv).len() - bytes.len(),
+            HEADER_1 + CRC - overhead
+        );
+    }
+
+    #[test]
+    fn broken_framing_is_refused_without_the_checksum() {
+        let rev = Revision::new(7, 0);
+        let good = encode(&kv(b"k", b"value", 3, 7, 2, 5));
+        // Unknown format number.
+        let mut bad = good.clone();
+        bad[0] = 9;
+        let err = decode_record_unchecked(rev, &bad)
+            .err()
+            .expect("format 9 refused");
+        assert!(err.to_string().contains("unknown record format 9"), "{err}");
+        // A key length past the record's end (the key length is the header's last varint).
+        let mut long = good.clone();
+        long[5] = 100;
+        assert!(decode_record_unchecked(rev, &long).is_err());
+        assert!(decode_head(rev, long.len(), &long).is_err());
+        // Cut short: in the header, and so short that no header fits.
+        for n in [0, 1, 3, 5, 8] {
+            assert!(
+                decode_record_unchecked(rev, &good[..n]).is_err(),
+                "{n} bytes"
+            );
+        }
+        // A varint that never ends, and one that overflows a u64.
+        let mut endless = vec![RECORD_FORMAT];
+        endless.extend_from_slice(&[0xff; 20]);
+        assert!(decode_record_unchecked(rev, &endless).is_err());
+        let mut overflow = vec![RECORD_FORMAT];
+        overflow.extend_from_slice(&[0xff; 9]);
+        overflow.extend_from_slice(&[0x02, 0, 0, 0, 0, 0, 0, 0, 0]);
+        assert!(decode_record_unchecked(rev, &overflow).is_err());
+    }
+
+    #[test]
+    fn varints_round_trip_at_every_width() {
+        let mut buf = [0u8; MAX_HEADER_2];
+        for shift in 0..64 {
+            for v in [1u64 << shift, (1u64 << shift) - 1, u64::MAX >> shift] {
+                let end = put_varint(&mut buf, 0, v);
+                assert_eq!(end, (64 - v.leading_zeros() as usize).div_ceil(7).max(1));
+                let mut at = 0;
+                assert_eq!(get_varint(&buf, &mut at), Some(v));
+                assert_eq!(at, end);
+            }
+        }
     }
 }

@@ -62,7 +62,7 @@ use parking_lot::Mutex;
 
 use crate::backend::Backend;
 use crate::error::MvccError;
-use crate::kv::{KeyValue, LeaseId, RecordRef};
+use crate::kv::{KeyValue, LeaseId, RECORD_CRC, RecordRef, decode_record_unchecked};
 use crate::options::StoreOptions;
 use crate::pending::Pending;
 use crate::read::ReadView;
@@ -135,37 +135,34 @@ pub struct Event {
     kind: EventKind,
     /// The change's record in the layout of [`crate::kv`], checked when the event was made.
     record: Arc<[u8]>,
+    /// Where the key starts (after the record's header) in `record`.
+    key_start: u32,
     /// Where the key ends (and the value starts) in `record`.
     key_end: u32,
     prev: Option<Arc<KeyValue>>,
 }
 
-/// Record offsets (see [`crate::kv`]).
-const REC_HEADER: usize = 37;
-const REC_CRC: usize = 4;
-
 impl Event {
     /// An event over a record the store wrote (or read back and checked); `None` if the
     /// record is too short for the key length it gives.
     fn new(kind: EventKind, record: Arc<[u8]>, prev: Option<Arc<KeyValue>>) -> Option<Event> {
-        let key_len = u32::from_be_bytes(record.get(33..REC_HEADER)?.try_into().ok()?) as usize;
-        let key_end = REC_HEADER.checked_add(key_len)?;
-        if key_end > record.len().checked_sub(REC_CRC)? {
-            return None;
-        }
+        let (key_start, key_end) = {
+            let r = record_fields(&record)?;
+            let key_end = record.len() - RECORD_CRC - r.value.len();
+            (key_end - r.key.len(), key_end)
+        };
         Some(Event {
             kind,
+            key_start: u32::try_from(key_start).ok()?,
             key_end: u32::try_from(key_end).ok()?,
             record,
             prev,
         })
     }
 
-    fn header(&self, at: usize) -> u64 {
-        self.record
-            .get(at..at + 8)
-            .and_then(|b| b.try_into().ok())
-            .map_or(0, u64::from_be_bytes)
+    /// The record's header fields (its framing was checked when the event was made).
+    fn fields(&self) -> Option<RecordRef<'_>> {
+        record_fields(&self.record)
     }
 
     /// Put or delete.
@@ -176,13 +173,13 @@ impl Event {
     /// The changed key.
     pub fn key(&self) -> &[u8] {
         self.record
-            .get(REC_HEADER..self.key_end as usize)
+            .get(self.key_start as usize..self.key_end as usize)
             .unwrap_or_default()
     }
 
     /// The value after the change (empty for a delete).
     pub fn value(&self) -> &[u8] {
-        let end = self.record.len().saturating_sub(REC_CRC);
+        let end = self.record.len().saturating_sub(RECORD_CRC);
         self.record
             .get(self.key_end as usize..end)
             .unwrap_or_default()
@@ -190,22 +187,22 @@ impl Event {
 
     /// Revision of the put that created the key's current generation (0 for a delete).
     pub fn create_revision(&self) -> u64 {
-        self.header(1)
+        self.fields().map_or(0, |r| r.create_revision)
     }
 
     /// The revision of the change.
     pub fn mod_revision(&self) -> u64 {
-        self.header(9)
+        self.fields().map_or(0, |r| r.mod_revision)
     }
 
     /// Number of puts since the key was (re)created, from 1 (0 for a delete).
     pub fn version(&self) -> u64 {
-        self.header(17)
+        self.fields().map_or(0, |r| r.version)
     }
 
     /// The lease attached to the key by the change, 0 for none.
     pub fn lease(&self) -> LeaseId {
-        self.header(25) as LeaseId
+        self.fields().map_or(0, |r| r.lease)
     }
 
     /// The pair after the change, copied out (for a delete: the key and the deleting
@@ -247,8 +244,13 @@ impl std::fmt::Debug for Event {
 /// The key of a record, read without checking its checksum: for records the store holds in
 /// memory (written by itself, or read back and checked once). Layout: [`crate::kv`].
 fn record_key(record: &[u8]) -> Option<&[u8]> {
-    let len = u32::from_be_bytes(record.get(33..37)?.try_into().ok()?) as usize;
-    record.get(37..37 + len)
+    record_fields(record).map(|r| r.key)
+}
+
+/// The fields of a record the store holds in memory, read without checking its checksum;
+/// `None` when its framing is broken.
+fn record_fields(record: &[u8]) -> Option<RecordRef<'_>> {
+    decode_record_unchecked(Revision::default(), record).ok()
 }
 
 /// One change of a shared revision: its stored record (checked) and, when a watcher asked
@@ -301,7 +303,7 @@ impl Part {
         let changes = match self.rev {
             Shared::One(record) => {
                 // A tombstone is the record with version 0.
-                let tombstone = record.get(17..25) == Some(&[0u8; 8][..]);
+                let tombstone = record_fields(&record).is_some_and(|r| r.version == 0);
                 return Event::new(kind(tombstone), record, None)
                     .into_iter()
                     .collect();

@@ -10,5 +10,6 @@ mod long_read;
 mod model;
 mod ops;
 mod rebuild;
+mod record_format;
 mod snapshot;
 mod watch;
