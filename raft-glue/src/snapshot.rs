@@ -53,6 +53,7 @@ use raft::eraftpb::Message;
 use crate::error::NodeError;
 use crate::transport::{SnapshotAck, SnapshotChunk, SnapshotFrame, Transport};
 
+pub(crate) mod buffers;
 pub mod generation;
 
 /// Niceness of the threads that move a snapshot: the sender, the receiver's restore (and the
@@ -435,7 +436,7 @@ impl io::Read for ChunkReader {
         while self.pos == self.buf.len() {
             match self.rx.recv() {
                 Ok(next) => {
-                    self.buf = next;
+                    buffers::give(std::mem::replace(&mut self.buf, next));
                     self.pos = 0;
                 }
                 Err(_) => return Ok(0),

@@ -692,11 +692,59 @@ fn read_frame(inner: &Inner, s: &mut TcpStream) -> Result<ReadOutcome, NodeError
         return Ok(ReadOutcome::Closed);
     }
     let h = frame::parse_header(hb, inner.options.max_frame_bytes)?;
+    if frame::is_chunk(&h) {
+        return read_chunk(inner, s, &h);
+    }
     let mut payload = vec![0u8; h.len];
     if !read_full(inner, s, &mut payload).map_err(io_err)? && h.len > 0 {
         return Ok(ReadOutcome::Closed);
     }
     Ok(ReadOutcome::Frame(frame::decode_owned(&h, payload)?))
+}
+
+/// Reads a chunk frame's payload: its head, then its data straight into a buffer of its own
+/// (a recycled one, see [`crate::snapshot::buffers`]), which becomes the chunk's.
+fn read_chunk(
+    inner: &Inner,
+    s: &mut TcpStream,
+    h: &frame::Header,
+) -> Result<ReadOutcome, NodeError> {
+    let io_err = |e| NodeError::io("tcp connection", "read", e);
+    let short = || {
+        NodeError::decode(
+            "transport frame",
+            frame::HEADER_BYTES + h.len,
+            "chunk payload too short",
+        )
+    };
+    let mut head = Vec::with_capacity(64);
+    let data_at = loop {
+        let need = match frame::chunk_head(&head) {
+            frame::ChunkHead::Need(n) => n,
+            frame::ChunkHead::DataAt(at) => break at,
+        };
+        if need > h.len {
+            return Err(short());
+        }
+        let from = head.len();
+        head.resize(need, 0);
+        if !read_full(inner, s, &mut head[from..]).map_err(io_err)? {
+            return Ok(ReadOutcome::Closed);
+        }
+    };
+    if data_at > h.len {
+        return Err(short());
+    }
+    let from = head.len();
+    head.resize(data_at, 0);
+    if !read_full(inner, s, &mut head[from..]).map_err(io_err)? {
+        return Ok(ReadOutcome::Closed);
+    }
+    let mut data = crate::snapshot::buffers::take(h.len - data_at);
+    if !read_full(inner, s, &mut data).map_err(io_err)? && !data.is_empty() {
+        return Ok(ReadOutcome::Closed);
+    }
+    Ok(ReadOutcome::Frame(frame::decode_chunk(h, &head, data)?))
 }
 
 /// Hands a snapshot frame to the member, waiting while its queue is full; false once the

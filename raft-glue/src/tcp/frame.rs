@@ -178,22 +178,86 @@ pub fn encode_chunk_head(c: &SnapshotChunk, out: &mut Vec<u8>) -> Result<(), Nod
 /// Where a chunk payload's data starts (bounds checked, nothing parsed).
 fn chunk_data_offset(payload: &[u8]) -> Result<usize, NodeError> {
     let short = |at: usize| bad(HEADER_BYTES + at, "chunk payload too short");
-    let mut pos = 8 + 8 + 8 + 4;
-    let flags = *payload.get(pos).ok_or_else(|| short(pos))?;
-    pos += 1;
+    match chunk_head(payload) {
+        ChunkHead::Need(_) => Err(short(payload.len())),
+        ChunkHead::DataAt(pos) if pos > payload.len() => Err(short(payload.len())),
+        ChunkHead::DataAt(pos) => Ok(pos),
+    }
+}
+
+/// Bytes of a chunk payload that are always part of its head: from, to, transfer, seq and
+/// flags.
+pub const CHUNK_HEAD_MIN: usize = 8 + 8 + 8 + 4 + 1;
+
+/// What the first bytes of a chunk payload say about where its data starts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChunkHead {
+    /// The first this many bytes are needed to tell.
+    Need(usize),
+    /// The data starts at this offset (which may lie beyond the payload: the caller checks).
+    DataAt(usize),
+}
+
+/// Where the data of the chunk payload starting with `prefix` starts, or how much of the
+/// payload is needed to tell: a reader reads a chunk's head first and its data straight into
+/// a buffer of its own (see [`is_chunk`] and [`decode_chunk`]).
+pub fn chunk_head(prefix: &[u8]) -> ChunkHead {
+    let mut pos = CHUNK_HEAD_MIN;
+    let Some(&flags) = prefix.get(pos - 1) else {
+        return ChunkHead::Need(pos);
+    };
     if flags & 1 != 0 {
-        let b = payload.get(pos..pos + 4).ok_or_else(|| short(pos))?;
+        let Some(b) = prefix.get(pos..pos + 4) else {
+            return ChunkHead::Need(pos + 4);
+        };
         let len = u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize;
-        pos = pos.checked_add(4 + len).ok_or_else(|| short(pos))?;
+        pos = pos.saturating_add(4).saturating_add(len);
     }
     if flags & 2 != 0 {
-        pos += 12;
+        pos = pos.saturating_add(12);
     }
-    pos += 4;
-    if pos > payload.len() {
-        return Err(short(payload.len()));
+    ChunkHead::DataAt(pos.saturating_add(4))
+}
+
+/// True when the frame is a snapshot chunk.
+pub fn is_chunk(h: &Header) -> bool {
+    h.kind == KIND_CHUNK
+}
+
+/// Verifies and decodes a chunk frame read in two parts: `head`, the payload up to its
+/// data (as [`chunk_head`] found it), and `data`, the rest, which becomes the chunk's buffer
+/// as it is. Same checks as [`decode`].
+pub fn decode_chunk(h: &Header, head: &[u8], data: Vec<u8>) -> Result<Frame, NodeError> {
+    if !is_chunk(h) || head.len() + data.len() != h.len {
+        return Err(bad(0, "not a chunk frame of that length"));
     }
-    Ok(pos)
+    if chunk_head(head) != ChunkHead::DataAt(head.len()) {
+        return Err(bad(HEADER_BYTES, "chunk head of the wrong length"));
+    }
+    let mut hasher = crc32fast::Hasher::new();
+    hasher.update(&h.bytes[0..12]);
+    hasher.update(head);
+    let c = &head[head.len() - 4..];
+    let data_crc = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+    hasher.combine(&crc32fast::Hasher::new_with_initial_len(
+        data_crc,
+        data.len() as u64,
+    ));
+    let actual = hasher.finalize();
+    if actual != h.crc {
+        return Err(bad(
+            12,
+            format!(
+                "checksum mismatch: header says {:08x}, payload gives {actual:08x}",
+                h.crc
+            ),
+        ));
+    }
+    let mut frame = parse(h, head, head.len(), |_| Vec::new())?;
+    if let Frame::Chunk(c) = &mut frame {
+        c.data = data;
+    }
+    Ok(frame)
 }
 
 /// A checked header: the frame's kind, payload length and CRC.
@@ -520,6 +584,78 @@ mod tests {
 
     /// A chunk frame: any flipped byte before the data fails the frame check; a flipped data
     /// byte passes it but no longer matches the chunk's own CRC, which the receiver checks.
+    /// A chunk read in two parts (its head as `chunk_head` finds it, then its data into a
+    /// buffer of its own) decodes as the whole payload does, and is refused alike when any
+    /// byte before its data is flipped.
+    fn read_in_two_parts(frame: &[u8]) -> Result<Frame, NodeError> {
+        let mut hb = [0u8; HEADER_BYTES];
+        hb.copy_from_slice(&frame[..HEADER_BYTES]);
+        let h = parse_header(hb, 1 << 20)?;
+        let payload = &frame[HEADER_BYTES..];
+        if h.len != payload.len() || !is_chunk(&h) {
+            return Err(bad(8, "length or kind"));
+        }
+        let mut have = 0;
+        let at = loop {
+            match chunk_head(&payload[..have]) {
+                ChunkHead::Need(n) if n <= payload.len() => have = n,
+                ChunkHead::Need(_) => return Err(bad(8, "short")),
+                ChunkHead::DataAt(at) if at <= payload.len() => break at,
+                ChunkHead::DataAt(_) => return Err(bad(8, "short")),
+            }
+        };
+        decode_chunk(&h, &payload[..at], payload[at..].to_vec())
+    }
+
+    #[test]
+    fn chunks_read_head_then_data_decode_and_check_alike() {
+        let data: Vec<u8> = (0..3000u32).map(|i| (i * 13) as u8).collect();
+        let mut m = Message::default();
+        m.mut_snapshot().mut_metadata().index = 77;
+        for (message, end) in [
+            (None, None),
+            (Some(Box::new(m)), None),
+            (None, Some((99u64, 5u32))),
+        ] {
+            let chunk = SnapshotChunk {
+                from: 1,
+                to: 2,
+                transfer: 3,
+                seq: 4,
+                message,
+                crc: crc32fast::hash(&data),
+                data: data.clone(),
+                end,
+            };
+            let mut out = Vec::new();
+            encode(&Frame::Chunk(chunk.clone()), &mut out).expect("encode");
+            match read_in_two_parts(&out).expect("decode") {
+                Frame::Chunk(c) => {
+                    assert_eq!(c.data, chunk.data);
+                    assert_eq!((c.seq, c.crc, c.end), (4, chunk.crc, chunk.end));
+                    assert_eq!(c.message.is_some(), chunk.message.is_some());
+                }
+                other => panic!("{other:?}"),
+            }
+            let data_at = out.len() - data.len();
+            for i in 0..data_at {
+                let mut b = out.clone();
+                b[i] ^= 0x01;
+                assert!(
+                    read_in_two_parts(&b).is_err(),
+                    "flip at head byte {i} accepted"
+                );
+            }
+            // A head that claims a different length than it has is refused.
+            let mut hb = [0u8; HEADER_BYTES];
+            hb.copy_from_slice(&out[..HEADER_BYTES]);
+            let h = parse_header(hb, 1 << 20).expect("header");
+            let payload = &out[HEADER_BYTES..];
+            let at = data_at - HEADER_BYTES;
+            assert!(decode_chunk(&h, &payload[..at - 1], payload[at - 1..].to_vec()).is_err());
+        }
+    }
+
     #[test]
     fn chunk_frames_check_their_head_and_carry_their_data_crc() {
         let data: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
