@@ -6,7 +6,9 @@
 //! machine than wall time, so it shows what the log adds on top of the write itself.
 //!
 //! Run: `cargo run --release -p keel-wal --example append_profile` (`KEEL_PROFILE_ROUNDS`,
-//! default 2000, appends per side; `KEEL_PROFILE_DIRECT=0` turns direct writes off).
+//! default 2000, appends per side; `KEEL_PROFILE_DIRECT=0` turns direct writes off;
+//! `KEEL_PROFILE_SIDE=keel` or `raw` times one side alone; `KEEL_PROFILE_SEGMENT_MIB`,
+//! default 64, sets the segment size).
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -39,6 +41,7 @@ fn main() {
     let dir = tempfile::tempdir().expect("temp dir");
     let opts = WalOptions {
         direct_writes: env("KEEL_PROFILE_DIRECT", 1) != 0,
+        segment_size: env("KEEL_PROFILE_SEGMENT_MIB", 64) as u64 * (1 << 20),
         ..WalOptions::default()
     };
     let per_segment = opts.segment_size / (size as u64 + 24);
@@ -90,11 +93,21 @@ fn main() {
         Duration::ZERO,
         Duration::ZERO,
     );
+    // `KEEL_PROFILE_SIDE=keel` or `raw` runs one side alone (for a profiler's samples).
+    let side = std::env::var("KEEL_PROFILE_SIDE").unwrap_or_default();
+    let (keel_on, raw_on) = (side != "raw", side != "keel");
+    let (mut keel_each, mut raw_each) = (Vec::with_capacity(rounds), Vec::with_capacity(rounds));
     for _ in 0..rounds {
         let (t, c) = (Instant::now(), thread_cpu());
-        append(true);
+        if keel_on {
+            append(true);
+        }
         kw += t.elapsed();
+        keel_each.push(t.elapsed());
         kc += thread_cpu() - c;
+        if !raw_on {
+            continue;
+        }
         let (t, c) = (Instant::now(), thread_cpu());
         if off + bytes.len() as u64 > raw_len {
             off = 0;
@@ -103,6 +116,7 @@ fn main() {
         raw.sync_data().expect("raw sync");
         off += bytes.len() as u64;
         rw += t.elapsed();
+        raw_each.push(t.elapsed());
         rc += thread_cpu() - c;
     }
     let per = |d: Duration| d.as_secs_f64() * 1e6 / rounds as f64;
@@ -114,6 +128,20 @@ fn main() {
         per(rc),
         rw.as_secs_f64() / kw.as_secs_f64()
     );
+    for (side, each) in [("keel", &mut keel_each), ("raw", &mut raw_each)] {
+        if each.is_empty() {
+            continue;
+        }
+        each.sort();
+        let pct = |p: f64| each[((each.len() - 1) as f64 * p) as usize].as_secs_f64() * 1e6;
+        println!(
+            "  {side}: p50 {:.1} us, p90 {:.1} us, p99 {:.1} us, max {:.1} us",
+            pct(0.5),
+            pct(0.9),
+            pct(0.99),
+            pct(1.0)
+        );
+    }
     let st = wal.stats();
     println!(
         "  {} syncs of {:.1} us, {} direct flushes, {} direct (vectored) writes",

@@ -18,6 +18,7 @@ use crate::io::{DIRECT_ALIGN, WalFile, read_full_at, write_all_at, write_all_vec
 use crate::record::{
     self, ENTRY_PREFIX, Entry, HEADER_LEN, HardState, Metadata, SnapshotMarker, padded,
 };
+use crate::segment::Writes;
 
 /// Ends the records of every write: a record header of zeros.
 const END_MARK: [u8; 8] = [0; 8];
@@ -110,6 +111,15 @@ impl SegmentWriter {
         next.pages = std::mem::take(&mut self.pages);
         next.buf.clear();
         *self = next;
+    }
+
+    /// How appends write this segment, and so most likely the next one.
+    pub(crate) fn writes(&self) -> Writes {
+        if self.direct.is_some() {
+            Writes::Direct
+        } else {
+            Writes::Cached
+        }
     }
 
     /// Offset of the next record.

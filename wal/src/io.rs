@@ -50,6 +50,13 @@ pub trait WalFile: Send + Sync + Debug {
         let _ = (offset, len);
         Ok(())
     }
+    /// Hints that the cached pages of `[offset, offset + len)` are not needed: its writes
+    /// bypass the cache, and each would otherwise have to drop the pages it covers itself
+    /// (`posix_fadvise(DONTNEED)`). A hint: the default does nothing.
+    fn dont_need(&self, offset: u64, len: u64) -> io::Result<()> {
+        let _ = (offset, len);
+        Ok(())
+    }
 }
 
 /// The file-system operations the WAL needs.
@@ -197,6 +204,15 @@ impl WalFile for RealFile {
             offset,
             std::num::NonZeroU64::new(len),
             rustix::fs::Advice::WillNeed,
+        )
+        .map_err(io::Error::from)
+    }
+    fn dont_need(&self, offset: u64, len: u64) -> io::Result<()> {
+        rustix::fs::fadvise(
+            &self.0,
+            offset,
+            std::num::NonZeroU64::new(len),
+            rustix::fs::Advice::DontNeed,
         )
         .map_err(io::Error::from)
     }

@@ -151,6 +151,30 @@ pub(crate) struct Free {
     pub file: Arc<dyn WalFile>,
 }
 
+/// How appends will write a prepared segment, which decides what its preparation leaves in
+/// the page cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Writes {
+    /// Through the page cache, in pieces that do not cover whole pages: a recycled file's
+    /// old pages are read in ahead, in the background, rather than one at a time inside the
+    /// writes that first touch them.
+    Cached,
+    /// Direct, in whole pages: the file's cached pages are dropped. Reading a recycled file's
+    /// old contents in would cost a segment's worth of disk reads for nothing, and each
+    /// direct write would have to drop the cached pages it covers on its own.
+    Direct,
+}
+
+impl Writes {
+    /// Applies the choice to `file`'s first `len` bytes. A hint: errors are harmless.
+    fn prime(self, file: &dyn WalFile, len: u64) {
+        let _ = match self {
+            Writes::Cached => file.will_need(0, len),
+            Writes::Direct => file.dont_need(0, len),
+        };
+    }
+}
+
 /// Turns a released segment's file into `<seq>.tmp`: renamed, then its header rewritten
 /// together with an end marker right after it (so its old records are never reached), and
 /// synced. Its blocks are already written, so appends to it are pure overwrites.
@@ -159,6 +183,7 @@ pub(crate) fn recycle(
     dir: &Path,
     free: Free,
     seq: u64,
+    writes: Writes,
 ) -> io::Result<Prepared> {
     let path = dir.join(tmp_name(seq));
     fs.rename(&free.path, &path)?;
@@ -169,10 +194,8 @@ pub(crate) fn recycle(
         let _ = fs.remove(&path);
         return Err(e);
     }
-    // Appends overwrite the old pages piecemeal; one whose old contents are no longer cached
-    // would be read inside the write that first touches it. Only a hint: errors are harmless.
     if let Ok(len) = free.file.len() {
-        let _ = free.file.will_need(0, len);
+        writes.prime(&*free.file, len);
     }
     Ok(Prepared {
         seq,
@@ -189,6 +212,7 @@ pub(crate) fn prepare(
     seq: u64,
     size: u64,
     zero_fill: bool,
+    writes: Writes,
     cancel: &AtomicBool,
 ) -> io::Result<Prepared> {
     let path = dir.join(tmp_name(seq));
@@ -222,7 +246,12 @@ pub(crate) fn prepare(
         } else if file.len()? < size {
             file.set_len(size)?;
         }
-        file.sync_all()
+        file.sync_all()?;
+        if zero_fill && writes == Writes::Direct {
+            // The zeros are written and synced: their cached pages are clean, and of no use.
+            writes.prime(&*file, size);
+        }
+        Ok(())
     })();
     if let Err(e) = result {
         // Best effort: a half-made tmp file is removed again at the next open anyway.

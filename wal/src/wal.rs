@@ -24,7 +24,9 @@
 //! Release and recycling: released segments are renamed to `<seq>.free` (up to
 //! [`WalOptions::recycle_segments`] of them) and become the next prepared segment instead of
 //! a new zero-filled file, so a log in steady state (appending while snapshots let it
-//! release) overwrites blocks it already owns, as a preallocated file would.
+//! release) overwrites blocks it already owns, as a preallocated file would. A recycled
+//! file's old pages are read into the page cache ahead of appends that go through it, and
+//! dropped from it when appends write directly (see `segment::Writes`).
 
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions, TryLockError};
@@ -50,7 +52,7 @@ use crate::record::{
 };
 use crate::repair;
 use crate::segment::{
-    self, FORMAT_VERSION, Free, HeaderError, Prepared, SEGMENT_HEADER_LEN, parse_free_name,
+    self, FORMAT_VERSION, Free, HeaderError, Prepared, SEGMENT_HEADER_LEN, Writes, parse_free_name,
     parse_segment_name,
 };
 use crate::stats::WalStats;
@@ -492,9 +494,16 @@ impl Wal {
                 let (seq, first) = fresh;
                 st.index = LogIndex::new(first);
                 let never = AtomicBool::new(false);
-                let p = segment::prepare(&*fs, dir, seq, size, options.zero_fill, &never).map_err(
-                    |e| WalError::io("create segment", dir.join(segment::tmp_name(seq)), e),
-                )?;
+                let p = segment::prepare(
+                    &*fs,
+                    dir,
+                    seq,
+                    size,
+                    options.zero_fill,
+                    Writes::Cached,
+                    &never,
+                )
+                .map_err(|e| WalError::io("create segment", dir.join(segment::tmp_name(seq)), e))?;
                 let path = segment::activate(&*fs, dir, &p, first)
                     .map_err(|e| WalError::io("rename segment", &p.path, e))?;
                 segments.insert(
@@ -643,11 +652,12 @@ impl Wal {
         let cancel = Arc::new(AtomicBool::new(false));
         let c = cancel.clone();
         let free = g.free.pop();
+        let writes = g.writer.writes();
         match std::thread::Builder::new()
             .name("keel-wal-prealloc".into())
             .spawn(move || match free {
-                Some(free) => segment::recycle(&*fs, &dir, free, seq),
-                None => segment::prepare(&*fs, &dir, seq, size, zero_fill, &c),
+                Some(free) => segment::recycle(&*fs, &dir, free, seq, writes),
+                None => segment::prepare(&*fs, &dir, seq, size, zero_fill, writes, &c),
             }) {
             Ok(handle) => Prealloc::Running { handle, cancel },
             Err(e) => {
@@ -692,8 +702,9 @@ impl Wal {
                 if let Some(Err(e)) = other {
                     debug!(error = %e, "WAL: background preparation failed; retrying in line");
                 }
+                let writes = g.writer.writes();
                 let recycled = match g.free.pop() {
-                    Some(free) => match segment::recycle(&*self.fs, &self.dir, free, seq) {
+                    Some(free) => match segment::recycle(&*self.fs, &self.dir, free, seq, writes) {
                         Ok(p) => Some(p),
                         Err(e) => {
                             debug!(error = %e, "WAL: recycling a released segment failed");
@@ -712,6 +723,7 @@ impl Wal {
                             seq,
                             self.options.segment_size,
                             self.options.zero_fill,
+                            writes,
                             &never,
                         )
                         .map_err(|e| WalError::io("create segment", &tmp, e))?

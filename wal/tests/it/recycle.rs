@@ -1,14 +1,17 @@
 //! Pins down segment recycling: released segment files are reused as later segments, the
 //! log reads back identically across reopen, and the records a recycled file held in its
 //! earlier life are never returned, whether the end marker after the new records is intact
-//! or lost, or the recycled segment was put in place before its first record was written.
+//! or lost, or the recycled segment was put in place before its first record was written;
+//! and a recycled file's page cache is primed for the way appends will write it.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use keel_wal::{Entry, Wal, WalError, WalOptions};
 
-use crate::util::{entries, files, segments, small};
+use crate::util::{FaultFs, entries, files, segments, small};
 
 /// Fixed-size entries (200 bytes of data: 224-byte records), so record boundaries fall at
 /// the same offsets in every segment.
@@ -247,4 +250,64 @@ fn a_recycled_segment_put_in_place_before_its_first_record_opens_cleanly() {
         fixed(first, last + 21)
     );
     assert!(!files(dir.path()).iter().any(|n| n.contains("broken")));
+}
+
+/// A recycled file is made ready for the way appends will write it: with direct writes its
+/// cached pages are dropped (nothing of its old contents is read in, and no direct write has
+/// to drop pages itself), and through the page cache its old pages are read in ahead.
+#[test]
+fn recycled_files_are_primed_for_the_way_appends_write_them() {
+    let probe = tempfile::tempdir().unwrap();
+    let direct_works = {
+        let p = probe.path().join("probe");
+        std::fs::write(&p, [0u8; 4096]).unwrap();
+        keel_wal::FileSystem::open_direct(&keel_wal::RealFs, &p).is_some()
+    };
+    for direct in [true, false] {
+        if direct && !direct_works {
+            eprintln!("direct writes are not supported here; checking the page-cache side only");
+            continue;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let (fs, faults) = FaultFs::new();
+        faults.direct.store(direct, Ordering::SeqCst);
+        let opts = WalOptions {
+            direct_writes: direct,
+            fs: Arc::new(fs),
+            ..small()
+        };
+        let wal = Wal::open(dir.path(), opts).unwrap();
+        let mut next = 1;
+        while wal.stats().recycled < 3 {
+            wal.append(&fixed(next, next + 8), None, true).unwrap();
+            next += 8;
+            if wal.segment_count() > 2 {
+                wal.release_to(next - 100).unwrap();
+            }
+            assert!(next < 100_000, "no segment recycled: {:?}", wal.stats());
+        }
+        assert!(
+            wal.stats().direct_flushes > 0 || !direct,
+            "{:?}",
+            wal.stats()
+        );
+        let hints = faults.hints.lock().clone();
+        let (want, other) = if direct {
+            ("dont_need", "will_need")
+        } else {
+            ("will_need", "dont_need")
+        };
+        assert!(
+            hints.iter().filter(|(_, h)| *h == want).count() >= 3,
+            "direct {direct}: {hints:?}"
+        );
+        assert!(
+            !hints.iter().any(|(_, h)| *h == other),
+            "direct {direct}: {hints:?}"
+        );
+        assert_eq!(
+            wal.entries(wal.first_index(), next, None).unwrap(),
+            fixed(wal.first_index(), next)
+        );
+    }
 }

@@ -79,6 +79,10 @@ pub struct Faults {
     pub syncs: AtomicU64,
     /// Every `fdatasync` takes at least this many microseconds (a slow disk).
     pub sync_delay_us: AtomicU64,
+    /// Hand out direct-write handles (as the real file system does where it can).
+    pub direct: AtomicBool,
+    /// Every page-cache hint given: (file name, "will_need" or "dont_need").
+    pub hints: Mutex<Vec<(String, &'static str)>>,
     /// Every file opened, to follow renames.
     files: Mutex<Vec<Weak<FaultFile>>>,
 }
@@ -154,6 +158,16 @@ impl WalFile for FaultFile {
         }
         self.inner.allocate(offset, len)
     }
+    fn will_need(&self, offset: u64, len: u64) -> io::Result<()> {
+        let name = self.name.lock().clone();
+        self.faults.hints.lock().push((name, "will_need"));
+        self.inner.will_need(offset, len)
+    }
+    fn dont_need(&self, offset: u64, len: u64) -> io::Result<()> {
+        let name = self.name.lock().clone();
+        self.faults.hints.lock().push((name, "dont_need"));
+        self.inner.dont_need(offset, len)
+    }
 }
 
 impl FaultFs {
@@ -209,5 +223,12 @@ impl FileSystem for FaultFs {
     }
     fn list(&self, dir: &Path) -> io::Result<Vec<String>> {
         RealFs.list(dir)
+    }
+    fn open_direct(&self, path: &Path) -> Option<Arc<dyn WalFile>> {
+        if !self.0.direct.load(Ordering::SeqCst) {
+            return None;
+        }
+        let f = RealFs.open_direct(path)?;
+        Some(self.wrap(path, f))
     }
 }
