@@ -327,13 +327,15 @@ impl Generation {
         self.retired.store(true, Ordering::Release);
     }
 
-    /// Bytes of this generation's files.
+    /// Bytes of this generation's files: their lengths, or the bytes allocated to a sparse
+    /// file (a data file that [`LmdbOptions::write_map`] extended to the map size).
     pub(crate) fn disk_size(&self) -> Result<u64, BackendError> {
+        use std::os::unix::fs::MetadataExt as _;
         let mut total = 0;
         for name in [DATA_FILE, LMDB_LOCK_FILE] {
             let path = self.dir.join(name);
             match fs::metadata(&path) {
-                Ok(meta) => total += meta.len(),
+                Ok(meta) => total += meta.len().min(meta.blocks().saturating_mul(512)),
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {}
                 Err(e) => return Err(BackendError::io(&path, "stat", e)),
             }
@@ -484,15 +486,22 @@ pub(crate) unsafe fn open_env(
         .map_size(map_size)
         .max_readers(options.max_readers)
         .max_dbs(if named { options.max_buckets } else { 0 });
-    let flags = if options.sync_on_commit {
+    let mut flags = if options.sync_on_commit {
         EnvFlags::empty()
     } else {
         EnvFlags::NO_SYNC
     };
+    if options.write_map {
+        flags |= EnvFlags::WRITE_MAP;
+    }
     // SAFETY: the caller upholds this function's contract above, which is heed's contract
-    // for `open` (exclusive, local, unmodified files). `NO_SYNC` is the only flag ever set;
-    // heed marks `flags` unsafe for it because it weakens durability, not memory safety:
-    // LMDB still writes pages and meta in the same order, it only skips the `fdatasync`.
+    // for `open` (exclusive, local, unmodified files). `NO_SYNC` and `WRITE_MAP` are the only
+    // flags ever set; heed marks `flags` unsafe for what they weaken, not for memory safety
+    // of this crate's reads: `NO_SYNC` skips the `fdatasync` (LMDB still writes pages and
+    // meta in the same order); `WRITE_MAP` makes the map writable, which only this process's
+    // LMDB writes through (the crate's code never writes through the slices it reads, which
+    // are shared borrows), and LMDB writes only pages that no live read transaction can see,
+    // as it does without the flag.
     unsafe {
         builder.flags(flags);
         builder.open(dir)

@@ -26,6 +26,18 @@ pub struct LmdbOptions {
     /// more fails with [`LmdbError::TooManyBuckets`](crate::LmdbError::TooManyBuckets). The
     /// value applies at each open. Default: 128.
     pub max_buckets: u32,
+    /// Whether LMDB writes pages in place through a writable memory map (`MDB_WRITEMAP`)
+    /// instead of copying each dirty page into the page cache with `writev` at commit; a
+    /// synced commit then flushes the map with `msync`. It saves that copy (the bulk of a large
+    /// commit's CPU time), at two costs: the map is writable, so a stray write into it (a bug
+    /// in unsafe code anywhere in the process) lands in the data file and can corrupt it,
+    /// where a read-only map would fault instead; and LMDB extends the data file, sparsely,
+    /// to the whole map size at open, so tools that list file lengths show `map_size` bytes
+    /// (the backend's on-disk size counts the blocks allocated) and a file system without
+    /// sparse files would allocate all of it. Commits stay atomic and, with
+    /// `sync_on_commit`, durable in either mode. The value applies at each open.
+    /// Default: false.
+    pub write_map: bool,
 }
 
 impl Default for LmdbOptions {
@@ -35,6 +47,7 @@ impl Default for LmdbOptions {
             max_readers: 1024,
             sync_on_commit: true,
             max_buckets: 128,
+            write_map: false,
         }
     }
 }

@@ -2,7 +2,8 @@
 //! compare keel with the engine under it in the same run.
 //!
 //! The environment lives in `dir/raw/` under the same exclusive directory lock and the same
-//! open path (`MDB_NOTLS`, `MDB_NOSYNC` exactly when `sync_on_commit` is off) as the
+//! open path (`MDB_NOTLS`, `MDB_NOSYNC` exactly when `sync_on_commit` is off, `MDB_WRITEMAP`
+//! exactly when `write_map` is on) as the
 //! backend, with only LMDB's unnamed database (the backend has one named database per
 //! bucket), so the two differ only in what keel adds on top.
 
@@ -27,7 +28,7 @@ pub struct RawLmdb {
 
 impl RawLmdb {
     /// Opens (creating if absent) a raw LMDB environment in `dir` with the map size, reader
-    /// limit and sync mode of `options`.
+    /// limit, sync mode and write mode (`write_map`) of `options`.
     ///
     /// Fails with [`BackendError::Locked`] while another handle (raw or backend) holds `dir`.
     pub fn open(dir: &Path, options: &LmdbOptions) -> Result<RawLmdb, BackendError> {

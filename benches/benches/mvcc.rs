@@ -2,7 +2,9 @@
 //!
 //! - put: 1 000 puts (24-byte keys, 150-byte values) then the backend commit that makes them
 //!   durable, against raw heed putting the same pairs in one write transaction; with and
-//!   without fsync; goal ≥ 0.7× raw heed's throughput.
+//!   without fsync; goal ≥ 0.7× raw heed's throughput. Both sides open LMDB as a store does
+//!   by default (`write_map` off); the same pair with `write_map` on both sides follows as a
+//!   REPORT line.
 //! - etcd 3.4's headline: puts (1 KiB values over 100 000 keys, default batching, fsync)
 //!   while a reader scans the whole key space over and over (it starts before and runs
 //!   through the measured window; the scans completed in it are printed), against the same
@@ -62,47 +64,10 @@ fn manual_batches() -> StoreOptions {
 }
 
 fn put_throughput(c: &mut Criterion) {
-    const BATCH: u64 = 1_000;
-    let value = [7u8; 150];
     for sync in [true, false] {
         let label = if sync { "fsync" } else { "no fsync" };
-        let mut group = c.benchmark_group(format!("mvcc/put 1000 + commit, {label}"));
-        group
-            .throughput(Throughput::Elements(BATCH))
-            .sample_size(20)
-            .measurement_time(Duration::from_secs(5));
-        let ours = format!("keel put, {label}");
-        let raw = format!("raw heed put, {label}");
-
-        let dir = tempfile::tempdir().unwrap();
-        let s = store(dir.path(), sync, manual_batches());
-        let mut next = 0u64;
-        group.bench_function("keel", |b| {
-            RECORDER.iter(b, &ours, |_| {
-                for _ in 0..BATCH {
-                    s.put(&key(next), &value, 0).expect("put");
-                    next += 1;
-                }
-                s.force_commit().expect("commit");
-            })
-        });
-        drop(s);
-
-        let dir = tempfile::tempdir().unwrap();
-        let reference = keel_benches::lmdb::raw(dir.path(), MAP_SIZE as u64, sync);
-        let (env, db) = (reference.env.clone(), reference.db);
-        let mut next = 0u64;
-        group.bench_function("raw heed", |b| {
-            RECORDER.iter(b, &raw, |_| {
-                let mut wtxn = env.write_txn().expect("write txn");
-                for _ in 0..BATCH {
-                    db.put(&mut wtxn, &key(next), &value).expect("put");
-                    next += 1;
-                }
-                wtxn.commit().expect("commit");
-            })
-        });
-        group.finish();
+        // Both sides open LMDB the way a store opens it by default (`write_map` off).
+        let (ours, raw) = put_pair(c, label, sync, false);
         RECORDER.ratio(
             &format!("mvcc put throughput vs raw heed, batches of 1000 ({label})"),
             &ours,
@@ -111,6 +76,77 @@ fn put_throughput(c: &mut Criterion) {
             Some(0.7),
         );
     }
+    // The other environment mode, both sides writing through the map: for reference.
+    for sync in [true, false] {
+        let label = if sync { "fsync" } else { "no fsync" };
+        let (ours, raw) = put_pair(c, &format!("{label}, write_map"), sync, true);
+        let (default_ours, default_raw) = (
+            format!("keel put, {label}"),
+            format!("raw heed put, {label}"),
+        );
+        if let (Some(o), Some(r), Some(od), Some(rd)) = (
+            RECORDER.median(&ours),
+            RECORDER.median(&raw),
+            RECORDER.median(&default_ours),
+            RECORDER.median(&default_raw),
+        ) {
+            println!(
+                "REPORT mvcc put with write_map on both sides ({label}): keel {:.1} us, raw heed {:.1} us per 1000 puts + commit, throughput ratio {:.3}x (write_map off: keel {:.1} us, raw heed {:.1} us)",
+                o * 1e6,
+                r * 1e6,
+                r / o,
+                od * 1e6,
+                rd * 1e6
+            );
+        }
+    }
+}
+
+/// One put comparison (1 000 puts then the commit, keel against raw heed in the same
+/// environment mode); returns the two recorder names.
+fn put_pair(c: &mut Criterion, label: &str, sync: bool, write_map: bool) -> (String, String) {
+    const BATCH: u64 = 1_000;
+    let value = [7u8; 150];
+    let lmdb = keel_benches::lmdb::options_with_write_map(MAP_SIZE as u64, sync, write_map);
+    let mut group = c.benchmark_group(format!("mvcc/put 1000 + commit, {label}"));
+    group
+        .throughput(Throughput::Elements(BATCH))
+        .sample_size(20)
+        .measurement_time(Duration::from_secs(5));
+    let ours = format!("keel put, {label}");
+    let raw = format!("raw heed put, {label}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let backend = keel_benches::lmdb::backend_with(dir.path(), &lmdb);
+    let s = Store::open(backend, manual_batches()).expect("open store");
+    let mut next = 0u64;
+    group.bench_function("keel", |b| {
+        RECORDER.iter(b, &ours, |_| {
+            for _ in 0..BATCH {
+                s.put(&key(next), &value, 0).expect("put");
+                next += 1;
+            }
+            s.force_commit().expect("commit");
+        })
+    });
+    drop(s);
+
+    let dir = tempfile::tempdir().unwrap();
+    let reference = keel_benches::lmdb::raw_with(dir.path(), &lmdb);
+    let (env, db) = (reference.env.clone(), reference.db);
+    let mut next = 0u64;
+    group.bench_function("raw heed", |b| {
+        RECORDER.iter(b, &raw, |_| {
+            let mut wtxn = env.write_txn().expect("write txn");
+            for _ in 0..BATCH {
+                db.put(&mut wtxn, &key(next), &value).expect("put");
+                next += 1;
+            }
+            wtxn.commit().expect("commit");
+        })
+    });
+    group.finish();
+    (ours, raw)
 }
 
 /// CPU time this thread has used (user + system), from `/proc/thread-self/stat`, in clock
@@ -704,7 +740,7 @@ fn read_events(events: &[keel_mvcc::Event]) -> ReadSum {
 /// Fixed workloads for an instruction counter: 20 batches (`KEEL_PROFILE_BATCHES`) of 1 000
 /// puts plus a commit (no fsync, or with it for the `-fsync` variants, to trace system calls)
 /// on the store or on raw heed, printing the median time per batch, or 20 ranges of 10 000
-/// keys.
+/// keys; `KEEL_PROFILE_WRITE_MAP=1` opens LMDB with `write_map` on either side.
 fn profile(what: &str) {
     let dir = tempfile::tempdir().unwrap();
     let value = [7u8; 150];
@@ -713,6 +749,13 @@ fn profile(what: &str) {
         .and_then(|v| v.parse().ok())
         .unwrap_or(20);
     let mut took = Vec::with_capacity(batches);
+    // `KEEL_PROFILE_WRITE_MAP=1` opens LMDB (keel's backend or raw) with `write_map`.
+    let write_map = std::env::var("KEEL_PROFILE_WRITE_MAP").is_ok_and(|v| v == "1");
+    let lmdb = |sync| keel_benches::lmdb::options_with_write_map(MAP_SIZE as u64, sync, write_map);
+    let store = |dir: &Path, sync, options| {
+        Store::open(keel_benches::lmdb::backend_with(dir, &lmdb(sync)), options)
+            .expect("open store")
+    };
     match what {
         "profile-put" | "profile-put-fsync" => {
             let s = store(dir.path(), what.ends_with("fsync"), manual_batches());
@@ -729,7 +772,7 @@ fn profile(what: &str) {
         }
         "profile-raw-put" | "profile-raw-put-fsync" => {
             let reference =
-                keel_benches::lmdb::raw(dir.path(), MAP_SIZE as u64, what.ends_with("fsync"));
+                keel_benches::lmdb::raw_with(dir.path(), &lmdb(what.ends_with("fsync")));
             let (env, db) = (reference.env.clone(), reference.db);
             let mut next = 0u64;
             for _ in 0..batches {

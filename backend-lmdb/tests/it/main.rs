@@ -11,3 +11,4 @@ mod process;
 mod recovery;
 mod restore;
 mod snapshot;
+mod write_map;
