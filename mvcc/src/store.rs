@@ -93,6 +93,8 @@ pub(crate) struct Inner<B: Backend> {
     pub consistent_index: AtomicU64,
     pub compacted: AtomicU64,
     pub poisoned: Mutex<Option<String>>,
+    /// `poisoned` holds a reason: checked without taking its lock on every write.
+    pub is_poisoned: AtomicBool,
     pub committer: Sender<Signal>,
     pub compactor: Sender<CompactJob>,
     pub shutdown: AtomicBool,
@@ -221,7 +223,7 @@ impl<B: Backend> Store<B> {
             backend,
             watch: WatchHub::new(&options),
             options,
-            write_lock: Mutex::new(WriteScratch::default()),
+            write_lock: Mutex::new(WriteScratch::at(revision)),
             index: RwLock::new(IndexState {
                 keys,
                 compacted: scheduled,
@@ -235,6 +237,7 @@ impl<B: Backend> Store<B> {
             consistent_index: AtomicU64::new(consistent_index),
             compacted: AtomicU64::new(scheduled),
             poisoned: Mutex::new(None),
+            is_poisoned: AtomicBool::new(false),
             committer: commit_tx,
             compactor: compact_tx,
             shutdown: AtomicBool::new(false),
@@ -510,6 +513,9 @@ impl<B: Backend> Inner<B> {
     }
 
     pub(crate) fn check_poisoned(&self) -> Result<(), MvccError> {
+        if !self.is_poisoned.load(Ordering::Acquire) {
+            return Ok(());
+        }
         match &*self.poisoned.lock() {
             Some(reason) => Err(MvccError::Poisoned {
                 reason: reason.clone(),
@@ -548,6 +554,7 @@ impl<B: Backend> Inner<B> {
                 // The buffer stays as `committing` so reads keep seeing it.
                 tracing::error!(error = %e, "backend commit failed; store is poisoned");
                 *self.poisoned.lock() = Some(e.to_string());
+                self.is_poisoned.store(true, Ordering::Release);
                 Err(e.into())
             }
         }

@@ -42,7 +42,7 @@ pub struct WriteTxn<'a, B: Backend> {
 impl<'a, B: Backend> WriteTxn<'a, B> {
     pub(crate) fn begin(inner: &'a Arc<Inner<B>>) -> WriteTxn<'a, B> {
         let guard = inner.write_lock.lock();
-        let base = inner.state.lock().revision;
+        let base = guard.revision;
         WriteTxn {
             inner,
             scratch: guard,
@@ -293,25 +293,27 @@ impl<'a, B: Backend> WriteTxn<'a, B> {
         let notify = changed && self.inner.watch.has_watchers();
         let (buf, start, pending_writes) = {
             let mut st = self.inner.state.lock();
-            let buf = st.current.clone();
-            let mut current = buf.changes.write();
-            let start = current.revs.len();
-            current.absorb_from(&mut self.scratch.staged);
-            let writes = current.writes;
-            drop(current);
+            let (start, writes) = {
+                let mut current = st.current.changes.write();
+                let start = current.revs.len();
+                current.absorb_from(&mut self.scratch.staged);
+                (start, current.writes)
+            };
             st.revision = revision;
             if let Some(ci) = self.consistent_index {
                 self.inner.consistent_index.store(ci, Ordering::Release);
             }
-            (buf, start, writes)
+            // The buffer is only needed past the lock to notify watchers.
+            (notify.then(|| st.current.clone()), start, writes)
         };
+        self.scratch.revision = revision;
         self.done = true;
         let held = &self.inner.opened_leases_held;
         if changed && held.load(Ordering::Relaxed) && held.swap(false, Ordering::Relaxed) {
             // The leased keys noted at open no longer describe the store: free them.
             *self.inner.opened_leases.lock() = None;
         }
-        if notify {
+        if let Some(buf) = buf {
             self.inner
                 .watch
                 .notify(self.inner, revision, &buf, start, &self.scratch.prev_revs);
@@ -355,22 +357,37 @@ impl<B: Backend> Drop for WriteTxn<'_, B> {
 
 /// The buffers write transactions stage their changes in, kept under the writer mutex and
 /// reused from one transaction to the next (a put allocates no staging vectors).
-#[derive(Default)]
 pub(crate) struct WriteScratch {
     staged: Changes,
     /// Per staged revision: the key's revision just before it (for watchers' `prev_kv`).
     prev_revs: Vec<Option<Revision>>,
+    /// The store's published revision, which only write transactions change (under the
+    /// writer mutex), so a transaction starts from it without the state lock.
+    revision: u64,
 }
 
 impl WriteScratch {
     /// Staged changes beyond this many are not kept for reuse.
     const KEEP: usize = 1024;
 
+    /// Empty buffers, for a store at `revision`.
+    pub(crate) fn at(revision: u64) -> WriteScratch {
+        WriteScratch {
+            staged: Changes::default(),
+            prev_revs: Vec::new(),
+            revision,
+        }
+    }
+
     fn clear(&mut self) {
         let s = &mut self.staged;
         s.revs.clear();
-        s.aux.clear();
-        s.meta.clear();
+        if !s.aux.is_empty() {
+            s.aux.clear();
+        }
+        if !s.meta.is_empty() {
+            s.meta.clear();
+        }
         s.writes = 0;
         self.prev_revs.clear();
         if s.revs.capacity() > Self::KEEP {
