@@ -36,7 +36,7 @@
 //! last 4 bytes    crc             u32  CRC-32 (IEEE) of every byte before it
 //! ```
 
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 
 use crate::error::MvccError;
 use crate::revision::Revision;
@@ -88,6 +88,17 @@ pub(crate) fn encode_record(kv: &KeyValue) -> Vec<u8> {
     let crc = crc32fast::hash(&body);
     body.extend_from_slice(&crc.to_be_bytes());
     body
+}
+
+/// CRC-32 (IEEE) of `bytes`, as `crc32fast::hash` computes it, from a hasher made once:
+/// `crc32fast::hash` detects the CPU's features on every call, a tenth of the work for a
+/// record of 200 bytes.
+#[inline]
+fn crc32(bytes: &[u8]) -> u32 {
+    static FRESH: LazyLock<crc32fast::Hasher> = LazyLock::new(crc32fast::Hasher::new);
+    let mut h = FRESH.clone();
+    h.update(bytes);
+    h.finalize()
 }
 
 /// Writes `v` as a varint at `buf[at..]` (which has room for 10 bytes); returns where it ends.
@@ -167,7 +178,7 @@ pub(crate) fn encode_parts(
         body[..h].copy_from_slice(&head[..h]);
         body[h..h + key.len()].copy_from_slice(key);
         body[h + key.len()..].copy_from_slice(value);
-        crc.copy_from_slice(&crc32fast::hash(body).to_be_bytes());
+        crc.copy_from_slice(&crc32(body).to_be_bytes());
     }
     rec
 }
@@ -296,7 +307,7 @@ pub(crate) fn decode_record(rev: Revision, bytes: &[u8]) -> Result<RecordRef<'_>
     if bytes.len() >= CRC {
         let (body, crc) = bytes.split_at(bytes.len() - CRC);
         let stored = u32::from_be_bytes([crc[0], crc[1], crc[2], crc[3]]);
-        if crc32fast::hash(body) != stored {
+        if crc32(body) != stored {
             return Err(MvccError::Corrupt {
                 revision: rev,
                 reason: "record checksum mismatch".to_owned(),
@@ -554,6 +565,16 @@ mod tests {
         overflow.extend_from_slice(&[0xff; 9]);
         overflow.extend_from_slice(&[0x02, 0, 0, 0, 0, 0, 0, 0, 0]);
         assert!(decode_record_unchecked(rev, &overflow).is_err());
+    }
+
+    #[test]
+    fn the_shared_hasher_computes_crc32() {
+        for len in [0, 1, 7, 64, 200, 4097] {
+            let bytes: Vec<u8> = (0..len).map(|i| (i * 31 + 7) as u8).collect();
+            assert_eq!(crc32(&bytes), crc32fast::hash(&bytes));
+            // Twice: the shared hasher is not consumed.
+            assert_eq!(crc32(&bytes), crc32fast::hash(&bytes));
+        }
     }
 
     #[test]
