@@ -9,7 +9,10 @@
 //!   while a reader scans the whole key space over and over (it starts before and runs
 //!   through the measured window; the scans completed in it are printed), against the same
 //!   puts without it; on LMDB and, with the `backend-file` feature, on the append-only file
-//!   backend; goals: throughput ≥ 0.9×, p99 put latency ≤ 1.5×.
+//!   backend; goals: throughput ≥ 0.9×, p99 put latency ≤ 1.5×. A REPORT line follows with
+//!   the machine's own figure: raw heed's put throughput with a raw full-scan reader against
+//!   raw heed's alone, over the same data (how much of the loss this machine's cores cost
+//!   without keel).
 //! - range of 10 000 keys (owned results) against a raw heed cursor copying the same pairs
 //!   out; goal ≤ 1.5× the time.
 //! - index memory: anonymous resident memory added by rebuilding the key index of 1 000 000
@@ -219,6 +222,8 @@ fn headline(c: &mut Criterion) {
         "lmdb",
         Arc::new(store(dir.path(), true, StoreOptions::default())),
     );
+    drop(dir);
+    headline_raw_reference();
     #[cfg(feature = "backend-file")]
     {
         let dir = tempfile::tempdir().unwrap();
@@ -230,6 +235,96 @@ fn headline(c: &mut Criterion) {
         let s = Store::open(backend, StoreOptions::default()).expect("open store");
         headline_on(c, "file", Arc::new(s));
     }
+}
+
+/// The headline's machine reference, no keel involved: raw heed's own put throughput over the
+/// same data (100 000 keys of 1 KiB, the same key sequence, write transactions of 10 000 puts,
+/// etcd's batch limit, each committed with fsync) alone and with a thread scanning all keys
+/// back to back through raw heed read transactions (copying every pair out, as a range
+/// does), printed as a REPORT: how much a full-scan reader costs a writer on this machine's
+/// cores and disk by itself.
+fn headline_raw_reference() {
+    const TXN_PUTS: u64 = 10_000;
+    let keys: u64 = if smoke() { 2_000 } else { 100_000 };
+    let run_for = if smoke() {
+        Duration::from_millis(300)
+    } else {
+        Duration::from_secs(4)
+    };
+    let value = vec![3u8; 1024];
+    let dir = tempfile::tempdir().unwrap();
+    let reference = keel_benches::lmdb::raw(dir.path(), MAP_SIZE as u64, true);
+    let (env, db) = (reference.env.clone(), reference.db);
+    for chunk in (0..keys).collect::<Vec<_>>().chunks(5_000) {
+        let mut wtxn = env.write_txn().expect("write txn");
+        for &i in chunk {
+            db.put(&mut wtxn, &key(i), &value).expect("load");
+        }
+        wtxn.commit().expect("commit");
+    }
+    let mut next = 0u64;
+    let mut rates = [0.0f64; 2];
+    let mut window_scans = 0;
+    for with_reader in [false, true] {
+        let stop = Arc::new(AtomicBool::new(false));
+        let started = Arc::new(AtomicBool::new(false));
+        let scans = Arc::new(AtomicU64::new(0));
+        let reader = with_reader.then(|| {
+            let (env, stop, started, scans) =
+                (env.clone(), stop.clone(), started.clone(), scans.clone());
+            std::thread::Builder::new()
+                .name("raw-reader".to_owned())
+                .spawn(move || {
+                    while !stop.load(Ordering::Acquire) {
+                        let txn = env.clone().static_read_txn().expect("read txn");
+                        started.store(true, Ordering::Release);
+                        let mut out = Vec::with_capacity(keys as usize);
+                        for item in db.iter(&txn).expect("scan") {
+                            let (k, v) = item.expect("pair");
+                            out.push((k.to_vec(), v.to_vec()));
+                        }
+                        assert_eq!(out.len() as u64, keys, "the scan reads every pair");
+                        black_box(out);
+                        scans.fetch_add(1, Ordering::Relaxed);
+                    }
+                })
+                .expect("spawn raw reader")
+        });
+        while with_reader && !started.load(Ordering::Acquire) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let scans_before = scans.load(Ordering::Relaxed);
+        let start = Instant::now();
+        let mut puts = 0u64;
+        while start.elapsed() < run_for {
+            let mut wtxn = env.write_txn().expect("write txn");
+            for _ in 0..TXN_PUTS {
+                db.put(&mut wtxn, &key(next.wrapping_mul(7919) % keys), &value)
+                    .expect("put");
+                next += 1;
+            }
+            wtxn.commit().expect("commit");
+            puts += TXN_PUTS;
+        }
+        rates[usize::from(with_reader)] = puts as f64 / start.elapsed().as_secs_f64();
+        if with_reader {
+            window_scans = scans.load(Ordering::Relaxed) - scans_before;
+        }
+        stop.store(true, Ordering::Release);
+        if let Some(r) = reader {
+            r.join().expect("raw reader");
+        }
+    }
+    let keel = |name: &str| RECORDER.median(name).map_or(0.0, |s| 1.0 / s.max(1e-12));
+    println!(
+        "REPORT etcd 3.4 headline reference (raw heed, no keel, this machine): put throughput with a concurrent raw full scan vs without: {:.3}x  [with the reader {:.0} puts/s ({window_scans} full scans of {keys} keys in {:.1} s), alone {:.0} puts/s; write transactions of {TXN_PUTS} puts committed with fsync, 1 KiB values; keel on lmdb in this run: {:.0} puts/s with its reader, {:.0} alone]",
+        rates[1] / rates[0].max(1e-9),
+        rates[1],
+        run_for.as_secs_f64(),
+        rates[0],
+        keel("puts with a long reader (lmdb)"),
+        keel("puts alone (lmdb)"),
+    );
 }
 
 /// The headline comparison on one backend (`label`): the same puts alone, then with a reader
