@@ -1,9 +1,11 @@
 //! Restore from a snapshot stream with one sync at the end.
 //!
-//! The stream is parsed and checked by keel-mvcc's [`snapshot::restore_from_batched`], and
-//! each batch of at most [`RESTORE_FRAME_BYTES`] it yields is committed through
-//! [`Backend::commit_from`], encoded straight from the parser's buffer (and shown to the
-//! caller's observer, for [`Backend::restore_observed`]). Commits made on the restoring
+//! The stream is parsed and checked by keel-mvcc's [`snapshot::restore_from_batched`] (or,
+//! handed over as chunks, [`snapshot::restore_chunks_batched`], which parses inside the
+//! chunks instead of copying them into a buffer of its own), and each batch of at most
+//! [`RESTORE_FRAME_BYTES`] it yields is committed through [`Backend::commit_from`], encoded
+//! straight from the parser's buffer or the chunks (and shown to the caller's observer, for
+//! [`Backend::restore_observed`] and [`Backend::restore_chunks`]). Commits made on the restoring
 //! thread write their frames without syncing them: straight to the disk where the file
 //! system allows it (see `direct`: no copy into the page cache, at most one piece queued on
 //! the device ahead of other writers' syncs), otherwise through the page cache, starting
@@ -19,8 +21,8 @@
 use std::fs::OpenOptions;
 use std::io::Read;
 
-use keel_mvcc::backend::PairObserver;
-use keel_mvcc::backend::snapshot;
+use keel_mvcc::backend::snapshot::{self, PairBatch};
+use keel_mvcc::backend::{ChunkSource, PairObserver};
 use keel_mvcc::{Backend, BackendError, ReadTxn};
 
 use crate::recovery::RESTORING;
@@ -34,11 +36,38 @@ use crate::store::{FileBackend, Inner};
 /// 75, 58 and 55 ms.)
 pub(crate) const RESTORE_FRAME_BYTES: usize = 512 << 10;
 
+/// What a restore does with each batch the parser hands out.
+type ApplyBatch<'a> = dyn FnMut(&PairBatch<'_>) -> Result<(), BackendError> + 'a;
+
 impl FileBackend {
     pub(crate) fn restore_stream(
         &self,
         input: &mut dyn Read,
         observe: &mut PairObserver<'_>,
+    ) -> Result<u64, BackendError> {
+        self.restore_parsed(observe, &mut |apply| {
+            snapshot::restore_from_batched(input, RESTORE_FRAME_BYTES, apply)
+        })
+    }
+
+    /// [`restore_stream`](Self::restore_stream) from chunks, parsed inside them.
+    pub(crate) fn restore_chunked(
+        &self,
+        chunks: &mut dyn ChunkSource,
+        observe: &mut PairObserver<'_>,
+    ) -> Result<u64, BackendError> {
+        self.restore_parsed(observe, &mut |apply| {
+            snapshot::restore_chunks_batched(chunks, RESTORE_FRAME_BYTES, apply)
+        })
+    }
+
+    /// Runs `parse`, which parses the stream and hands its batches to the `apply` it is
+    /// given, committing each batch (shown to `observe` first) without a sync, then syncs
+    /// once.
+    fn restore_parsed(
+        &self,
+        observe: &mut PairObserver<'_>,
+        parse: &mut dyn FnMut(&mut ApplyBatch<'_>) -> Result<u64, BackendError>,
     ) -> Result<u64, BackendError> {
         let inner = &self.inner;
         if !self.read_txn()?.buckets()?.is_empty() {
@@ -53,7 +82,7 @@ impl FileBackend {
             .map_err(|e| BackendError::io(&marker, "create", e))?;
         inner.io.sync_dir(&inner.dir)?;
         *inner.restoring.lock() = Some(std::thread::current().id());
-        let loaded = snapshot::restore_from_batched(input, RESTORE_FRAME_BYTES, |batch| {
+        let loaded = parse(&mut |batch| {
             for (bucket, key, value) in batch.iter() {
                 observe(bucket, key, value);
             }

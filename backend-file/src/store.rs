@@ -688,4 +688,14 @@ impl Backend for FileBackend {
     ) -> Result<u64, BackendError> {
         self.restore_stream(input, observe)
     }
+
+    /// As [`restore_observed`](Backend::restore_observed), parsing the stream inside its
+    /// chunks (no copy of them) and handing each back once its pairs are loaded.
+    fn restore_chunks(
+        &self,
+        chunks: &mut dyn keel_mvcc::backend::ChunkSource,
+        observe: &mut keel_mvcc::backend::PairObserver<'_>,
+    ) -> Result<u64, BackendError> {
+        self.restore_chunked(chunks, observe)
+    }
 }

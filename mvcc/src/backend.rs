@@ -423,6 +423,37 @@ pub trait Backend: Send + Sync + Sized + 'static {
         }
         Ok(pairs)
     }
+
+    /// [`restore_observed`](Backend::restore_observed) from a stream handed over as chunks
+    /// ([`ChunkSource`]), with the same checks, the same guarantees and the same outcome for
+    /// the same bytes, however they are cut: a stream that fails its checksum or its framing
+    /// is refused before its last batch is loaded.
+    ///
+    /// The default reads the chunks as one byte stream ([`snapshot::ChunkRead`], a copy of
+    /// every byte); a backend that parses the stream itself overrides it to parse inside the
+    /// chunks ([`snapshot::restore_chunks_batched`]) and hand each back once loaded.
+    fn restore_chunks(
+        &self,
+        chunks: &mut dyn ChunkSource,
+        observe: &mut PairObserver<'_>,
+    ) -> Result<u64, BackendError> {
+        self.restore_observed(&mut snapshot::ChunkRead::new(chunks), observe)
+    }
+}
+
+/// A snapshot stream handed over as chunks of bytes, by value, in order (the chunks of a
+/// network transfer, say): the stream is their bytes end to end, cut anywhere. See
+/// [`Backend::restore_chunks`].
+pub trait ChunkSource {
+    /// The next chunk; `None` once the stream has ended (or was abandoned: a restore that
+    /// has not seen the stream's end frame by then fails as a stream that ends early).
+    fn next_chunk(&mut self) -> Option<Vec<u8>>;
+
+    /// Takes back a chunk the restore is done with, for the source to reuse its buffer.
+    /// The default drops it.
+    fn recycle(&mut self, chunk: Vec<u8>) {
+        drop(chunk);
+    }
 }
 
 /// Shown each pair a restore loads: bucket, key, value (see [`Backend::restore_observed`]).

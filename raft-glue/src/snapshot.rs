@@ -23,11 +23,15 @@
 //! (A stream restored while it arrives, below, is hashed once, by the restore: a damaged
 //! chunk fails the stream's own checksum, checked before the last batch is loaded, and the
 //! transfer is refused when it ends.) A complete stream is fsynced and renamed to
-//! `<dir>/snap/<index>-<term>.snap` (directory fsynced). Normally, though, each accepted chunk is fed, as it arrives, to a
-//! `LiveRestore` that rebuilds the next backend generation (`<dir>/backend-<n>`, see
-//! [`generation`] and [`crate::apply`]) on its own thread, so the backend is ready soon after
-//! the stream ends; such a transfer is not stored in a file at all (the restored backend is
-//! its durable copy). The file is used only when no restore could be started; a transfer
+//! `<dir>/snap/<index>-<term>.snap` (directory fsynced). Normally, though, each accepted
+//! chunk is fed, as it arrives, to a `LiveRestore` that rebuilds the next backend generation
+//! (`<dir>/backend-<n>`, see [`generation`] and [`crate::apply`]) on its own thread, so the
+//! backend is ready soon after the stream ends; such a transfer is not stored in a file at
+//! all (the restored backend is its durable copy). The chunks' buffers travel by value from
+//! the connection's reader to the restore ([`keel_mvcc::Backend::restore_chunks`]: a backend
+//! that parses the stream itself does so inside them), and back to the reader's pool of
+//! receive buffers ([`buffers`]) once loaded: the stream's bytes are copied only from the
+//! socket into those buffers and from there into the backend's frames. The file is used only when no restore could be started; a transfer
 //! whose restore was displaced by a newer transfer is refused, and the leader sends it again.
 //! The key index is built from the pairs as they are loaded, on a thread of its own
 //! ([`IndexBuilder::on_thread`]), without recomputing each record's own checksum (the
@@ -424,28 +428,20 @@ impl Assembler {
 /// Chunks queued for a [`LiveRestore`] before the receiver waits for it.
 const LIVE_QUEUE: usize = 16;
 
-/// Reads the chunks of one transfer as one stream, in order; ends when the sender is gone.
-struct ChunkReader {
+/// The chunks of one transfer, in order, as the restore takes them (by value: the backend
+/// parses inside them); ends when the sender is gone. Chunks the restore is done with go back
+/// to the receive buffers' pool ([`buffers`]).
+struct ChunkFeed {
     rx: Receiver<Vec<u8>>,
-    buf: Vec<u8>,
-    pos: usize,
 }
 
-impl io::Read for ChunkReader {
-    fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
-        while self.pos == self.buf.len() {
-            match self.rx.recv() {
-                Ok(next) => {
-                    buffers::give(std::mem::replace(&mut self.buf, next));
-                    self.pos = 0;
-                }
-                Err(_) => return Ok(0),
-            }
-        }
-        let n = out.len().min(self.buf.len() - self.pos);
-        out[..n].copy_from_slice(&self.buf[self.pos..self.pos + n]);
-        self.pos += n;
-        Ok(n)
+impl keel_mvcc::backend::ChunkSource for ChunkFeed {
+    fn next_chunk(&mut self) -> Option<Vec<u8>> {
+        self.rx.recv().ok()
+    }
+
+    fn recycle(&mut self, chunk: Vec<u8>) {
+        buffers::give(chunk);
     }
 }
 
@@ -487,11 +483,7 @@ impl<B: keel_mvcc::Backend> LiveRestore<B> {
             .spawn(move || {
                 lower_thread_priority();
                 let (generation, backend) = crate::apply::begin_restore::<B>(&dir, &options)?;
-                let mut input = ChunkReader {
-                    rx,
-                    buf: Vec::new(),
-                    pos: 0,
-                };
+                let mut input = ChunkFeed { rx };
                 let started = std::time::Instant::now();
                 // The key index is built on a thread of its own, from the records' heads; the
                 // stream's checksum covers the records: their own are not recomputed.
@@ -503,7 +495,7 @@ impl<B: keel_mvcc::Backend> LiveRestore<B> {
                         NodeError::io(PathBuf::from("keel-snap-index"), "spawn thread", e)
                     })?;
                 let pairs = backend
-                    .restore_observed(&mut input, &mut |bucket, key, value| {
+                    .restore_chunks(&mut input, &mut |bucket, key, value| {
                         index.observe(bucket, key, value)
                     })
                     .map_err(|e| NodeError::Store(format!("restoring snapshot: {e}")))?;

@@ -19,7 +19,9 @@
 
 use std::io::{self, Read, Write};
 
-use super::{Backend, BackendError, BatchOpRef, BatchSource, Bucket, ReadTxn, WriteBatch};
+use super::{
+    Backend, BackendError, BatchOpRef, BatchSource, Bucket, ChunkSource, ReadTxn, WriteBatch,
+};
 
 /// Stream magic.
 pub const MAGIC: &[u8; 8] = b"KEELSNAP";
@@ -161,14 +163,18 @@ where
 /// One batch of pairs handed out by [`restore_from`]: slices of the parser's read buffer,
 /// valid for the call. A [`BatchSource`] of puts, for [`Backend::commit_from`].
 pub struct PairBatch<'a> {
-    buf: &'a [u8],
+    /// The buffers the pairs sit in: one, or (a stream read from chunks, see
+    /// [`restore_chunks_batched`]) the chunks and pieces the batch spans.
+    bufs: &'a [&'a [u8]],
     buckets: &'a [Bucket],
     pairs: &'a [PairAt],
 }
 
-/// Where one pair of a [`PairBatch`] sits in the read buffer (relative to the batch start).
+/// Where one pair of a [`PairBatch`] sits: which of its buffers, and where in it (relative
+/// to the batch's start in that buffer).
 #[derive(Clone, Copy)]
 struct PairAt {
+    buf: u32,
     bucket: u32,
     key: u32,
     key_len: u32,
@@ -179,8 +185,9 @@ struct PairAt {
 impl<'a> PairBatch<'a> {
     /// The pairs, in stream order: bucket, key, value.
     pub fn iter(&self) -> impl Iterator<Item = (&'a Bucket, &'a [u8], &'a [u8])> + '_ {
-        let (buf, buckets) = (self.buf, self.buckets);
+        let (bufs, buckets) = (self.bufs, self.buckets);
         self.pairs.iter().map(move |p| {
+            let buf = bufs[p.buf as usize];
             let key = &buf[p.key as usize..(p.key + p.key_len) as usize];
             let value = &buf[p.value as usize..(p.value + p.value_len) as usize];
             (&buckets[p.bucket as usize], key, value)
@@ -215,23 +222,60 @@ impl BatchSource for PairBatch<'_> {
 /// Bytes read from the input at a time.
 const READ_BLOCK: usize = 1 << 20;
 
-/// The stream being parsed: a read buffer holding the pending batch's frames and what follows
+/// Bytes the parser hashes at a time, just before parsing them.
+const HASH_BLOCK: usize = 64 << 10;
+
+/// Where the parser's bytes come from.
+enum Input<'a> {
+    /// A byte stream, read into the parser's own buffer.
+    Read(&'a mut dyn Read),
+    /// Chunks taken by value: the parser works inside each chunk, and copies only the bytes
+    /// of a read that spans two chunks (see [`restore_chunks_batched`]).
+    Chunks {
+        source: &'a mut dyn ChunkSource,
+        /// The chunk being taken from, and its next byte.
+        next: Vec<u8>,
+        at: usize,
+    },
+}
+
+/// A buffer left while pending pairs still sit in it (chunk input only).
+struct Held {
+    buf: Vec<u8>,
+    /// The offset its pending pairs' offsets are relative to.
+    base: usize,
+    /// A chunk of the source (handed back to it once the pairs are handed out).
+    chunk: bool,
+}
+
+/// The stream being parsed: a buffer holding the pending batch's frames and what follows
 /// them, with the running checksum over every byte parsed so far.
 struct Parser<'a> {
-    input: &'a mut dyn Read,
+    input: Input<'a>,
     buf: Vec<u8>,
+    /// `buf` is a chunk of the source, to be handed back when left.
+    buf_is_chunk: bool,
     /// Start of the pending batch's frames in `buf`; pair offsets are relative to it.
     base: usize,
     /// Next byte to parse.
     pos: usize,
     /// End of the bytes read into `buf`.
     filled: usize,
-    /// Bytes of `buf` before `hashed` are in `crc`.
+    /// Bytes of `buf` before `hashed` are in `crc`. The parser hashes a block ahead of
+    /// where it parses (see [`HASH_BLOCK`]), so `hashed` may be past `pos`.
     hashed: usize,
     crc: crc32fast::Hasher,
+    /// Where the block being parsed starts in `buf` (at or before `pos` whenever `hashed` is
+    /// past it), and `crc` there: the checksum up to any byte of the block is recomputed
+    /// from it.
+    block: (usize, crc32fast::Hasher),
     /// Stream offset of `buf[0]`.
     origin: u64,
     eof: bool,
+    /// Pairs parsed and not yet handed out.
+    pending: Vec<PairAt>,
+    /// Buffers left behind that pending pairs sit in; `buf` is buffer `held.len()`.
+    held: Vec<Held>,
 }
 
 impl Parser<'_> {
@@ -243,18 +287,23 @@ impl Parser<'_> {
     /// batch's bytes to the front, or growing the buffer, when it is full). `n` is bounded by
     /// the caller's checks, never read from the stream unchecked.
     fn need(&mut self, n: usize) -> Result<(), BackendError> {
+        if matches!(self.input, Input::Chunks { .. }) {
+            return self.need_chunks(n);
+        }
         while self.filled - self.pos < n {
             if self.eof {
                 return Err(bad(self.offset(), "stream ends early"));
             }
             if self.buf.len() - self.filled < READ_BLOCK {
                 self.hash_to(self.pos);
+                self.block = (self.hashed, self.crc.clone());
                 if self.base > 0 {
                     self.buf.copy_within(self.base..self.filled, 0);
                     self.origin += self.base as u64;
                     self.pos -= self.base;
                     self.filled -= self.base;
                     self.hashed -= self.base;
+                    self.block.0 -= self.base;
                     self.base = 0;
                 }
                 let want = (self.pos + n).max(self.filled + READ_BLOCK);
@@ -262,7 +311,10 @@ impl Parser<'_> {
                     self.buf.resize(want.next_power_of_two(), 0);
                 }
             }
-            match self.input.read(&mut self.buf[self.filled..]) {
+            let Input::Read(input) = &mut self.input else {
+                unreachable!("chunk input is handled above");
+            };
+            match input.read(&mut self.buf[self.filled..]) {
                 Ok(0) => self.eof = true,
                 Ok(k) => self.filled += k,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -272,19 +324,170 @@ impl Parser<'_> {
         Ok(())
     }
 
+    /// [`need`](Self::need) for chunk input. When the current buffer runs out, the parser
+    /// moves on to the next chunk itself if the read starts there and fits in it (no copy);
+    /// otherwise the read's bytes, from the end of the current buffer and from the chunks
+    /// after it, are copied into a buffer of their own. A buffer left behind is kept while
+    /// pending pairs sit in it.
+    fn need_chunks(&mut self, n: usize) -> Result<(), BackendError> {
+        if self.filled - self.pos >= n {
+            return Ok(());
+        }
+        self.next_chunk_with_bytes()?;
+        let have = self.filled - self.pos;
+        let left = match &self.input {
+            Input::Chunks { next, at, .. } => next.len() - at,
+            Input::Read(_) => 0,
+        };
+        // Everything parsed in the current buffer is hashed before it is left.
+        self.hash_to(self.pos);
+        let start = self.offset();
+        let in_place = have == 0 && left >= n;
+        let (buf, base) = if in_place {
+            let Input::Chunks { next, at, .. } = &mut self.input else {
+                unreachable!("chunk input");
+            };
+            let at = std::mem::replace(at, 0);
+            (std::mem::take(next), at)
+        } else {
+            let mut carry = Vec::with_capacity(n);
+            carry.extend_from_slice(&self.buf[self.pos..self.filled]);
+            while carry.len() < n {
+                self.next_chunk_with_bytes()?;
+                let Input::Chunks { next, at, .. } = &mut self.input else {
+                    unreachable!("chunk input");
+                };
+                let k = (n - carry.len()).min(next.len() - *at);
+                carry.extend_from_slice(&next[*at..*at + k]);
+                *at += k;
+            }
+            (carry, 0)
+        };
+        let old = std::mem::replace(&mut self.buf, buf);
+        let old_is_chunk = std::mem::replace(&mut self.buf_is_chunk, in_place);
+        let current = self.held.len() as u32;
+        if self.pending.last().is_some_and(|p| p.buf == current) {
+            self.held.push(Held {
+                buf: old,
+                base: self.base,
+                chunk: old_is_chunk,
+            });
+        } else if old_is_chunk {
+            self.recycle(old);
+        }
+        self.origin = start - base as u64;
+        self.base = base;
+        self.pos = base;
+        self.hashed = base;
+        self.block = (base, self.crc.clone());
+        self.filled = self.buf.len();
+        Ok(())
+    }
+
+    /// Makes the chunk being taken from hold a byte, taking the next chunks from the source
+    /// (and handing used ones back).
+    fn next_chunk_with_bytes(&mut self) -> Result<(), BackendError> {
+        let offset = self.offset();
+        let Input::Chunks { source, next, at } = &mut self.input else {
+            return Ok(());
+        };
+        while *at >= next.len() {
+            let used = std::mem::take(next);
+            if used.capacity() > 0 {
+                source.recycle(used);
+            }
+            match source.next_chunk() {
+                Some(chunk) => {
+                    *next = chunk;
+                    *at = 0;
+                }
+                None => {
+                    self.eof = true;
+                    return Err(bad(offset, "stream ends early"));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn recycle(&mut self, buf: Vec<u8>) {
+        if let Input::Chunks { source, .. } = &mut self.input {
+            source.recycle(buf);
+        }
+    }
+
+    /// Checks that nothing follows the end frame (whose last byte is at `pos`).
+    fn expect_end(&mut self) -> Result<(), BackendError> {
+        if self.filled > self.pos {
+            return Err(bad(self.offset(), "bytes after the end frame"));
+        }
+        match &mut self.input {
+            Input::Read(input) => {
+                let mut extra = [0u8; 1];
+                loop {
+                    match input.read(&mut extra) {
+                        Ok(0) => return Ok(()),
+                        Ok(_) => return Err(bad(self.offset(), "bytes after the end frame")),
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                        Err(e) => return Err(stream_io(self.offset(), e)),
+                    }
+                }
+            }
+            Input::Chunks { source, next, at } => {
+                let mut extra = next.len() > *at;
+                while !extra && let Some(chunk) = source.next_chunk() {
+                    extra = !chunk.is_empty();
+                    source.recycle(chunk);
+                }
+                if extra {
+                    Err(bad(self.offset(), "bytes after the end frame"))
+                } else {
+                    Ok(())
+                }
+            }
+        }
+    }
+
     /// Takes `n` bytes (made available by `need`), returning their offset in `buf`.
     fn take(&mut self, n: usize) -> Result<usize, BackendError> {
         self.need(n)?;
+        if self.pos >= self.hashed && self.hashed < self.filled {
+            // Hash the next block before parsing it: one sequential pass brings it into the
+            // processor's cache (bytes just received land in another core's cache or in
+            // memory), and the parse, which jumps from frame to frame, then finds it there.
+            self.block = (self.hashed, self.crc.clone());
+            let end = self.filled.min(self.hashed + HASH_BLOCK);
+            self.crc.update(&self.buf[self.hashed..end]);
+            self.hashed = end;
+        }
         let at = self.pos;
         self.pos += n;
         Ok(at)
     }
 
+    /// Makes `crc` cover exactly the bytes of `buf` before `end` (at or past the start of
+    /// the block being parsed).
     fn hash_to(&mut self, end: usize) {
+        if self.hashed > end {
+            let (at, crc) = self.block.clone();
+            debug_assert!(at <= end, "hashed ahead of a block start past {end}");
+            self.crc = crc;
+            self.hashed = at;
+        }
         if end > self.hashed {
             self.crc.update(&self.buf[self.hashed..end]);
             self.hashed = end;
         }
+    }
+
+    /// The key of a pending pair.
+    fn key_of(&self, pair: &PairAt) -> &[u8] {
+        let (buf, base) = match self.held.get(pair.buf as usize) {
+            Some(h) => (&h.buf, h.base),
+            None => (&self.buf, self.base),
+        };
+        let from = base + pair.key as usize;
+        &buf[from..from + pair.key_len as usize]
     }
 
     fn u8_at(&self, at: usize) -> u8 {
@@ -326,23 +529,67 @@ where
 pub fn restore_from_batched<F>(
     input: &mut dyn Read,
     batch_bytes: usize,
-    mut apply: F,
+    apply: F,
 ) -> Result<u64, BackendError>
 where
     F: FnMut(&PairBatch<'_>) -> Result<(), BackendError>,
 {
     let batch_bytes = batch_bytes.max(1);
-    let mut p = Parser {
-        input,
-        buf: vec![0u8; batch_bytes + 2 * READ_BLOCK],
-        base: 0,
-        pos: 0,
-        filled: 0,
-        hashed: 0,
-        crc: crc32fast::Hasher::new(),
-        origin: 0,
-        eof: false,
+    parse(
+        Parser::new(Input::Read(input), vec![0u8; batch_bytes + 2 * READ_BLOCK]),
+        batch_bytes,
+        apply,
+    )
+}
+
+/// As [`restore_from_batched`], for a stream handed over as chunks of bytes by value (the
+/// chunks of a network transfer, say): the stream is the chunks' bytes in order, cut
+/// anywhere. The parser works inside the chunks instead of copying them into a buffer of
+/// its own (only the bytes of a frame field that spans two chunks are copied), and hands
+/// each chunk back to the source ([`ChunkSource::recycle`]) once no pending pair sits in it.
+/// A batch may span several chunks. Same batches' rule, same order, same rule for the last
+/// one, same checks: the stream's checksum is verified over its bytes before the last batch
+/// is handed out.
+pub fn restore_chunks_batched<F>(
+    source: &mut dyn ChunkSource,
+    batch_bytes: usize,
+    apply: F,
+) -> Result<u64, BackendError>
+where
+    F: FnMut(&PairBatch<'_>) -> Result<(), BackendError>,
+{
+    let input = Input::Chunks {
+        source,
+        next: Vec::new(),
+        at: 0,
     };
+    parse(Parser::new(input, Vec::new()), batch_bytes.max(1), apply)
+}
+
+impl<'a> Parser<'a> {
+    fn new(input: Input<'a>, buf: Vec<u8>) -> Parser<'a> {
+        Parser {
+            input,
+            buf,
+            buf_is_chunk: false,
+            base: 0,
+            pos: 0,
+            filled: 0,
+            hashed: 0,
+            crc: crc32fast::Hasher::new(),
+            block: (0, crc32fast::Hasher::new()),
+            origin: 0,
+            eof: false,
+            pending: Vec::new(),
+            held: Vec::new(),
+        }
+    }
+}
+
+fn parse<F>(mut p: Parser<'_>, batch_bytes: usize, mut apply: F) -> Result<u64, BackendError>
+where
+    F: FnMut(&PairBatch<'_>) -> Result<(), BackendError>,
+{
     let at = p.take(16)?;
     if &p.buf[at..at + 8] != MAGIC {
         return Err(bad(0, "not a keel snapshot stream (bad magic)"));
@@ -356,7 +603,6 @@ where
     }
 
     let mut buckets: Vec<Bucket> = Vec::new();
-    let mut pending: Vec<PairAt> = Vec::new();
     let mut payload = 0usize;
     // The last key of the previous batch, once that batch is handed out (its bytes may be
     // gone from the buffer); within a batch the previous pair is compared in place.
@@ -366,9 +612,9 @@ where
     p.base = p.pos;
     loop {
         // The read buffer has no room for another read and is nearly all parsed: the next
-        // read will move the pending pairs and what follows them to the front. Hand a sizeable
-        // pending batch out first (the next frame has started and is not the end frame), so
-        // that little is moved.
+        // read will move the pending pairs and what follows them to the front (or, reading
+        // chunks, go on in the next chunk). Hand a sizeable pending batch out first (the next
+        // frame has started and is not the end frame), so that little is moved or kept.
         if p.pos - p.base >= EARLY_HAND_OUT_MIN
             && p.buf.len() - p.filled < READ_BLOCK
             && p.filled > p.pos
@@ -376,14 +622,7 @@ where
             && p.u8_at(p.pos) != TAG_END
         {
             let end = p.pos;
-            hand_out(
-                &mut p,
-                end,
-                &buckets,
-                &mut pending,
-                &mut last_key,
-                &mut apply,
-            )?;
+            hand_out(&mut p, end, &buckets, &mut last_key, &mut apply)?;
             payload = 0;
         }
         let at = p.offset();
@@ -421,11 +660,8 @@ where
                 let key_at = p.take(klen + vlen)?;
                 let key = &p.buf[key_at..key_at + klen];
                 if have_last {
-                    let previous = match pending.last() {
-                        Some(prev) if prev.bucket as usize == buckets.len() - 1 => {
-                            let from = p.base + prev.key as usize;
-                            &p.buf[from..from + prev.key_len as usize]
-                        }
+                    let previous = match p.pending.last() {
+                        Some(prev) if prev.bucket as usize == buckets.len() - 1 => p.key_of(prev),
                         _ => last_key.as_slice(),
                     };
                     if previous >= key {
@@ -434,29 +670,24 @@ where
                 }
                 have_last = true;
                 let rel = key_at - p.base;
-                pending.push(PairAt {
+                let pair = PairAt {
+                    buf: p.held.len() as u32,
                     bucket: (buckets.len() - 1) as u32,
                     key: rel as u32,
                     key_len: klen as u32,
                     value: (rel + klen) as u32,
                     value_len: vlen as u32,
-                });
+                };
+                p.pending.push(pair);
                 payload += klen + vlen;
                 pairs += 1;
-                if payload >= batch_bytes || pending.len() >= RESTORE_BATCH_PAIRS {
+                if payload >= batch_bytes || p.pending.len() >= RESTORE_BATCH_PAIRS {
                     // Held back while the next frame's tag is read: if the stream ends here,
                     // this is the last batch, and it must follow the checksum.
                     p.need(1)?;
                     if p.u8_at(p.pos) != TAG_END {
                         let end = p.pos;
-                        hand_out(
-                            &mut p,
-                            end,
-                            &buckets,
-                            &mut pending,
-                            &mut last_key,
-                            &mut apply,
-                        )?;
+                        hand_out(&mut p, end, &buckets, &mut last_key, &mut apply)?;
                         payload = 0;
                     }
                 }
@@ -474,24 +705,10 @@ where
                 if count != pairs {
                     return Err(bad(at, "pair count mismatch"));
                 }
-                if p.filled > p.pos {
-                    return Err(bad(p.offset(), "bytes after the end frame"));
-                }
-                let mut extra = [0u8; 1];
-                loop {
-                    match p.input.read(&mut extra) {
-                        Ok(0) => break,
-                        Ok(_) => return Err(bad(p.offset(), "bytes after the end frame")),
-                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                        Err(e) => return Err(stream_io(p.offset(), e)),
-                    }
-                }
-                if !pending.is_empty() {
-                    apply(&PairBatch {
-                        buf: &p.buf[p.base..at_in_buf(&p, at)],
-                        buckets: &buckets,
-                        pairs: &pending,
-                    })?;
+                p.expect_end()?;
+                if !p.pending.is_empty() {
+                    let end = p.filled;
+                    hand_out(&mut p, end, &buckets, &mut last_key, &mut apply)?;
                 }
                 return Ok(pairs);
             }
@@ -507,37 +724,79 @@ const EARLY_HAND_OUT: usize = 64 << 10;
 /// fewer bytes than this are left to parse).
 const EARLY_HAND_OUT_MIN: usize = 2 * EARLY_HAND_OUT;
 
-/// Hands the pending pairs (which end at `end` in the buffer) to `apply`, remembering the last
-/// key for the order check, and starts the next batch at `end`.
+/// Hands the pending pairs (the last of which end before `end` in the current buffer) to
+/// `apply`, remembering the last key for the order check, and starts the next batch at `end`.
+/// Buffers left behind are handed back to the source.
 fn hand_out<F>(
     p: &mut Parser<'_>,
     end: usize,
     buckets: &[Bucket],
-    pending: &mut Vec<PairAt>,
     last_key: &mut Vec<u8>,
     apply: &mut F,
 ) -> Result<(), BackendError>
 where
     F: FnMut(&PairBatch<'_>) -> Result<(), BackendError>,
 {
-    if let Some(last) = pending.last() {
-        let from = p.base + last.key as usize;
+    if let Some(last) = p.pending.last() {
         last_key.clear();
-        last_key.extend_from_slice(&p.buf[from..from + last.key_len as usize]);
+        last_key.extend_from_slice(p.key_of(last));
+        let mut bufs: Vec<&[u8]> = Vec::with_capacity(p.held.len() + 1);
+        bufs.extend(p.held.iter().map(|h| &h.buf[h.base..]));
+        bufs.push(&p.buf[p.base..end]);
         apply(&PairBatch {
-            buf: &p.buf[p.base..end],
+            bufs: &bufs,
             buckets,
-            pairs: pending,
+            pairs: &p.pending,
         })?;
     }
-    pending.clear();
+    p.pending.clear();
+    for h in std::mem::take(&mut p.held) {
+        if h.chunk {
+            p.recycle(h.buf);
+        }
+    }
     p.base = end;
     Ok(())
 }
 
-/// Position in `p.buf` of stream offset `at` (which must be in the buffer).
-fn at_in_buf(p: &Parser<'_>, at: u64) -> usize {
-    (at - p.origin) as usize
+/// Reads the chunks of a [`ChunkSource`] as one byte stream, copying them out (handing each
+/// back once it is read): what [`Backend::restore_chunks`] does by default.
+pub struct ChunkRead<'a> {
+    source: &'a mut dyn ChunkSource,
+    chunk: Vec<u8>,
+    at: usize,
+}
+
+impl<'a> ChunkRead<'a> {
+    /// Reads the chunks of `source`.
+    pub fn new(source: &'a mut dyn ChunkSource) -> ChunkRead<'a> {
+        ChunkRead {
+            source,
+            chunk: Vec::new(),
+            at: 0,
+        }
+    }
+}
+
+impl Read for ChunkRead<'_> {
+    fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+        while self.at == self.chunk.len() {
+            match self.source.next_chunk() {
+                Some(next) => {
+                    let used = std::mem::replace(&mut self.chunk, next);
+                    if used.capacity() > 0 {
+                        self.source.recycle(used);
+                    }
+                    self.at = 0;
+                }
+                None => return Ok(0),
+            }
+        }
+        let n = out.len().min(self.chunk.len() - self.at);
+        out[..n].copy_from_slice(&self.chunk[self.at..self.at + n]);
+        self.at += n;
+        Ok(n)
+    }
 }
 
 fn bad(offset: u64, reason: impl Into<String>) -> BackendError {
@@ -592,5 +851,172 @@ impl Write for HashingWriter<'_> {
 impl ChecksummedWrite for HashingWriter<'_> {
     fn crc(&mut self) -> u32 {
         self.crc.clone().finalize()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stream of `n` pairs over three buckets, values of varied lengths (some larger than
+    /// a chunk).
+    fn stream(n: u32) -> Vec<u8> {
+        let mut out = Vec::new();
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&VERSION.to_le_bytes());
+        out.extend_from_slice(&0u32.to_le_bytes());
+        let mut pairs = 0u64;
+        for bucket in ["a", "bb", "ccc"] {
+            out.push(TAG_BUCKET);
+            out.extend_from_slice(&(bucket.len() as u16).to_le_bytes());
+            out.extend_from_slice(bucket.as_bytes());
+            for i in 0..n {
+                let key = format!("key-{i:06}");
+                let len = match i % 50 {
+                    0 => 70_000,
+                    1 => 0,
+                    _ => (i as usize * 37) % 3000,
+                };
+                let value: Vec<u8> = (0..len).map(|j| (i as usize + j) as u8).collect();
+                out.push(TAG_PAIR);
+                out.extend_from_slice(&(key.len() as u32).to_le_bytes());
+                out.extend_from_slice(&(value.len() as u32).to_le_bytes());
+                out.extend_from_slice(key.as_bytes());
+                out.extend_from_slice(&value);
+                pairs += 1;
+            }
+        }
+        out.push(TAG_END);
+        out.extend_from_slice(&pairs.to_le_bytes());
+        let crc = crc32fast::hash(&out);
+        out.extend_from_slice(&crc.to_le_bytes());
+        out
+    }
+
+    struct Cut<'a> {
+        rest: &'a [u8],
+        sizes: &'a [usize],
+        next: usize,
+        out: usize,
+    }
+
+    impl ChunkSource for Cut<'_> {
+        fn next_chunk(&mut self) -> Option<Vec<u8>> {
+            if self.rest.is_empty() {
+                return None;
+            }
+            let n = self.sizes[self.next % self.sizes.len()].min(self.rest.len());
+            self.next += 1;
+            let (chunk, rest) = self.rest.split_at(n);
+            self.rest = rest;
+            self.out += 1;
+            Some(chunk.to_vec())
+        }
+
+        fn recycle(&mut self, _chunk: Vec<u8>) {
+            assert!(self.out > 0, "a chunk handed back twice");
+            self.out -= 1;
+        }
+    }
+
+    type Seen = (Result<u64, String>, Vec<(String, Vec<u8>, Vec<u8>)>, usize);
+
+    fn by_reading(bytes: &[u8], batch: usize) -> Seen {
+        let mut seen = Vec::new();
+        let mut batches = 0;
+        let r = restore_from_batched(&mut &bytes[..], batch, |b| {
+            batches += 1;
+            seen.extend(
+                b.iter()
+                    .map(|(bk, k, v)| (bk.name().to_owned(), k.to_vec(), v.to_vec())),
+            );
+            Ok(())
+        });
+        (r.map_err(|e| e.to_string()), seen, batches)
+    }
+
+    fn by_chunks(bytes: &[u8], sizes: &[usize], batch: usize) -> Seen {
+        let mut seen = Vec::new();
+        let mut batches = 0;
+        let mut cut = Cut {
+            rest: bytes,
+            sizes,
+            next: 0,
+            out: 0,
+        };
+        let r = restore_chunks_batched(&mut cut, batch, |b| {
+            batches += 1;
+            assert!(!b.is_empty(), "an empty batch");
+            seen.extend(
+                b.iter()
+                    .map(|(bk, k, v)| (bk.name().to_owned(), k.to_vec(), v.to_vec())),
+            );
+            Ok(())
+        });
+        (r.map_err(|e| e.to_string()), seen, batches)
+    }
+
+    /// Parsing inside chunks hands out exactly the pairs reading the stream does, in the
+    /// same order, for any cut and batch size, and fails on the same damage with the same
+    /// error, never handing out the last batch of a stream that fails its checksum.
+    #[test]
+    fn chunks_parse_like_a_read_stream() {
+        let bytes = stream(400);
+        let cuts: [&[usize]; 6] = [
+            &[bytes.len()],
+            &[1 << 20],
+            &[1],
+            &[3, 1, 8, 2, 16_384, 5],
+            &[0, 65_536, 0, 4096],
+            &[9, 70_001, 13, 1000],
+        ];
+        for batch in [1, 700, 64 << 10, 512 << 10] {
+            let read = by_reading(&bytes, batch);
+            assert_eq!(read.0, Ok(1200));
+            for sizes in cuts {
+                let got = by_chunks(&bytes, sizes, batch);
+                assert_eq!(got.0, read.0, "cut {sizes:?}, batch {batch}");
+                assert!(
+                    got.1 == read.1,
+                    "pairs differ: cut {sizes:?}, batch {batch}"
+                );
+                if batch == 1 {
+                    assert_eq!(got.2, 1200, "one pair per batch");
+                }
+            }
+        }
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        for round in 0..40 {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let mut damaged = bytes.clone();
+            let at = match round {
+                0 => bytes.len() - 1,
+                1 => bytes.len() - 13,
+                _ => (state % bytes.len() as u64) as usize,
+            };
+            damaged[at] ^= 0x10;
+            let read = by_reading(&damaged, 4096);
+            let got = by_chunks(&damaged, &[3, 1, 8, 2, 16_384, 5], 4096);
+            assert!(read.0.is_err(), "flip at {at} accepted by the reader");
+            assert_eq!(got.0, read.0, "flip at {at}");
+            assert!(
+                got.1.len() < 1200,
+                "flip at {at}: the last batch was handed out"
+            );
+        }
+        for len in [0, 10, 16, bytes.len() / 3, bytes.len() - 4, bytes.len() - 1] {
+            let read = by_reading(&bytes[..len], 4096);
+            let got = by_chunks(&bytes[..len], &[4096, 7], 4096);
+            assert!(read.0.is_err());
+            assert_eq!(got.0, read.0, "cut to {len}");
+        }
+        let mut extended = bytes.clone();
+        extended.extend_from_slice(&[0, 0]);
+        let got = by_chunks(&extended, &[bytes.len()], 4096);
+        assert!(got.0.is_err_and(|e| e.contains("after the end frame")));
+        let got = by_chunks(&extended, &[bytes.len() + 1, 1], 4096);
+        assert!(got.0.is_err_and(|e| e.contains("after the end frame")));
     }
 }

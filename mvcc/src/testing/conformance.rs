@@ -78,6 +78,7 @@ macro_rules! backend_conformance_tests {
                 restore_into_non_empty_is_refused,
                 restore_spanning_many_batches,
                 restore_observed_shows_every_pair_once,
+                restore_chunks_matches_restore,
                 large_values,
                 empty_batch,
                 random_batches_match_model,
@@ -1588,6 +1589,136 @@ pub fn restore_observed_shows_every_pair_once<B: Backend>(options: B::Options) {
     {
         Err(BackendError::Snapshot { .. }) => {}
         other => panic!("a stream cut before its checksum restored as {other:?}"),
+    }
+}
+
+/// Hands out a stream's bytes as chunks of the given sizes (cycled), counting the chunks
+/// handed back.
+struct Chunked<'a> {
+    rest: &'a [u8],
+    sizes: Vec<usize>,
+    next: usize,
+    handed: usize,
+    recycled: usize,
+}
+
+impl crate::backend::ChunkSource for Chunked<'_> {
+    fn next_chunk(&mut self) -> Option<Vec<u8>> {
+        if self.rest.is_empty() {
+            return None;
+        }
+        let n = self.sizes[self.next % self.sizes.len()].min(self.rest.len());
+        self.next += 1;
+        let (chunk, rest) = self.rest.split_at(n);
+        self.rest = rest;
+        self.handed += 1;
+        Some(chunk.to_vec())
+    }
+
+    fn recycle(&mut self, chunk: Vec<u8>) {
+        assert!(chunk.capacity() > 0, "an empty buffer handed back");
+        self.recycled += 1;
+    }
+}
+
+/// `restore_chunks` loads what `restore_observed` loads and shows the same pairs in the same
+/// order, however the stream is cut into chunks (single bytes, sizes that split every frame
+/// field, empty chunks, one chunk); it hands back no more chunks than it took; a flipped
+/// byte, a cut stream and trailing bytes fail it as they fail `restore`.
+pub fn restore_chunks_matches_restore<B: Backend>(options: B::Options) {
+    use crate::backend::snapshot::RESTORE_BATCH_PAIRS;
+    let source = Fixture::<B>::new(&options);
+    let mut batch = WriteBatch::new();
+    for i in 0..(RESTORE_BATCH_PAIRS as u32 + 300) {
+        batch.put(&b("a"), key(i), filler(u64::from(i), (i % 97) as usize));
+    }
+    batch.put(&b("b"), "", "empty key");
+    batch.put(&b("b"), "big", filler(7, 300_000));
+    batch.put(&b("c"), "z", "");
+    commit(source.b(), &batch);
+    let expected = dump_backend(source.b());
+    let stream = take_snapshot(source.b());
+    let expected_pairs: Vec<(String, Vec<u8>, Vec<u8>)> = expected
+        .iter()
+        .flat_map(|(bucket, pairs)| {
+            pairs
+                .iter()
+                .map(move |(k, v)| (bucket.clone(), k.clone(), v.clone()))
+        })
+        .collect();
+    let seed = seed();
+    let mut rng = StdRng::seed_from_u64(seed);
+    let random: Vec<usize> = (0..64).map(|_| rng.random_range(0..70_000)).collect();
+    let cuts: Vec<(&str, Vec<usize>)> = vec![
+        ("one chunk", vec![stream.len()]),
+        ("1 MiB chunks", vec![1 << 20]),
+        ("odd sizes", vec![1, 2, 3, 5, 8, 13, 4093, 65_537]),
+        ("with empty chunks", vec![0, 777, 0, 0, 100_003]),
+        ("random sizes", random),
+    ];
+    for (what, sizes) in cuts {
+        let target = Fixture::<B>::new(&options);
+        let mut chunks = Chunked {
+            rest: &stream,
+            sizes,
+            next: 0,
+            handed: 0,
+            recycled: 0,
+        };
+        let mut seen: Vec<(String, Vec<u8>, Vec<u8>)> = Vec::new();
+        let loaded = target
+            .b()
+            .restore_chunks(&mut chunks, &mut |bucket, k, v| {
+                seen.push((bucket.name().to_owned(), k.to_vec(), v.to_vec()));
+            })
+            .unwrap_or_else(|e| panic!("{what} (seed {seed}): restore_chunks failed: {e}"));
+        assert_eq!(loaded, seen.len() as u64, "{what}: pairs loaded vs shown");
+        assert!(seen == expected_pairs, "{what}: pairs shown differ");
+        assert!(
+            dump_backend(target.b()) == expected,
+            "{what}: restored content differs"
+        );
+        assert!(
+            chunks.recycled <= chunks.handed,
+            "{what}: more chunks handed back than taken"
+        );
+    }
+    // The "odd sizes" cut only: one stream of chunks per damage.
+    let restore_damaged = |damaged: &[u8]| {
+        let target = Fixture::<B>::new(&options);
+        let mut chunks = Chunked {
+            rest: damaged,
+            sizes: vec![1, 2, 3, 5, 8, 13, 4093, 65_537],
+            next: 0,
+            handed: 0,
+            recycled: 0,
+        };
+        target.b().restore_chunks(&mut chunks, &mut |_, _, _| {})
+    };
+    for round in 0..16 {
+        let mut damaged = stream.clone();
+        let at = match round {
+            0 => stream.len() - 1,
+            1 => stream.len() - 5,
+            _ => rng.random_range(0..stream.len()),
+        };
+        damaged[at] ^= rng.random_range(1..=255u8);
+        match restore_damaged(&damaged) {
+            Err(BackendError::Snapshot { .. }) => {}
+            other => panic!("byte {at} flipped (seed {seed}): restore_chunks gave {other:?}"),
+        }
+    }
+    for cut in [0, 15, stream.len() / 2, stream.len() - 4, stream.len() - 1] {
+        match restore_damaged(&stream[..cut]) {
+            Err(BackendError::Snapshot { .. }) => {}
+            other => panic!("cut to {cut}: restore_chunks gave {other:?}"),
+        }
+    }
+    let mut extended = stream.clone();
+    extended.push(0);
+    match restore_damaged(&extended) {
+        Err(BackendError::Snapshot { .. }) => {}
+        other => panic!("one byte appended: restore_chunks gave {other:?}"),
     }
 }
 
