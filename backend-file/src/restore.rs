@@ -7,7 +7,7 @@
 //! straight from the parser's buffer or the chunks (and shown to the caller's observer, for
 //! [`Backend::restore_observed`] and [`Backend::restore_chunks`]). Commits made on the restoring
 //! thread write their frames without syncing them: straight to the disk where the file
-//! system allows it (see `direct`: no copy into the page cache, at most one piece queued on
+//! system allows it (see `direct`: no copy into the page cache, at most two frames queued on
 //! the device ahead of other writers' syncs), otherwise through the page cache, starting
 //! their writeback. A segment
 //! that fills is synced when it is sealed, and the active one once the whole stream has been

@@ -31,8 +31,9 @@
 //! the connection's reader to the restore ([`keel_mvcc::Backend::restore_chunks`]: a backend
 //! that parses the stream itself does so inside them), and back to the reader's pool of
 //! receive buffers ([`buffers`]) once loaded: the stream's bytes are copied only from the
-//! socket into those buffers and from there into the backend's frames. The file is used only when no restore could be started; a transfer
-//! whose restore was displaced by a newer transfer is refused, and the leader sends it again.
+//! socket into those buffers and from there into the backend's frames. The file is used only
+//! when no restore could be started; a transfer whose restore was displaced by a newer
+//! transfer is refused, and the leader sends it again.
 //! The key index is built from the pairs as they are loaded, on a thread of its own
 //! ([`IndexBuilder::on_thread`]), without recomputing each record's own checksum (the
 //! stream's covers those bytes; see [`IndexBuilder::for_checked_stream`]). Only once the
