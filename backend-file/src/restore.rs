@@ -14,6 +14,10 @@
 //! checked, before `restore` returns `Ok`. So a restore costs about one sync per segment
 //! instead of one per batch, and that sync finds the data already written.
 //!
+//! The batches' index changes are published together, once the stream is whole and synced
+//! (a version shared with readers after each batch would make the next one copy the index
+//! nodes it changes); nothing reads a store while it is restored.
+//!
 //! A `RESTORING` marker file, durable before the first frame and removed only after the final
 //! sync, makes a store whose restore did not finish (killed, or failed on a damaged stream)
 //! refuse to open: a partial copy is never taken for a complete one.
@@ -91,6 +95,7 @@ impl FileBackend {
         *inner.restoring.lock() = None;
         let pairs = loaded?;
         inner.sync_restored()?;
+        inner.share(&inner.writer.lock());
         std::fs::remove_file(&marker).map_err(|e| BackendError::io(&marker, "remove", e))?;
         inner.io.sync_dir(&inner.dir)?;
         Ok(pairs)

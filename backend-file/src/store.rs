@@ -461,6 +461,19 @@ impl Inner {
     /// Records the active segment's new committed end (mapping it anew only when it has
     /// outgrown its mapping) and publishes the writer's version.
     pub(crate) fn publish(&self, w: &mut Writer) -> Result<(), BackendError> {
+        self.record_end(w)?;
+        self.share(w);
+        Ok(())
+    }
+
+    /// Makes the writer's version the published one.
+    pub(crate) fn share(&self, w: &Writer) {
+        *self.published.write() = Arc::new(w.version.clone());
+    }
+
+    /// The first half of [`publish`](Self::publish): records the active segment's committed
+    /// end in the writer's version, without publishing it.
+    fn record_end(&self, w: &mut Writer) -> Result<(), BackendError> {
         let seg = w.active.seg.clone();
         let end = w.active.end;
         let i = (seg.id - w.version.base) as usize;
@@ -480,7 +493,6 @@ impl Inner {
             }
         };
         w.version.segs[i] = Some(Mapped { map, end });
-        *self.published.write() = Arc::new(w.version.clone());
         Ok(())
     }
 
@@ -617,7 +629,13 @@ impl Inner {
             }
             Ok(())
         })?;
-        self.publish(&mut w)?;
+        if sync {
+            self.publish(&mut w)?;
+        } else {
+            // A restore's batches are published together when it succeeds: a version shared
+            // with readers would make the next batch copy the index nodes it changes.
+            self.record_end(&mut w)?;
+        }
         let (dead, live) = w.garbage();
         Ok(self.should_reclaim(dead, live))
     }
