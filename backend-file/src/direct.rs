@@ -129,7 +129,7 @@ struct Job {
     buf: AlignedBuf,
 }
 
-/// What the writer thread hands back after a write: the buffers, and how the write went.
+/// What a writer thread hands back after a write: the buffers, and how the write went.
 type Done = (AlignedBuf, Vec<u8>, io::Result<()>);
 
 /// Writes in flight at most, and threads making them: the device takes two at a time (a
@@ -137,9 +137,11 @@ type Done = (AlignedBuf, Vec<u8>, io::Result<()>);
 /// GB/s with one 1 MiB write at a time, the same bytes queued ahead of other writers' syncs).
 const IN_FLIGHT: usize = 2;
 
-/// Direct writes to a segment file, in append order, made by a thread of their own: the
-/// caller hands over the frame it encoded and goes on with the next while the thread copies
-/// it into an aligned buffer and the disk takes it. A write's failure is reported by a later
+/// Direct writes to a segment file, handed over in append order and made by
+/// [`IN_FLIGHT`] threads of the writer's own (so they may complete in any order; no two
+/// of them write the same block): the caller hands over the frame it encoded and goes on
+/// with the next while a thread copies it into an aligned buffer and the disk takes it. A
+/// write's failure is reported by a later
 /// [`write`](Self::write) or by [`finish`](Self::finish), which must be called (and succeed)
 /// before the segment is synced. One writer serves every segment of a restore in turn
 /// ([`retarget`](Self::retarget)), keeping its buffers.
@@ -150,7 +152,7 @@ pub(crate) struct DirectWriter {
     spare: Vec<AlignedBuf>,
     /// Frame buffers handed back, for the caller to encode into.
     frames: Vec<Vec<u8>>,
-    /// Writes handed to the thread and not yet back.
+    /// Writes handed to the threads and not yet back.
     in_flight: usize,
     jobs: Option<std::sync::mpsc::SyncSender<Job>>,
     back: std::sync::mpsc::Receiver<Done>,
@@ -170,6 +172,8 @@ pub(crate) struct DirectWriter {
     /// The first write is waited for, so that a file system refusing direct writes is found
     /// out while the frame can still be written the ordinary way.
     probed: bool,
+    /// The first write's frame, after the file system refused that write (`EINVAL`).
+    refused: Option<Vec<u8>>,
 }
 
 fn open_direct(path: &Path) -> io::Result<Option<File>> {
@@ -274,6 +278,7 @@ impl DirectWriter {
             tail_written: false,
             failed: None,
             probed: false,
+            refused: None,
         }))
     }
 
@@ -298,7 +303,7 @@ impl DirectWriter {
         Ok(true)
     }
 
-    /// Takes back one write from the thread, noting its outcome.
+    /// Takes back one write from the threads, noting its outcome.
     fn take_back(&mut self) -> io::Result<()> {
         let (buf, frame, result) = self
             .back
@@ -327,8 +332,9 @@ impl DirectWriter {
     /// already written (or being written by this writer), and returns an empty buffer to
     /// encode the next frame into. `file` is the segment's ordinary handle, used to read back
     /// the start of the first block when this writer has not written it. `Err` with `EINVAL`
-    /// means the file system took the open but refuses the writes: write through the page
-    /// cache instead (the frame is lost with the error: the caller keeps a copy or re-encodes).
+    /// from the first write means the file system took the open but refuses the writes:
+    /// [`take_refused`](Self::take_refused) then gives that frame back, to write through the
+    /// page cache instead.
     ///
     /// The write stops short of the block holding the frame's end, which the next write
     /// starts with (or [`finish`](Self::finish) writes): two writes in flight never share a
@@ -346,11 +352,10 @@ impl DirectWriter {
     ) -> io::Result<Vec<u8>> {
         let block = offset - offset % BLOCK as u64;
         let head_len = (offset - block) as usize;
-        if self
-            .tail
-            .as_ref()
-            .is_some_and(|(at, tail)| *at != block && !tail.is_empty() && !self.tail_written)
-        {
+        if self.tail.as_ref().is_some_and(|(at, tail)| {
+            let append = *at == block && tail.len() == head_len;
+            !(append || tail.is_empty() || self.tail_written)
+        }) {
             // Not an append to the last write: that write's last block goes out first.
             self.finish()?;
         }
@@ -412,16 +417,24 @@ impl DirectWriter {
         }
         if !self.probed {
             self.probed = true;
-            self.finish()?;
+            if let Err(e) = self.finish() {
+                if e.raw_os_error() == Some(libc::EINVAL) {
+                    // The only write made so far: its frame is the one handed back.
+                    self.refused = self.frames.pop();
+                }
+                return Err(e);
+            }
         }
         let mut next = self.frames.pop().unwrap_or_default();
         next.clear();
         Ok(next)
     }
 
-    /// A frame buffer the thread handed back: after a refused first write, that frame.
-    pub(crate) fn take_frame(&mut self) -> Option<Vec<u8>> {
-        self.frames.pop()
+    /// After [`write`](Self::write) failed with `EINVAL` because the file system refused
+    /// this writer's first write: that write's frame, to be written the ordinary way. `None`
+    /// after any other failure, whose frame is lost.
+    pub(crate) fn take_refused(&mut self) -> Option<Vec<u8>> {
+        self.refused.take()
     }
 
     /// Waits for every write in flight and writes the block holding the end of the last one
@@ -535,5 +548,25 @@ mod tests {
         let mut got = vec![0u8; 50];
         file.read_exact_at(&mut got, far).expect("read back far");
         assert!(got.iter().all(|&b| b == 0xA5), "the far write did not land");
+
+        // A write in the block the last one ended in, but past a gap after it: the held-back
+        // block is written first (else its bytes would be lost), and the new write starts
+        // from the block as the file then holds it.
+        let at = far + 50;
+        let data = vec![0x3Cu8; 2 * BLOCK + 7];
+        w.write(&file, at, data.clone(), |_| {}).expect("write");
+        let next = at + data.len() as u64 + 9;
+        w.write(&file, next, vec![0x11; 20], |_| {})
+            .expect("write past a gap");
+        w.finish().expect("finish");
+        let mut got = vec![0xFFu8; data.len() + 9 + 20];
+        file.read_exact_at(&mut got, at).expect("read back");
+        let mut want = data;
+        want.extend_from_slice(&[0; 9]);
+        want.extend_from_slice(&[0x11; 20]);
+        assert!(
+            got == want,
+            "a write into the held-back block lost bytes before it"
+        );
     }
 }

@@ -191,7 +191,7 @@ impl Io {
             WriteFault::Proceed => match direct.write(file, offset, frame, seal) {
                 Ok(next) => return Ok(DirectOutcome::Written(next)),
                 Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                    if let Some(frame) = direct.take_frame() {
+                    if let Some(frame) = direct.take_refused() {
                         return Ok(DirectOutcome::Refused(frame));
                     }
                     Err(e)

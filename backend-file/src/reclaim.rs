@@ -63,7 +63,9 @@ impl Inner {
         let _pass = self.reclaim_lock.lock();
         let floor = {
             let w = self.writer.lock();
-            if w.poisoned.is_some() {
+            if w.poisoned.is_some() || self.restoring.lock().is_some() {
+                // A restore owns the active segment until it ends (its direct writes may
+                // hold the block the next frame would start in).
                 return Ok(false);
             }
             let (dead, live) = w.garbage();

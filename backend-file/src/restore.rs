@@ -27,7 +27,7 @@ use std::io::Read;
 
 use keel_mvcc::backend::snapshot::{self, PairBatch};
 use keel_mvcc::backend::{ChunkSource, PairObserver};
-use keel_mvcc::{Backend, BackendError, ReadTxn};
+use keel_mvcc::{Backend, BackendError};
 
 use crate::recovery::RESTORING;
 use crate::store::{FileBackend, Inner};
@@ -68,15 +68,42 @@ impl FileBackend {
     /// Runs `parse`, which parses the stream and hands its batches to the `apply` it is
     /// given, committing each batch (shown to `observe` first) without a sync, then syncs
     /// once.
+    ///
+    /// The store must hold no pairs, as the writer sees it (the batches of a restore are not
+    /// published until it succeeds). While the restore runs, commits of other threads are
+    /// refused; a restore that fails leaves the backend poisoned, so that nothing is
+    /// committed or restored on top of the part of the stream it loaded (the `RESTORING`
+    /// marker then keeps the store from opening again).
     fn restore_parsed(
         &self,
         observe: &mut PairObserver<'_>,
         parse: &mut dyn FnMut(&mut ApplyBatch<'_>) -> Result<u64, BackendError>,
     ) -> Result<u64, BackendError> {
         let inner = &self.inner;
-        if !self.read_txn()?.buckets()?.is_empty() {
-            return Err(BackendError::RestoreNotEmpty);
+        {
+            let w = inner.writer.lock();
+            Inner::check_poison(&w)?;
+            let mut restoring = inner.restoring.lock();
+            if restoring.is_some() || w.version.holds_pairs() {
+                return Err(BackendError::RestoreNotEmpty);
+            }
+            *restoring = Some(std::thread::current().id());
         }
+        let result = self.load(observe, parse);
+        *inner.restoring.lock() = None;
+        if let Err(e) = &result {
+            Inner::poison(&mut inner.writer.lock(), e);
+        }
+        result
+    }
+
+    /// The body of [`restore_parsed`](Self::restore_parsed), run with the restore flagged.
+    fn load(
+        &self,
+        observe: &mut PairObserver<'_>,
+        parse: &mut dyn FnMut(&mut ApplyBatch<'_>) -> Result<u64, BackendError>,
+    ) -> Result<u64, BackendError> {
+        let inner = &self.inner;
         let marker = inner.dir.join(RESTORING);
         OpenOptions::new()
             .write(true)
@@ -85,15 +112,12 @@ impl FileBackend {
             .open(&marker)
             .map_err(|e| BackendError::io(&marker, "create", e))?;
         inner.io.sync_dir(&inner.dir)?;
-        *inner.restoring.lock() = Some(std::thread::current().id());
-        let loaded = parse(&mut |batch| {
+        let pairs = parse(&mut |batch| {
             for (bucket, key, value) in batch.iter() {
                 observe(bucket, key, value);
             }
             self.commit_from(batch)
-        });
-        *inner.restoring.lock() = None;
-        let pairs = loaded?;
+        })?;
         inner.sync_restored()?;
         inner.share(&inner.writer.lock());
         std::fs::remove_file(&marker).map_err(|e| BackendError::io(&marker, "remove", e))?;

@@ -362,8 +362,16 @@ impl Inner {
         let result = if sync {
             seal_frame(&mut w.buf);
             let path = &w.active.seg.path;
-            self.io
-                .write_at(&w.active.file, path, start, &w.buf)
+            // A restore's direct writes may still hold the block this frame starts in: they
+            // all go out first (nothing is pending once a restore has ended).
+            let direct_done = match &mut w.direct {
+                Some(d) => d
+                    .finish()
+                    .map_err(|e| BackendError::io(path, "direct pwrite", e)),
+                None => Ok(()),
+            };
+            direct_done
+                .and_then(|()| self.io.write_at(&w.active.file, path, start, &w.buf))
                 .and_then(|()| self.io.sync_data(&w.active.file, path))
         } else {
             self.write_unsynced(w, start, fast)
@@ -502,6 +510,17 @@ impl Inner {
     pub(crate) fn commit(&self, batch: &dyn BatchSource, sync: bool) -> Result<bool, BackendError> {
         let mut w = self.writer.lock();
         Self::check_poison(&w)?;
+        if self
+            .restoring
+            .lock()
+            .is_some_and(|t| t != std::thread::current().id())
+        {
+            return Err(BackendError::Other(
+                "a snapshot restore is loading this backend: commits of other threads are \
+                 refused until it ends"
+                    .into(),
+            ));
+        }
         // Validate everything before writing anything.
         let mut new_buckets: Vec<Bucket> = Vec::new();
         let mut estimate = FRAME_HEADER as u64;

@@ -51,6 +51,11 @@ impl Mapped {
 }
 
 impl Version {
+    /// Whether any bucket holds a pair.
+    pub(crate) fn holds_pairs(&self) -> bool {
+        self.maps.iter().any(|m| !m.is_empty())
+    }
+
     /// The mapping of segment `seg`.
     pub(crate) fn seg(&self, seg: u32) -> Option<&Mapped> {
         let i = seg.checked_sub(self.base)? as usize;

@@ -164,6 +164,61 @@ fn failed_restore_refuses_to_open() {
     assert_refused(dir.path());
 }
 
+/// A failed restore leaves the backend refusing commits and restores, which would land on
+/// top of the part of the stream it loaded, until it is reopened (which the marker refuses).
+#[test]
+fn failed_restore_refuses_later_commits_and_restores() {
+    let stream = stream(20_000, 500);
+    let dir = tempfile::tempdir().unwrap();
+    let b = FileBackend::open(dir.path(), &FileOptions::default()).unwrap();
+    let cut = &stream[..stream.len() - 3];
+    assert!(matches!(
+        b.restore(&mut &cut[..]),
+        Err(BackendError::Snapshot { .. })
+    ));
+    match b.restore(&mut stream.as_slice()) {
+        Err(BackendError::Poisoned { .. }) => {}
+        other => panic!("a second restore after a failed one: {other:?}"),
+    }
+    let mut batch = WriteBatch::new();
+    batch.put(&B, b"x".to_vec(), b"y".to_vec());
+    match b.commit(&batch) {
+        Err(BackendError::Poisoned { .. }) => {}
+        other => panic!("a commit after a failed restore: {other:?}"),
+    }
+    drop(b);
+    assert_refused(dir.path());
+}
+
+/// While a restore runs, a commit from another thread is refused (it would land between
+/// the restore's frames); once the restore is done, commits from any thread go through.
+#[test]
+fn commits_of_other_threads_are_refused_during_a_restore() {
+    let stream = stream(5_000, 100);
+    let dir = tempfile::tempdir().unwrap();
+    let b = FileBackend::open(dir.path(), &FileOptions::default()).unwrap();
+    let mut batch = WriteBatch::new();
+    batch.put(&B, b"x".to_vec(), b"y".to_vec());
+    let commit_elsewhere = || std::thread::scope(|s| s.spawn(|| b.commit(&batch)).join().unwrap());
+    let mut during = None;
+    let loaded = b
+        .restore_observed(&mut stream.as_slice(), &mut |_, _, _| {
+            if during.is_none() {
+                during = Some(commit_elsewhere());
+            }
+        })
+        .unwrap();
+    assert_eq!(loaded, 5_001);
+    match during {
+        Some(Err(BackendError::Other(e))) => {
+            assert!(e.to_string().contains("restore"), "{e}");
+        }
+        other => panic!("a commit during the restore: {other:?}"),
+    }
+    commit_elsewhere().unwrap();
+    assert_eq!(dump(&b)["key"].len(), 5_001);
+}
+
 #[test]
 fn restore_into_non_empty_leaves_no_marker() {
     let stream = stream(10, 8);
