@@ -22,41 +22,68 @@ pub const POOLED: usize = 8;
 /// Larger buffers are not kept.
 pub const POOLED_BYTES: usize = 8 << 20;
 
-static POOL: Mutex<Vec<Vec<u8>>> = Mutex::new(Vec::new());
+/// A pool of buffers (see the module doc); the receiver uses the process-wide one through
+/// [`take`] and [`give`].
+pub struct Pool(Mutex<Vec<Vec<u8>>>);
 
-/// A buffer of exactly `len` bytes, whose content is to be overwritten: a recycled one when
-/// the pool has one large enough (only bytes beyond its previous length are zeroed), else a
-/// new zeroed one.
-pub fn take(len: usize) -> Vec<u8> {
-    let recycled = {
-        let mut pool = POOL.lock();
-        pool.iter()
-            .rposition(|b| b.capacity() >= len)
-            .map(|i| pool.swap_remove(i))
-    };
-    match recycled {
-        Some(mut buf) => {
-            if buf.len() > len {
-                buf.truncate(len);
-            } else {
-                buf.resize(len, 0);
+impl Pool {
+    /// An empty pool.
+    pub const fn new() -> Pool {
+        Pool(Mutex::new(Vec::new()))
+    }
+
+    /// A buffer of exactly `len` bytes, whose content is to be overwritten: a recycled one
+    /// when the pool has one large enough (only bytes beyond its previous length are
+    /// zeroed), else a new zeroed one.
+    pub fn take(&self, len: usize) -> Vec<u8> {
+        let recycled = {
+            let mut pool = self.0.lock();
+            pool.iter()
+                .rposition(|b| b.capacity() >= len)
+                .map(|i| pool.swap_remove(i))
+        };
+        match recycled {
+            Some(mut buf) => {
+                if buf.len() > len {
+                    buf.truncate(len);
+                } else {
+                    buf.resize(len, 0);
+                }
+                buf
             }
-            buf
+            None => vec![0u8; len],
         }
-        None => vec![0u8; len],
+    }
+
+    /// Hands a buffer back for [`take`](Pool::take) to reuse (dropped when the pool is full
+    /// or the buffer is too large to keep).
+    pub fn give(&self, buf: Vec<u8>) {
+        if buf.capacity() == 0 || buf.capacity() > POOLED_BYTES {
+            return;
+        }
+        let mut pool = self.0.lock();
+        if pool.len() < POOLED {
+            pool.push(buf);
+        }
     }
 }
 
-/// Hands a buffer back for [`take`] to reuse (dropped when the pool is full or the buffer
-/// is too large to keep).
+impl Default for Pool {
+    fn default() -> Pool {
+        Pool::new()
+    }
+}
+
+static POOL: Pool = Pool::new();
+
+/// [`Pool::take`] from the process-wide pool.
+pub fn take(len: usize) -> Vec<u8> {
+    POOL.take(len)
+}
+
+/// [`Pool::give`] to the process-wide pool.
 pub fn give(buf: Vec<u8>) {
-    if buf.capacity() == 0 || buf.capacity() > POOLED_BYTES {
-        return;
-    }
-    let mut pool = POOL.lock();
-    if pool.len() < POOLED {
-        pool.push(buf);
-    }
+    POOL.give(buf);
 }
 
 #[cfg(test)]
@@ -65,26 +92,33 @@ mod tests {
 
     #[test]
     fn buffers_are_reused_at_the_length_asked_for() {
-        // The pool is process-wide: other tests may take from it meanwhile, so only what
-        // holds for any buffer handed out is asserted, plus reuse of a uniquely sized one.
-        let mut a = take(3000);
+        let pool = Pool::new();
+        let mut a = pool.take(3000);
         assert_eq!(a.len(), 3000);
         a.fill(7);
-        let at = a.as_ptr() as usize;
-        give(a);
-        let b = take(1000);
-        assert_eq!(b.len(), 1000);
-        if b.as_ptr() as usize == at {
-            assert!(
-                b.iter().all(|&x| x == 7),
-                "a recycled buffer is not re-zeroed"
-            );
+        let at = a.as_ptr();
+        pool.give(a);
+        // The same buffer comes back, cut to the length asked for and not re-zeroed.
+        let b = pool.take(1000);
+        assert_eq!((b.as_ptr(), b.len()), (at, 1000));
+        assert!(b.iter().all(|&x| x == 7), "a recycled buffer was re-zeroed");
+        pool.give(b);
+        // Grown past what it held: the new bytes are zeros, the old ones are kept.
+        let c = pool.take(2000);
+        assert_eq!((c.as_ptr(), c.len()), (at, 2000));
+        assert!(c[..1000].iter().all(|&x| x == 7) && c[1000..].iter().all(|&x| x == 0));
+        pool.give(c);
+        // Too small for the request: a new buffer, the small one stays pooled.
+        let d = pool.take(5000);
+        assert_eq!(d.len(), 5000);
+        assert_ne!(d.as_ptr(), at);
+        assert_eq!(pool.0.lock().len(), 1);
+        // Too large or too many: not kept.
+        pool.give(vec![0u8; POOLED_BYTES + 1]);
+        assert_eq!(pool.0.lock().len(), 1);
+        for _ in 0..2 * POOLED {
+            pool.give(vec![0u8; 16]);
         }
-        give(b);
-        let c = take(5000);
-        assert_eq!(c.len(), 5000);
-        give(vec![0u8; POOLED_BYTES + 1]);
-        assert!(POOL.lock().iter().all(|b| b.capacity() <= POOLED_BYTES));
-        assert!(POOL.lock().len() <= POOLED);
+        assert_eq!(pool.0.lock().len(), POOLED);
     }
 }

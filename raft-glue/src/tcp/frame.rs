@@ -582,11 +582,8 @@ mod tests {
         }
     }
 
-    /// A chunk frame: any flipped byte before the data fails the frame check; a flipped data
-    /// byte passes it but no longer matches the chunk's own CRC, which the receiver checks.
     /// A chunk read in two parts (its head as `chunk_head` finds it, then its data into a
-    /// buffer of its own) decodes as the whole payload does, and is refused alike when any
-    /// byte before its data is flipped.
+    /// buffer of its own), as the receiver reads it.
     fn read_in_two_parts(frame: &[u8]) -> Result<Frame, NodeError> {
         let mut hb = [0u8; HEADER_BYTES];
         hb.copy_from_slice(&frame[..HEADER_BYTES]);
@@ -607,6 +604,8 @@ mod tests {
         decode_chunk(&h, &payload[..at], payload[at..].to_vec())
     }
 
+    /// A chunk read in two parts decodes as the whole payload does, and is refused alike when
+    /// any byte before its data is flipped.
     #[test]
     fn chunks_read_head_then_data_decode_and_check_alike() {
         let data: Vec<u8> = (0..3000u32).map(|i| (i * 13) as u8).collect();
@@ -656,6 +655,8 @@ mod tests {
         }
     }
 
+    /// A chunk frame: any flipped byte before the data fails the frame check; a flipped data
+    /// byte passes it but no longer matches the chunk's own CRC, which the receiver checks.
     #[test]
     fn chunk_frames_check_their_head_and_carry_their_data_crc() {
         let data: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
