@@ -4,6 +4,11 @@
 //! A record is the value stored under a revision key (see [`crate::revision`]). Its first byte
 //! is its format number; the store writes format 2 and reads both.
 //!
+//! A build that reads only format 1 refuses format 2 records ("unknown record format 2"),
+//! so the formats go one way: a member on such a build cannot open a store, or load a
+//! snapshot, written by a newer one. Upgrade every member before a newer one writes (or
+//! sends a snapshot); going back means restoring a backup taken before the upgrade.
+//!
 //! Format 2 (written since it exists): a variable-length header of unsigned LEB128 varints
 //! (7 bits per byte, least significant group first, high bit set on every byte but the last;
 //! at most 10 bytes for a u64), some 8 bytes for a fresh key instead of format 1's 37:
