@@ -119,11 +119,21 @@ fn put_varint(buf: &mut [u8; MAX_HEADER_2], mut at: usize, mut v: u64) -> usize 
 }
 
 /// Reads a varint at `b[*at..]`, moving `at` past it; `None` when it runs past `b` or
-/// overflows a u64.
-#[inline]
+/// overflows a u64. One-byte varints (most header fields) take the short way.
+#[inline(always)]
 fn get_varint(b: &[u8], at: &mut usize) -> Option<u64> {
-    let mut v = 0u64;
-    let mut shift = 0u32;
+    let first = *b.get(*at)?;
+    *at += 1;
+    if first < 0x80 {
+        return Some(u64::from(first));
+    }
+    get_varint_rest(b, at, u64::from(first & 0x7f))
+}
+
+/// The bytes of a varint after its first (whose low bits are `v`).
+#[inline]
+fn get_varint_rest(b: &[u8], at: &mut usize, mut v: u64) -> Option<u64> {
+    let mut shift = 7u32;
     loop {
         let byte = *b.get(*at)?;
         *at += 1;
@@ -131,7 +141,7 @@ fn get_varint(b: &[u8], at: &mut usize) -> Option<u64> {
             return None;
         }
         v |= u64::from(byte & 0x7f) << shift;
-        if byte & 0x80 == 0 {
+        if byte < 0x80 {
             return Some(v);
         }
         shift += 7;
