@@ -166,6 +166,14 @@ pub struct RealFs;
 #[derive(Debug)]
 pub struct RealFile(File);
 
+impl RealFile {
+    /// `posix_fadvise` over `[offset, offset + len)`.
+    fn advise(&self, offset: u64, len: u64, advice: rustix::fs::Advice) -> io::Result<()> {
+        rustix::fs::fadvise(&self.0, offset, std::num::NonZeroU64::new(len), advice)
+            .map_err(io::Error::from)
+    }
+}
+
 impl WalFile for RealFile {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
         self.0.read_at(buf, offset)
@@ -199,22 +207,10 @@ impl WalFile for RealFile {
         }
     }
     fn will_need(&self, offset: u64, len: u64) -> io::Result<()> {
-        rustix::fs::fadvise(
-            &self.0,
-            offset,
-            std::num::NonZeroU64::new(len),
-            rustix::fs::Advice::WillNeed,
-        )
-        .map_err(io::Error::from)
+        self.advise(offset, len, rustix::fs::Advice::WillNeed)
     }
     fn dont_need(&self, offset: u64, len: u64) -> io::Result<()> {
-        rustix::fs::fadvise(
-            &self.0,
-            offset,
-            std::num::NonZeroU64::new(len),
-            rustix::fs::Advice::DontNeed,
-        )
-        .map_err(io::Error::from)
+        self.advise(offset, len, rustix::fs::Advice::DontNeed)
     }
 }
 

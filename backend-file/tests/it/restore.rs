@@ -13,6 +13,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use keel_backend_file::{FaultPlan, FileBackend, FileOptions};
+use keel_mvcc::testing::ChunkCuts;
 use keel_mvcc::{Backend, BackendError, WriteBatch};
 use rand::{Rng, SeedableRng};
 
@@ -83,26 +84,6 @@ fn restore_across_segments_reopens() {
     b.check_integrity().unwrap();
 }
 
-/// Hands out a stream in chunks of the sizes given, in turn.
-struct Chunks<'a> {
-    rest: &'a [u8],
-    sizes: &'a [usize],
-    next: usize,
-}
-
-impl keel_mvcc::backend::ChunkSource for Chunks<'_> {
-    fn next_chunk(&mut self) -> Option<Vec<u8>> {
-        if self.rest.is_empty() {
-            return None;
-        }
-        let n = self.sizes[self.next % self.sizes.len()].min(self.rest.len());
-        self.next += 1;
-        let (chunk, rest) = self.rest.split_at(n);
-        self.rest = rest;
-        Some(chunk.to_vec())
-    }
-}
-
 /// A restore from chunks that spans segments loads what a restore from the byte stream
 /// loads, is readable as soon as it returns (its batches are published together at its
 /// end), and survives a reopen.
@@ -120,11 +101,7 @@ fn restore_from_chunks_across_segments_reopens() {
     drop(b);
     let dir = tempfile::tempdir().unwrap();
     let b = FileBackend::open(dir.path(), &options).unwrap();
-    let mut chunks = Chunks {
-        rest: &stream,
-        sizes: &[1 << 20, 7, 100_003, 4096],
-        next: 0,
-    };
+    let mut chunks = ChunkCuts::new(&stream, [1 << 20, 7, 100_003, 4096]);
     let mut shown = 0u64;
     let pairs = b
         .restore_chunks(&mut chunks, &mut |_, _, _| shown += 1)

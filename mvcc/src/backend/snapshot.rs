@@ -893,32 +893,6 @@ mod tests {
         out
     }
 
-    struct Cut<'a> {
-        rest: &'a [u8],
-        sizes: &'a [usize],
-        next: usize,
-        out: usize,
-    }
-
-    impl ChunkSource for Cut<'_> {
-        fn next_chunk(&mut self) -> Option<Vec<u8>> {
-            if self.rest.is_empty() {
-                return None;
-            }
-            let n = self.sizes[self.next % self.sizes.len()].min(self.rest.len());
-            self.next += 1;
-            let (chunk, rest) = self.rest.split_at(n);
-            self.rest = rest;
-            self.out += 1;
-            Some(chunk.to_vec())
-        }
-
-        fn recycle(&mut self, _chunk: Vec<u8>) {
-            assert!(self.out > 0, "a chunk handed back twice");
-            self.out -= 1;
-        }
-    }
-
     type Seen = (Result<u64, String>, Vec<(String, Vec<u8>, Vec<u8>)>, usize);
 
     fn by_reading(bytes: &[u8], batch: usize) -> Seen {
@@ -938,12 +912,7 @@ mod tests {
     fn by_chunks(bytes: &[u8], sizes: &[usize], batch: usize) -> Seen {
         let mut seen = Vec::new();
         let mut batches = 0;
-        let mut cut = Cut {
-            rest: bytes,
-            sizes,
-            next: 0,
-            out: 0,
-        };
+        let mut cut = crate::testing::ChunkCuts::new(bytes, sizes);
         let r = restore_chunks_batched(&mut cut, batch, |b| {
             batches += 1;
             assert!(!b.is_empty(), "an empty batch");

@@ -39,6 +39,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::backend::{Backend, BackendError, Bucket, ReadTxn, WriteBatch};
+use crate::testing::ChunkCuts;
 
 /// Expands to a module `backend_conformance` with one `#[test]` per conformance check.
 ///
@@ -196,6 +197,17 @@ fn dump<T: ReadTxn>(txn: &T) -> Dump {
 
 fn dump_backend<B: Backend>(backend: &B) -> Dump {
     dump(&backend.read_txn().expect("open a read transaction"))
+}
+
+/// Every pair of `dump` as (bucket, key, value), in the order a snapshot stream holds them.
+fn pairs_in_order(dump: &Dump) -> Vec<(String, Vec<u8>, Vec<u8>)> {
+    dump.iter()
+        .flat_map(|(bucket, pairs)| {
+            pairs
+                .iter()
+                .map(move |(k, v)| (bucket.clone(), k.clone(), v.clone()))
+        })
+        .collect()
 }
 
 fn key(i: u32) -> Vec<u8> {
@@ -1567,14 +1579,7 @@ pub fn restore_observed_shows_every_pair_once<B: Backend>(options: B::Options) {
         })
         .unwrap_or_else(|e| panic!("restore_observed failed: {e}"));
     assert_eq!(loaded, seen.len() as u64, "pairs loaded vs pairs shown");
-    let expected_pairs: Vec<(String, Vec<u8>, Vec<u8>)> = expected
-        .iter()
-        .flat_map(|(bucket, pairs)| {
-            pairs
-                .iter()
-                .map(move |(k, v)| (bucket.clone(), k.clone(), v.clone()))
-        })
-        .collect();
+    let expected_pairs = pairs_in_order(&expected);
     assert!(seen == expected_pairs, "pairs shown differ from the stream");
     assert!(
         dump_backend(target.b()) == expected,
@@ -1589,36 +1594,6 @@ pub fn restore_observed_shows_every_pair_once<B: Backend>(options: B::Options) {
     {
         Err(BackendError::Snapshot { .. }) => {}
         other => panic!("a stream cut before its checksum restored as {other:?}"),
-    }
-}
-
-/// Hands out a stream's bytes as chunks of the given sizes (cycled), counting the chunks
-/// handed back.
-struct Chunked<'a> {
-    rest: &'a [u8],
-    sizes: Vec<usize>,
-    next: usize,
-    handed: usize,
-    recycled: usize,
-}
-
-impl crate::backend::ChunkSource for Chunked<'_> {
-    fn next_chunk(&mut self) -> Option<Vec<u8>> {
-        if self.rest.is_empty() {
-            return None;
-        }
-        let n = self.sizes[self.next % self.sizes.len()].min(self.rest.len());
-        self.next += 1;
-        let (chunk, rest) = self.rest.split_at(n);
-        self.rest = rest;
-        // Empty chunks hold no buffer to hand back: only the others are counted.
-        self.handed += usize::from(n > 0);
-        Some(chunk.to_vec())
-    }
-
-    fn recycle(&mut self, chunk: Vec<u8>) {
-        assert!(chunk.capacity() > 0, "an empty buffer handed back");
-        self.recycled += 1;
     }
 }
 
@@ -1640,14 +1615,7 @@ pub fn restore_chunks_matches_restore<B: Backend>(options: B::Options) {
     commit(source.b(), &batch);
     let expected = dump_backend(source.b());
     let stream = take_snapshot(source.b());
-    let expected_pairs: Vec<(String, Vec<u8>, Vec<u8>)> = expected
-        .iter()
-        .flat_map(|(bucket, pairs)| {
-            pairs
-                .iter()
-                .map(move |(k, v)| (bucket.clone(), k.clone(), v.clone()))
-        })
-        .collect();
+    let expected_pairs = pairs_in_order(&expected);
     let seed = seed();
     let mut rng = StdRng::seed_from_u64(seed);
     let random: Vec<usize> = (0..64).map(|_| rng.random_range(0..70_000)).collect();
@@ -1660,13 +1628,7 @@ pub fn restore_chunks_matches_restore<B: Backend>(options: B::Options) {
     ];
     for (what, sizes) in cuts {
         let target = Fixture::<B>::new(&options);
-        let mut chunks = Chunked {
-            rest: &stream,
-            sizes,
-            next: 0,
-            handed: 0,
-            recycled: 0,
-        };
+        let mut chunks = ChunkCuts::new(&stream, sizes);
         let mut seen: Vec<(String, Vec<u8>, Vec<u8>)> = Vec::new();
         let loaded = target
             .b()
@@ -1695,13 +1657,7 @@ pub fn restore_chunks_matches_restore<B: Backend>(options: B::Options) {
     // The "odd sizes" cut only: one stream of chunks per damage.
     let restore_damaged = |damaged: &[u8]| {
         let target = Fixture::<B>::new(&options);
-        let mut chunks = Chunked {
-            rest: damaged,
-            sizes: vec![1, 2, 3, 5, 8, 13, 4093, 65_537],
-            next: 0,
-            handed: 0,
-            recycled: 0,
-        };
+        let mut chunks = ChunkCuts::new(damaged, [1, 2, 3, 5, 8, 13, 4093, 65_537]);
         target.b().restore_chunks(&mut chunks, &mut |_, _, _| {})
     };
     for round in 0..16 {

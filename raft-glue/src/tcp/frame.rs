@@ -78,6 +78,17 @@ fn bad(offset: usize, reason: impl Into<String>) -> NodeError {
     NodeError::decode("transport frame", offset, reason)
 }
 
+/// Refuses a frame whose payload's checksum (`actual`) is not the header's (`stated`).
+fn check_crc(stated: u32, actual: u32) -> Result<(), NodeError> {
+    if actual == stated {
+        return Ok(());
+    }
+    Err(bad(
+        12,
+        format!("checksum mismatch: header says {stated:08x}, payload gives {actual:08x}"),
+    ))
+}
+
 /// Appends the encoding of `frame` to `out`.
 pub fn encode(frame: &Frame, out: &mut Vec<u8>) -> Result<(), NodeError> {
     let start = out.len();
@@ -243,16 +254,7 @@ pub fn decode_chunk(h: &Header, head: &[u8], data: Vec<u8>) -> Result<Frame, Nod
         data_crc,
         data.len() as u64,
     ));
-    let actual = hasher.finalize();
-    if actual != h.crc {
-        return Err(bad(
-            12,
-            format!(
-                "checksum mismatch: header says {:08x}, payload gives {actual:08x}",
-                h.crc
-            ),
-        ));
-    }
+    check_crc(h.crc, hasher.finalize())?;
     let mut frame = parse(h, head, head.len(), |_| Vec::new())?;
     if let Frame::Chunk(c) = &mut frame {
         c.data = data;
@@ -388,16 +390,7 @@ fn check(h: &Header, payload: &[u8]) -> Result<usize, NodeError> {
         hasher.update(payload);
         payload.len()
     };
-    let actual = hasher.finalize();
-    if actual != h.crc {
-        return Err(bad(
-            12,
-            format!(
-                "checksum mismatch: header says {:08x}, payload gives {actual:08x}",
-                h.crc
-            ),
-        ));
-    }
+    check_crc(h.crc, hasher.finalize())?;
     Ok(data_at)
 }
 
