@@ -173,7 +173,6 @@ impl<T: ReadTxn> Sources<'_, T> {
             r.fill(kv, with_value);
             Ok(())
         };
-        let mut misses: Vec<(Revision, usize)> = Vec::new();
         // A buffer only holds revisions from its first one on, and a view only asks for
         // revisions it could see when it opened, so a revision below a buffer's first is not
         // in it. Buffers are locked per lookup, only for revisions that may be there: a long
@@ -184,8 +183,20 @@ impl<T: ReadTxn> Sources<'_, T> {
             .flatten()
             .filter_map(|p| first(p).map(|f| (p, f)))
             .collect();
+        let staged = self.staged.filter(|s| !s.revs.is_empty());
+        // The common case of a read of committed data: every revision is below the buffers'
+        // and nothing is staged, and the index yielded them in revision order (keys written
+        // in key order): the backend is read for `revs` as they are, without a list of misses.
+        let below = buffers.iter().map(|(_, lo)| *lo).min();
+        if staged.is_none()
+            && revs.is_sorted()
+            && below.is_none_or(|lo| revs.last().is_none_or(|r| *r < lo))
+        {
+            return self.read_backend(&compacted, revs.len(), |m| (revs[m], m), &mut build);
+        }
+        let mut misses: Vec<(Revision, usize)> = Vec::new();
         for (i, &rev) in revs.iter().enumerate() {
-            if let Some(p) = self.staged.and_then(|s| s.find(rev)) {
+            if let Some(p) = staged.and_then(|s| s.find(rev)) {
                 build(i, rev, &p.record)?;
                 continue;
             }
@@ -205,50 +216,65 @@ impl<T: ReadTxn> Sources<'_, T> {
                 misses.push((rev, i));
             }
         }
-        if !misses.is_empty() {
-            sort_misses(&mut misses);
-            let mut txn = self.txn.borrow().clone();
-            let mut read = 0usize;
-            let mut m = 0;
-            while m < misses.len() {
-                if read >= REFRESH_RECORDS
-                    && let Some(refresh) = self.refresh
-                {
-                    txn = refresh.fresh_txn()?;
-                    *self.txn.borrow_mut() = txn.clone();
-                    read = 0;
+        sort_misses(&mut misses);
+        self.read_backend(&compacted, misses.len(), |m| misses[m], &mut build)
+    }
+
+    /// Reads `n` revisions from the backend, the `m`th being `miss(m) = (revision, slot)`, in
+    /// ascending revision order, with one cursor (re-seeking over gaps of more than
+    /// [`MAX_SKIP`] entries): `build(slot, revision, record)` for each.
+    fn read_backend(
+        &self,
+        compacted: &impl Fn() -> u64,
+        n: usize,
+        miss: impl Fn(usize) -> (Revision, usize),
+        build: &mut impl FnMut(usize, Revision, &[u8]) -> Result<(), MvccError>,
+    ) -> Result<(), MvccError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let mut txn = self.txn.borrow().clone();
+        let mut read = 0usize;
+        let mut m = 0;
+        while m < n {
+            if read >= REFRESH_RECORDS
+                && let Some(refresh) = self.refresh
+            {
+                txn = refresh.fresh_txn()?;
+                *self.txn.borrow_mut() = txn.clone();
+                read = 0;
+            }
+            let (mut want, mut slot) = miss(m);
+            let start = want.to_bytes();
+            let mut skipped = 0;
+            let mut iter = txn.range(&KEY_BUCKET, &start, None)?;
+            loop {
+                if read >= REFRESH_RECORDS && self.refresh.is_some() {
+                    break;
                 }
-                let start = misses[m].0.to_bytes();
-                let mut skipped = 0;
-                let mut iter = txn.range(&KEY_BUCKET, &start, None)?;
-                loop {
-                    if read >= REFRESH_RECORDS && self.refresh.is_some() {
-                        break;
-                    }
-                    read += 1;
-                    let Some(item) = iter.next() else {
-                        return Err(missing(misses[m].0, &compacted));
-                    };
-                    let (k, v) = item?;
-                    let want = misses[m].0;
-                    let have = Revision::from_key(k).map(|(r, _)| r);
-                    match have {
-                        Some(r) if r == want && k.len() == REV_KEY_LEN => {
-                            build(misses[m].1, r, v)?;
-                            m += 1;
-                            skipped = 0;
-                            if m == misses.len() {
-                                break;
-                            }
+                read += 1;
+                let Some(item) = iter.next() else {
+                    return Err(missing(want, compacted));
+                };
+                let (k, v) = item?;
+                let have = Revision::from_key(k).map(|(r, _)| r);
+                match have {
+                    Some(r) if r == want && k.len() == REV_KEY_LEN => {
+                        build(slot, r, v)?;
+                        m += 1;
+                        skipped = 0;
+                        if m == n {
+                            break;
                         }
-                        Some(r) if r < want => {
-                            skipped += 1;
-                            if skipped > MAX_SKIP {
-                                break;
-                            }
-                        }
-                        _ => return Err(missing(want, &compacted)),
+                        (want, slot) = miss(m);
                     }
+                    Some(r) if r < want => {
+                        skipped += 1;
+                        if skipped > MAX_SKIP {
+                            break;
+                        }
+                    }
+                    _ => return Err(missing(want, compacted)),
                 }
             }
         }
@@ -427,7 +453,9 @@ pub(crate) fn range<B: Backend>(
         resp.more = false;
         return Ok(resp);
     }
-    // The results are built around the keys the index yielded, then filled in.
+    // The results are built around the keys the index yielded, then filled in: built here
+    // rather than during the scan, the vector of results is allocated once at its size
+    // instead of being grown (and copied) while the scan runs.
     let mut kvs: Vec<KeyValue> = keys
         .into_iter()
         .map(|key| KeyValue {
@@ -451,7 +479,9 @@ pub(crate) fn scan_live<B: Backend>(
     mut f: impl FnMut(&[u8], KeyAt),
 ) -> Result<usize, MvccError> {
     let mut count = 0;
+    // The last key of the previous chunk: the next chunk starts after it.
     let mut after: Option<Vec<u8>> = None;
+    let mut last: Vec<u8> = Vec::new();
     loop {
         let idx = inner.index.read();
         if rev < idx.compacted {
@@ -461,7 +491,6 @@ pub(crate) fn scan_live<B: Backend>(
             });
         }
         let mut seen = 0;
-        let mut last: Option<Vec<u8>> = None;
         let done = idx.keys.scan(start, b, after.as_deref(), |key, entry| {
             if let Some(at) = entry.get(rev) {
                 count += 1;
@@ -469,7 +498,8 @@ pub(crate) fn scan_live<B: Backend>(
             }
             seen += 1;
             if seen >= INDEX_CHUNK {
-                last = Some(key.to_vec());
+                last.clear();
+                last.extend_from_slice(key);
                 return false;
             }
             true
@@ -477,8 +507,10 @@ pub(crate) fn scan_live<B: Backend>(
         if done {
             return Ok(count);
         }
-        after = last;
         drop(idx);
+        // The buffers swap: `after` is read by the next chunk's scan, `last` written.
+        let buf = after.get_or_insert_default();
+        std::mem::swap(buf, &mut last);
     }
 }
 
