@@ -90,6 +90,12 @@ pub(crate) struct Inner<B: Backend> {
     pub index: RwLock<IndexState>,
     pub state: Mutex<State>,
     pub commit_lock: Mutex<()>,
+    /// Write buffers taken for a backend commit so far (taken under `state` and
+    /// `commit_lock`, numbered from 1).
+    pub buffers_taken: AtomicU64,
+    /// The number of the newest taken buffer whose backend commit succeeded: every write
+    /// acknowledged before that buffer was taken is durable.
+    pub buffers_durable: AtomicU64,
     pub consistent_index: AtomicU64,
     pub compacted: AtomicU64,
     pub poisoned: Mutex<Option<String>>,
@@ -234,6 +240,8 @@ impl<B: Backend> Store<B> {
                 committing: None,
             }),
             commit_lock: Mutex::new(()),
+            buffers_taken: AtomicU64::new(0),
+            buffers_durable: AtomicU64::new(0),
             consistent_index: AtomicU64::new(consistent_index),
             compacted: AtomicU64::new(scheduled),
             poisoned: Mutex::new(None),
@@ -404,7 +412,10 @@ impl<B: Backend> Store<B> {
         self.inner.consistent_index.load(Ordering::Acquire)
     }
 
-    /// Commits every acknowledged write to the backend now; durable when this returns.
+    /// Commits every write acknowledged before this call to the backend; durable when this
+    /// returns. Concurrent callers share backend commits (a group commit): a call whose
+    /// writes a commit started after it began has already made durable returns without a
+    /// commit of its own.
     pub fn force_commit(&self) -> Result<(), MvccError> {
         self.inner.commit_pending()
     }
@@ -526,9 +537,17 @@ impl<B: Backend> Inner<B> {
 
     /// Commits the current pending buffer to the backend (one batch).
     pub(crate) fn commit_pending(&self) -> Result<(), MvccError> {
+        // Every write acknowledged before this call is in the buffer the next commit takes or
+        // in an older one. When a commit that took that buffer (any thread's) has succeeded by
+        // the time this one holds the lock, there is nothing left to make durable: concurrent
+        // callers share one backend commit instead of each committing what arrived since.
+        let needed = self.buffers_taken.load(Ordering::Acquire) + 1;
         let _commit = self.commit_lock.lock();
         self.check_poisoned()?;
-        let pending = {
+        if self.buffers_durable.load(Ordering::Acquire) >= needed {
+            return Ok(());
+        }
+        let (pending, taken) = {
             let mut st = self.state.lock();
             let len = {
                 let changes = st.current.changes.read();
@@ -542,12 +561,13 @@ impl<B: Backend> Inner<B> {
             let next = Pending::with_capacity(len.min(self.options.batch_limit));
             let p = std::mem::replace(&mut st.current, Arc::new(next));
             st.committing = Some(p.clone());
-            p
+            (p, self.buffers_taken.fetch_add(1, Ordering::AcqRel) + 1)
         };
         let committed = self.backend.commit_from(&*pending.changes.read());
         match committed {
             Ok(()) => {
                 self.state.lock().committing = None;
+                self.buffers_durable.store(taken, Ordering::Release);
                 Ok(())
             }
             Err(e) => {

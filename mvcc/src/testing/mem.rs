@@ -56,6 +56,8 @@ pub struct MemBackend {
     fail: AtomicBool,
     /// Nanoseconds every commit sleeps before it applies its batch.
     commit_delay: AtomicU64,
+    /// Commits this handle applied.
+    commits: AtomicU64,
 }
 
 impl MemBackend {
@@ -68,6 +70,11 @@ impl MemBackend {
     pub fn set_commit_delay(&self, delay: std::time::Duration) {
         let nanos = u64::try_from(delay.as_nanos()).unwrap_or(u64::MAX);
         self.commit_delay.store(nanos, Ordering::Release);
+    }
+
+    /// Commits this handle has applied since it was opened.
+    pub fn commits(&self) -> u64 {
+        self.commits.load(Ordering::Acquire)
     }
 
     /// Forgets the contents stored under `path` (the path must not be open).
@@ -203,6 +210,7 @@ impl Backend for MemBackend {
             commit: Mutex::new(()),
             fail: AtomicBool::new(false),
             commit_delay: AtomicU64::new(0),
+            commits: AtomicU64::new(0),
         })
     }
 
@@ -262,6 +270,7 @@ impl Backend for MemBackend {
             .high_water
             .fetch_max(payload(&data), Ordering::AcqRel);
         *self.shared.data.lock() = Arc::new(data);
+        self.commits.fetch_add(1, Ordering::AcqRel);
         Ok(())
     }
 
