@@ -144,10 +144,14 @@ fn main() {
     }
     let st = wal.stats();
     println!(
-        "  {} syncs of {:.1} us, {} direct flushes, {} direct (vectored) writes",
+        "  {} syncs of {:.1} us, {} direct flushes, {} direct (vectored) writes, {} pipelined \
+         ({} first parts taken back, {} missed)",
         st.syncs,
         st.sync_time.as_secs_f64() * 1e6 / st.syncs.max(1) as f64,
         st.direct_flushes,
-        st.direct_writes
+        st.direct_writes,
+        st.pipelined,
+        st.parts_taken_back,
+        st.pipeline_missed
     );
 }

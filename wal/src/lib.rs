@@ -89,6 +89,7 @@ mod error;
 mod index;
 mod io;
 mod options;
+mod pipeline;
 mod record;
 mod repair;
 mod segment;

@@ -7,6 +7,7 @@ mod direct;
 mod faults;
 mod model;
 mod page_bypass;
+mod pipeline;
 mod recycle;
 mod torn;
 mod util;
