@@ -5,7 +5,10 @@
 //! and the CPU time of the restoring thread and of the whole process (Linux; the direct
 //! writer's thread logs its own at debug level).
 //!
-//! `cargo run --release -p keel-backend-file --example restore_profile -- [pairs] [rounds]`
+//! `cargo run --release -p keel-backend-file --example restore_profile -- [pairs] [rounds] [ways]`
+//!
+//! `ways` is a comma-separated list of `own`, `chunks` and `generic` (default: all three), to
+//! profile one of them alone.
 
 use std::time::Instant;
 
@@ -16,6 +19,12 @@ fn main() {
     let mut args = std::env::args().skip(1);
     let pairs: u64 = args.next().and_then(|a| a.parse().ok()).unwrap_or(48_000);
     let rounds: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(3);
+    let ways: Vec<String> = args
+        .next()
+        .unwrap_or_else(|| "own,chunks,generic".to_owned())
+        .split(',')
+        .map(str::to_owned)
+        .collect();
     let root = std::env::temp_dir().join(format!("keel-restore-profile-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&root);
     let bucket = Bucket::new("key");
@@ -42,6 +51,9 @@ fn main() {
     println!("stream of {} bytes", stream.len());
     for round in 0..rounds {
         for how in ["own    ", "chunks ", "generic"] {
+            if !ways.iter().any(|w| w == how.trim()) {
+                continue;
+            }
             let dir = root.join(format!("target-{round}-{}", how.trim()));
             let target = FileBackend::open(&dir, &FileOptions::default()).expect("open target");
             let chunks: Vec<Vec<u8>> = stream.chunks(1 << 20).map(<[u8]>::to_vec).collect();

@@ -21,6 +21,14 @@
 //! the write passed it, ends on that boundary. Durability is unchanged: the frames still
 //! count only once the segment is synced.
 //!
+//! A frame is handed over as its bytes ([`Frame::Bytes`]) or, for a restore's batch of a
+//! stream received in chunks, as its first bytes followed by put records still to be encoded
+//! ([`Frame::Puts`]): places of keys and values in the received chunks, which the job holds
+//! (shared) until its thread has encoded them. The thread then encodes the records straight
+//! into its aligned buffer, so the stream's bytes are copied once on their way from the chunks
+//! to the disk, by the writer threads, instead of once by the restoring thread into a frame
+//! and again by a writer thread into its buffer.
+//!
 //! A file system that refuses `O_DIRECT` (tmpfs, some network file systems) makes the restore
 //! fall back to ordinary writes.
 
@@ -31,6 +39,8 @@ use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 use std::ptr::NonNull;
 use std::sync::Arc;
+
+use crate::format::{PUT_HEADER, TAG_PUT};
 
 /// Alignment of every direct write: offset, length and buffer address.
 pub(crate) const BLOCK: usize = 4096;
@@ -115,15 +125,165 @@ impl Drop for AlignedBuf {
     }
 }
 
+/// Put records whose keys and values sit in shared buffers (the chunks of a received
+/// snapshot stream), encoded where they are written (see the module doc).
+#[derive(Default)]
+pub(crate) struct Puts {
+    recs: Vec<Put>,
+    bufs: Vec<Arc<Vec<u8>>>,
+    /// Encoded length of all the records.
+    len: usize,
+}
+
+/// One put record of [`Puts`]: its key at `key_at` of buffer `buf`, its value right after.
+struct Put {
+    bucket: u32,
+    buf: u32,
+    key_at: usize,
+    key_len: u32,
+    value_len: u32,
+}
+
+impl Puts {
+    /// Room for `n` records.
+    pub(crate) fn with_capacity(n: usize) -> Puts {
+        Puts {
+            recs: Vec::with_capacity(n),
+            bufs: Vec::new(),
+            len: 0,
+        }
+    }
+
+    /// Adds a put of the key at `key_at` of `buf`, followed there by its value, to `bucket`;
+    /// returns the offset of its value from the start of the records.
+    pub(crate) fn push(
+        &mut self,
+        bucket: u32,
+        buf: &Arc<Vec<u8>>,
+        key_at: usize,
+        key_len: usize,
+        value_len: usize,
+    ) -> usize {
+        if !self.bufs.last().is_some_and(|b| Arc::ptr_eq(b, buf)) {
+            self.bufs.push(buf.clone());
+        }
+        self.recs.push(Put {
+            bucket,
+            buf: (self.bufs.len() - 1) as u32,
+            key_at,
+            key_len: key_len as u32,
+            value_len: value_len as u32,
+        });
+        let value = self.len + PUT_HEADER + key_len;
+        self.len = value + value_len;
+        value
+    }
+
+    /// Encoded length of the records.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Writes the encoded records' bytes from offset `from` (of the records) into `out`,
+    /// which must not reach past their end.
+    fn copy_to(&self, from: usize, out: &mut [u8]) {
+        let mut at = 0usize;
+        let mut put = 0usize;
+        let mut header = [0u8; PUT_HEADER];
+        for r in &self.recs {
+            let data = r.key_len as usize + r.value_len as usize;
+            let rec_len = PUT_HEADER + data;
+            if at + rec_len <= from {
+                at += rec_len;
+                continue;
+            }
+            if put >= out.len() {
+                break;
+            }
+            header[0] = TAG_PUT;
+            header[1..5].copy_from_slice(&r.bucket.to_le_bytes());
+            header[5..9].copy_from_slice(&r.key_len.to_le_bytes());
+            header[9..13].copy_from_slice(&r.value_len.to_le_bytes());
+            let bytes = &self.bufs[r.buf as usize][r.key_at..r.key_at + data];
+            for piece in [&header[..], bytes] {
+                let skip = from.saturating_sub(at).min(piece.len());
+                let n = (piece.len() - skip).min(out.len() - put);
+                out[put..put + n].copy_from_slice(&piece[skip..skip + n]);
+                put += n;
+                at += piece.len();
+            }
+        }
+    }
+
+    /// Appends the encoded records to `out`.
+    pub(crate) fn append_to(&self, out: &mut Vec<u8>) {
+        let at = out.len();
+        out.resize(at + self.len, 0);
+        self.copy_to(0, &mut out[at..]);
+    }
+}
+
+/// A frame for [`DirectWriter::write_frame`].
+pub(crate) enum Frame {
+    /// The whole frame.
+    Bytes(Vec<u8>),
+    /// The frame's first bytes, then put records encoded by the thread writing it.
+    Puts(Vec<u8>, Puts),
+}
+
+impl Frame {
+    fn len(&self) -> usize {
+        match self {
+            Frame::Bytes(b) => b.len(),
+            Frame::Puts(head, puts) => head.len() + puts.len(),
+        }
+    }
+
+    /// Writes the frame's bytes from offset `from` into `out` (not past the frame's end).
+    fn copy_to(&self, from: usize, out: &mut [u8]) {
+        match self {
+            Frame::Bytes(b) => out.copy_from_slice(&b[from..from + out.len()]),
+            Frame::Puts(head, puts) => {
+                let mut put = 0;
+                if from < head.len() {
+                    put = (head.len() - from).min(out.len());
+                    out[..put].copy_from_slice(&head[from..from + put]);
+                }
+                if put < out.len() {
+                    puts.copy_to(from + put - head.len(), &mut out[put..]);
+                }
+            }
+        }
+    }
+
+    /// The whole frame as bytes.
+    fn into_bytes(self) -> Vec<u8> {
+        match self {
+            Frame::Bytes(b) => b,
+            Frame::Puts(mut head, puts) => {
+                puts.append_to(&mut head);
+                head
+            }
+        }
+    }
+
+    /// A buffer to encode the next frame into (the shared buffers are let go of here).
+    fn into_buffer(self) -> Vec<u8> {
+        match self {
+            Frame::Bytes(b) | Frame::Puts(b, _) => b,
+        }
+    }
+}
+
 /// A write for the writer threads: the first `len` bytes of `head` then `frame`, at `offset`
-/// of `file`, copied into `buf` first. `offset` and `len` are multiples of [`BLOCK`]; when
+/// of `file`, encoded into `buf` first. `offset` and `len` are multiples of [`BLOCK`]; when
 /// `len` passes the end of `head` and `frame`, the rest is zeros.
 struct Job {
     file: Arc<File>,
     offset: u64,
     len: usize,
     head: Vec<u8>,
-    frame: Vec<u8>,
+    frame: Frame,
     /// Run on the frame first (it fills in the frame's checksum).
     seal: Option<fn(&mut [u8])>,
     buf: AlignedBuf,
@@ -212,27 +372,30 @@ fn writer_thread(
             offset,
             len,
             head,
-            mut frame,
+            frame,
             seal,
             mut buf,
         }) = job
         else {
             break;
         };
-        if let Some(seal) = seal {
-            seal(&mut frame);
-        }
-        let from_head = head.len().min(len);
-        let from_frame = frame.len().min(len - from_head);
-        let result = buf.reserve(len).and_then(|()| {
+        // The whole frame is encoded (its checksum covers all of it), even past `len`.
+        let from_head = head.len();
+        let end = from_head + frame.len();
+        let result = buf.reserve(len.max(end)).and_then(|()| {
             let bytes = buf.as_mut_slice();
             bytes[..from_head].copy_from_slice(&head[..from_head]);
-            bytes[from_head..from_head + from_frame].copy_from_slice(&frame[..from_frame]);
-            bytes[from_head + from_frame..len].fill(0);
+            frame.copy_to(0, &mut bytes[from_head..end]);
+            if let Some(seal) = seal {
+                seal(&mut bytes[from_head..end]);
+            }
+            if len > end {
+                bytes[end..len].fill(0);
+            }
             write_pieces(&file, offset, &buf.as_slice()[..len])
         });
         written += len as u64;
-        if back.send((buf, frame, result)).is_err() {
+        if back.send((buf, frame.into_buffer(), result)).is_err() {
             break;
         }
     }
@@ -347,9 +510,26 @@ impl DirectWriter {
         &mut self,
         file: &File,
         offset: u64,
-        mut frame: Vec<u8>,
+        frame: Vec<u8>,
         seal: fn(&mut [u8]),
     ) -> io::Result<Vec<u8>> {
+        self.write_frame(file, offset, Frame::Bytes(frame), seal)
+    }
+
+    /// [`write`](Self::write) of a [`Frame`]: put records of a [`Frame::Puts`] are encoded
+    /// on the writer thread, straight into its aligned buffer (a frame too short for `seal`
+    /// to run there, or the first one, whose bytes must stay at hand in case the write is
+    /// refused, is encoded here). The frame's shared buffers are held until it is encoded.
+    pub(crate) fn write_frame(
+        &mut self,
+        file: &File,
+        offset: u64,
+        mut frame: Frame,
+        seal: fn(&mut [u8]),
+    ) -> io::Result<Vec<u8>> {
+        if matches!(frame, Frame::Puts(..)) && (!self.probed || frame.len() < 2 * BLOCK) {
+            frame = Frame::Bytes(frame.into_bytes());
+        }
         let block = offset - offset % BLOCK as u64;
         let head_len = (offset - block) as usize;
         if self.tail.as_ref().is_some_and(|(at, tail)| {
@@ -373,23 +553,24 @@ impl DirectWriter {
                 head
             }
         };
-        let seal = if frame.len() >= 2 * BLOCK {
-            Some(seal)
-        } else {
-            seal(&mut frame);
-            None
+        let seal = match &mut frame {
+            Frame::Bytes(bytes) if bytes.len() < 2 * BLOCK => {
+                seal(bytes);
+                None
+            }
+            _ => Some(seal),
         };
         // The bytes of the block where this write ends, for the next write's head (past the
         // frame's first block, so not changed by `seal`).
         let end = head_len + frame.len();
         let last = end - end % BLOCK;
-        let tail = if last >= head_len {
-            frame[last - head_len..].to_vec()
+        let mut tail = vec![0u8; end - last];
+        if last >= head_len {
+            frame.copy_to(last - head_len, &mut tail);
         } else {
-            let mut t = head[last..].to_vec();
-            t.extend_from_slice(&frame);
-            t
-        };
+            tail[..head_len - last].copy_from_slice(&head[last..]);
+            frame.copy_to(0, &mut tail[head_len - last..]);
+        }
         self.tail = Some((block + last as u64, tail));
         // The first write goes through its last block (zero-padded) and is waited for: a
         // refusal is found out while the frame is still at hand.
@@ -401,7 +582,7 @@ impl DirectWriter {
         self.tail_written = len > last;
         if len == 0 {
             // All of it is in the block the next write starts with.
-            self.frames.push(frame);
+            self.frames.push(frame.into_buffer());
         } else {
             let buf = self.spare.pop().unwrap_or_else(AlignedBuf::empty);
             self.send(Job {
@@ -453,7 +634,7 @@ impl DirectWriter {
                 offset: *at,
                 len: BLOCK,
                 head: tail.clone(),
-                frame: Vec::new(),
+                frame: Frame::Bytes(Vec::new()),
                 seal: None,
                 buf: self.spare.pop().unwrap_or_else(AlignedBuf::empty),
             };
@@ -490,6 +671,102 @@ fn write_pieces(file: &File, offset: u64, buf: &[u8]) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::format;
+
+    /// Put records encoded from shared buffers are the bytes `format::put_put` writes, read
+    /// from any offset; and frames of them written through the writer threads land byte for
+    /// byte as the same frames handed over whole, sealed alike.
+    #[test]
+    fn puts_encode_as_put_put_and_land_alike() {
+        let chunks: Vec<Arc<Vec<u8>>> = (0..3)
+            .map(|c| Arc::new((0..70_000).map(|j| (c * 17 + j * 13) as u8).collect()))
+            .collect();
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = |n: u64| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % n) as usize
+        };
+        // Frames of random puts (some long enough to be encoded on a writer thread, some
+        // not), each with a head of a few bytes, as a restore builds them.
+        let mut frames: Vec<(Vec<u8>, Puts, Vec<u8>)> = Vec::new();
+        for f in 0..12 {
+            let head: Vec<u8> = (0..16 + f).map(|i| (i * 3 + f) as u8).collect();
+            let mut puts = Puts::with_capacity(0);
+            let mut whole = head.clone();
+            for _ in 0..[1, 3, 40][f % 3] {
+                let chunk = &chunks[next(3) as u64 as usize];
+                let (klen, vlen) = (1 + next(40), next(3000));
+                let at = next((chunk.len() - klen - vlen) as u64);
+                let bucket = next(5) as u32;
+                let value = puts.push(bucket, chunk, at, klen, vlen);
+                let want = format::put_put(
+                    &mut whole,
+                    bucket,
+                    &chunk[at..at + klen],
+                    &chunk[at + klen..at + klen + vlen],
+                );
+                assert_eq!(head.len() + value, want, "value offset");
+            }
+            assert_eq!(head.len() + puts.len(), whole.len(), "encoded length");
+            let mut appended = head.clone();
+            puts.append_to(&mut appended);
+            assert!(
+                appended == whole,
+                "frame {f}: records differ from put_put's"
+            );
+            for _ in 0..20 {
+                let from = next(puts.len() as u64 + 1);
+                let n = next((puts.len() - from) as u64 + 1);
+                let mut out = vec![0u8; n];
+                puts.copy_to(from, &mut out);
+                let at = head.len() + from;
+                assert!(
+                    out == whole[at..at + n],
+                    "frame {f}: bytes {from}+{n} differ"
+                );
+            }
+            frames.push((head, puts, whole));
+        }
+        let seal: fn(&mut [u8]) = |frame| {
+            let crc = crc32fast::hash(&frame[8..]);
+            frame[4..8].copy_from_slice(&crc.to_le_bytes());
+        };
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("seg");
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .expect("create");
+        file.write_all_at(&[7u8; 100], 0).expect("header");
+        let Some(mut w) = DirectWriter::open(&path, 1).expect("open") else {
+            // The temporary directory's file system refuses O_DIRECT: nothing to check.
+            return;
+        };
+        let mut expected = vec![7u8; 100];
+        let mut offset = expected.len() as u64;
+        for (head, puts, whole) in frames {
+            let mut sealed = whole.clone();
+            seal(&mut sealed);
+            expected.extend_from_slice(&sealed);
+            w.write_frame(&file, offset, Frame::Puts(head, puts), seal)
+                .expect("write");
+            offset += whole.len() as u64;
+        }
+        w.finish().expect("finish");
+        let mut got = vec![0u8; expected.len()];
+        file.read_exact_at(&mut got, 0).expect("read back");
+        assert!(got == expected, "frames of shared puts landed differently");
+        drop(w);
+        assert!(
+            chunks.iter().all(|c| Arc::strong_count(c) == 1),
+            "the writer kept a shared buffer after its writes finished"
+        );
+    }
 
     #[test]
     fn unaligned_appends_land_byte_for_byte() {

@@ -3,9 +3,12 @@
 //! The stream is parsed and checked by keel-mvcc's [`snapshot::restore_from_batched`] (or,
 //! handed over as chunks, [`snapshot::restore_chunks_batched`], which parses inside the
 //! chunks instead of copying them into a buffer of its own), and each batch of at most
-//! [`RESTORE_FRAME_BYTES`] it yields is committed through [`Backend::commit_from`], encoded
-//! straight from the parser's buffer or the chunks (and shown to the caller's observer, for
-//! [`Backend::restore_observed`] and [`Backend::restore_chunks`]). Commits made on the restoring
+//! [`RESTORE_FRAME_BYTES`] it yields is committed as one frame, encoded straight from the
+//! parser's buffer (and shown to the caller's observer, for [`Backend::restore_observed`] and
+//! [`Backend::restore_chunks`]). A batch of a stream handed over as chunks is not encoded by
+//! the restoring thread at all: its put records go to the writer as places in the chunks,
+//! which the direct writer's threads encode straight into the buffers they write from (see
+//! `direct`); the chunks go back to the source once those writes are finished. Commits made on the restoring
 //! thread write their frames without syncing them: straight to the disk where the file
 //! system allows it (see `direct`: no copy into the page cache, at most two frames queued on
 //! the device ahead of other writers' syncs), otherwise through the page cache, starting
@@ -25,12 +28,19 @@
 use std::fs::OpenOptions;
 use std::io::Read;
 
-use keel_mvcc::backend::snapshot::{self, PairBatch};
-use keel_mvcc::backend::{ChunkSource, PairObserver};
-use keel_mvcc::{Backend, BackendError};
+use std::sync::Arc;
 
+#[cfg(doc)]
+use keel_mvcc::Backend;
+use keel_mvcc::backend::snapshot::{self, MAX_KEY, MAX_VALUE, PairBatch};
+use keel_mvcc::backend::{ChunkSource, PairObserver};
+use keel_mvcc::{BackendError, Bucket};
+
+use crate::direct::Puts;
+use crate::format::{self, FRAME_HEADER};
 use crate::recovery::RESTORING;
-use crate::store::{FileBackend, Inner};
+use crate::store::{FileBackend, Inner, Writer};
+use crate::version::Loc;
 
 /// Payload bytes of the batches a restore commits, one frame each. Small enough that a batch
 /// is still in the processor's cache while it is parsed, shown to the observer, encoded into
@@ -60,8 +70,13 @@ impl FileBackend {
         chunks: &mut dyn ChunkSource,
         observe: &mut PairObserver<'_>,
     ) -> Result<u64, BackendError> {
+        let inner = &self.inner;
         self.restore_parsed(observe, &mut |apply| {
-            snapshot::restore_chunks_batched(chunks, RESTORE_FRAME_BYTES, apply)
+            // The direct writer's jobs hold chunks until they are encoded: all are done once
+            // its writes are finished, and the chunks go back to the source.
+            snapshot::restore_chunks_settled(chunks, RESTORE_FRAME_BYTES, apply, || {
+                inner.finish_direct()
+            })
         })
     }
 
@@ -116,7 +131,10 @@ impl FileBackend {
             for (bucket, key, value) in batch.iter() {
                 observe(bucket, key, value);
             }
-            self.commit_from(batch)
+            if inner.commit_restored(batch)? {
+                self.nudge_reclaimer();
+            }
+            Ok(())
         })?;
         inner.sync_restored()?;
         inner.share(&inner.writer.lock());
@@ -127,9 +145,129 @@ impl FileBackend {
 }
 
 impl Inner {
+    /// Commits one batch of a restore without a sync, on the restoring thread. A batch of a
+    /// stream received in chunks ([`PairBatch::shared`]) is not encoded here: its put
+    /// records go to the writer as places in the chunks ([`Puts`]), for the direct writer's
+    /// threads to encode where they write the frame; any other batch is committed as
+    /// [`commit`](Inner::commit) does. Returns whether the reclaimer should run.
+    fn commit_restored(&self, batch: &PairBatch<'_>) -> Result<bool, BackendError> {
+        let Some(pairs) = batch.shared() else {
+            return self.commit(batch, false);
+        };
+        if batch.is_empty() {
+            return Ok(false);
+        }
+        let mut w = self.writer.lock();
+        Self::check_poison(&w)?;
+        // Validate everything before writing anything (the parser bounds keys and values by
+        // the same limits; checked again as any commit is).
+        let mut new_buckets: Vec<Bucket> = Vec::new();
+        let mut estimate = FRAME_HEADER as u64;
+        let mut last: Option<&Bucket> = None;
+        for (bucket, key, value) in batch.iter() {
+            for (what, len, limit) in [
+                ("key", key.len(), MAX_KEY),
+                ("value", value.len(), MAX_VALUE),
+            ] {
+                if len > limit {
+                    return Err(BackendError::TooLarge { what, len, limit });
+                }
+            }
+            if last != Some(bucket) {
+                if !w.version.names.contains_key(bucket) && !new_buckets.contains(bucket) {
+                    bucket.validate()?;
+                    new_buckets.push(bucket.clone());
+                }
+                last = Some(bucket);
+            }
+            estimate += format::put_len(key.len(), value.len());
+        }
+        for b in w.bucket_names.iter().chain(&new_buckets) {
+            estimate += 6 + b.name().len() as u64;
+        }
+        self.begin_frame(&mut w, estimate)?;
+        let first_new = w.bucket_names.len() as u32;
+        for (i, b) in new_buckets.iter().enumerate() {
+            format::put_bucket(&mut w.buf, first_new + i as u32, b.name());
+        }
+        let id_of = |w: &Writer, b: &Bucket| -> Option<u32> {
+            w.version.names.get(b).copied().or_else(|| {
+                new_buckets
+                    .iter()
+                    .position(|n| n == b)
+                    .map(|i| first_new + i as u32)
+            })
+        };
+        // Value offsets of the puts, relative to the frame start, in batch order.
+        let records_at = w.buf.len();
+        let mut puts = Puts::with_capacity(batch.len());
+        let mut value_at = Vec::with_capacity(batch.len());
+        let mut ids = Vec::with_capacity(batch.len());
+        let mut last: Option<(&Bucket, u32)> = None;
+        for p in pairs {
+            let id = match last {
+                Some((b, id)) if b == p.bucket => id,
+                _ => {
+                    let Some(id) = id_of(&w, p.bucket) else {
+                        // Validated above: every bucket is known or new.
+                        return Err(BackendError::Other(
+                            format!("restore: bucket {} has no id", p.bucket.name()).into(),
+                        ));
+                    };
+                    last = Some((p.bucket, id));
+                    id
+                }
+            };
+            let at = puts.push(id, p.buf, p.key_at, p.key_len, p.value_len);
+            value_at.push((records_at + at) as u64);
+            ids.push(id);
+        }
+        w.puts = Some(puts);
+        let start = self.finish_frame(&mut w, false)?;
+
+        // Written: apply to the index.
+        if !new_buckets.is_empty() {
+            let names = Arc::make_mut(&mut w.version.names);
+            for (i, b) in new_buckets.iter().enumerate() {
+                names.insert(b.clone(), first_new + i as u32);
+            }
+            for b in new_buckets {
+                w.bucket_names.push(b);
+                w.version.maps.push(Default::default());
+            }
+        }
+        let seg = w.active.seg.id;
+        for (((_, key, value), at), id) in batch.iter().zip(value_at).zip(ids) {
+            let loc = Loc {
+                seg,
+                off: (start + at) as u32,
+                len: value.len() as u32,
+            };
+            w.applier().put(id, key, loc);
+        }
+        // Published together when the restore succeeds (see the module doc).
+        self.record_end(&mut w)?;
+        let (dead, live) = w.garbage();
+        Ok(self.should_reclaim(dead, live))
+    }
+
     /// True when the calling thread is running a restore, whose commits skip their sync.
     pub(crate) fn restoring_here(&self) -> bool {
         *self.restoring.lock() == Some(std::thread::current().id())
+    }
+
+    /// Waits for the direct writer's writes (and writes its held-back block).
+    fn finish_direct(&self) -> Result<(), BackendError> {
+        let mut w = self.writer.lock();
+        Self::check_poison(&w)?;
+        if let Some(d) = &mut w.direct
+            && let Err(e) = d.finish()
+        {
+            let e = BackendError::io(&w.active.seg.path, "direct pwrite", e);
+            Self::poison(&mut w, &e);
+            return Err(e);
+        }
+        Ok(())
     }
 
     /// Makes every frame a restore wrote durable.

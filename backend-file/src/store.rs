@@ -22,7 +22,7 @@ use keel_mvcc::backend::snapshot::{MAX_KEY, MAX_VALUE};
 use keel_mvcc::{Backend, BackendError, BackendSize, BatchOpRef, BatchSource, Bucket, WriteBatch};
 use parking_lot::{Mutex, RwLock};
 
-use crate::direct::DirectWriter;
+use crate::direct::{DirectWriter, Frame, Puts};
 use crate::fault::{DirectOutcome, Io};
 use crate::format::{self, FRAME_HEADER, HEADER_LEN};
 use crate::options::FileOptions;
@@ -75,6 +75,10 @@ pub(crate) struct Writer {
     pub(crate) direct: Option<DirectWriter>,
     /// The file system refused `O_DIRECT`: restores write through the page cache.
     pub(crate) direct_refused: bool,
+    /// Put records that follow `buf` in the frame being built, still to be encoded (a
+    /// restore's batch, see `restore`): encoded by the direct writer's threads where it
+    /// writes the frame, else appended to `buf` before it is written.
+    pub(crate) puts: Option<Puts>,
 }
 
 impl Writer {
@@ -167,6 +171,7 @@ impl FileBackend {
                 poisoned: None,
                 direct: None,
                 direct_refused: false,
+                puts: None,
             }),
             reclaim_lock: Mutex::new(()),
             restoring: Mutex::new(None),
@@ -345,13 +350,18 @@ impl Inner {
     /// segment. On failure the frame is cut off again (best effort) and the backend is
     /// poisoned.
     pub(crate) fn finish_frame(&self, w: &mut Writer, sync: bool) -> Result<u64, BackendError> {
+        if sync && let Some(puts) = w.puts.take() {
+            puts.append_to(&mut w.buf);
+        }
+        let frame_len = w.buf.len() + w.puts.as_ref().map_or(0, Puts::len);
         let start = w.active.end;
-        let len = w.buf.len() - FRAME_HEADER;
-        let end = start + w.buf.len() as u64;
+        let len = frame_len - FRAME_HEADER;
+        let end = start + frame_len as u64;
         if end > u64::from(u32::MAX) || len > u32::MAX as usize {
+            w.puts = None;
             return Err(BackendError::TooLarge {
                 what: "batch",
-                len: w.buf.len(),
+                len: frame_len,
                 limit: (u32::MAX as u64).saturating_sub(start) as usize,
             });
         }
@@ -374,7 +384,9 @@ impl Inner {
                 .and_then(|()| self.io.write_at(&w.active.file, path, start, &w.buf))
                 .and_then(|()| self.io.sync_data(&w.active.file, path))
         } else {
-            self.write_unsynced(w, start, fast)
+            let written = self.write_unsynced(w, start, fast);
+            w.puts = None;
+            written
         };
         let path = &w.active.seg.path;
         if !fast {
@@ -415,6 +427,14 @@ impl Inner {
         let id = w.active.seg.id;
         // Zeros written ahead through the page cache could meet a direct write's last block.
         let zeros_ahead = self.options.prepare_ahead && self.prep.writes_zeros();
+        let frame_len = w.buf.len() + w.puts.as_ref().map_or(0, Puts::len);
+        // Records to encode go to the direct writer as they are, unless a fault hook must see
+        // the frame's bytes.
+        if (w.direct_refused || zeros_ahead || self.options.fault_hook.is_some())
+            && let Some(puts) = w.puts.take()
+        {
+            puts.append_to(&mut w.buf);
+        }
         if !w.direct_refused && !zeros_ahead {
             let path = w.active.seg.path.clone();
             let targeted = match &mut w.direct {
@@ -438,13 +458,33 @@ impl Inner {
                     // The write lands in the background, but the frame is mapped as soon as
                     // it is published: the file must already reach that far.
                     self.io
-                        .allocate(&w.active.file, &path, start, w.buf.len() as u64)?;
+                        .allocate(&w.active.file, &path, start, frame_len as u64)?;
                 }
                 let frame = std::mem::take(&mut w.buf);
-                match self
-                    .io
-                    .write_direct(d, &w.active.file, &path, start, frame, seal_frame)?
-                {
+                let outcome = match w.puts.take() {
+                    // No fault hook (see above): straight to the direct writer.
+                    Some(puts) => {
+                        match d.write_frame(
+                            &w.active.file,
+                            start,
+                            Frame::Puts(frame, puts),
+                            seal_frame,
+                        ) {
+                            Ok(next) => DirectOutcome::Written(next),
+                            Err(e) => match d.take_refused() {
+                                Some(f) if e.raw_os_error() == Some(libc::EINVAL) => {
+                                    DirectOutcome::Refused(f)
+                                }
+                                _ => return Err(BackendError::io(&path, "direct pwrite", e)),
+                            },
+                        }
+                    }
+                    None => {
+                        self.io
+                            .write_direct(d, &w.active.file, &path, start, frame, seal_frame)?
+                    }
+                };
+                match outcome {
                     DirectOutcome::Written(next) => {
                         w.buf = next;
                         return Ok(());
@@ -457,6 +497,9 @@ impl Inner {
                     }
                 }
             }
+        }
+        if let Some(puts) = w.puts.take() {
+            puts.append_to(&mut w.buf);
         }
         seal_frame(&mut w.buf);
         let path = &w.active.seg.path;
@@ -481,7 +524,7 @@ impl Inner {
 
     /// The first half of [`publish`](Self::publish): records the active segment's committed
     /// end in the writer's version, without publishing it.
-    fn record_end(&self, w: &mut Writer) -> Result<(), BackendError> {
+    pub(crate) fn record_end(&self, w: &mut Writer) -> Result<(), BackendError> {
         let seg = w.active.seg.clone();
         let end = w.active.end;
         let i = (seg.id - w.version.base) as usize;

@@ -18,6 +18,7 @@
 //! before allocating. Nothing may follow the end frame.
 
 use std::io::{self, Read, Write};
+use std::sync::Arc;
 
 use super::{
     Backend, BackendError, BatchOpRef, BatchSource, Bucket, ChunkSource, ReadTxn, WriteBatch,
@@ -166,6 +167,9 @@ pub struct PairBatch<'a> {
     /// The buffers the pairs sit in: one, or (a stream read from chunks, see
     /// [`restore_chunks_batched`]) the chunks and pieces the batch spans.
     bufs: &'a [&'a [u8]],
+    /// For a stream read from chunks: each of `bufs` as the shared buffer it is a part of,
+    /// and where in that buffer it starts (see [`PairBatch::shared`]). Empty otherwise.
+    owners: &'a [(&'a Arc<Vec<u8>>, usize)],
     buckets: &'a [Bucket],
     pairs: &'a [PairAt],
 }
@@ -203,6 +207,45 @@ impl<'a> PairBatch<'a> {
     pub fn is_empty(&self) -> bool {
         self.pairs.is_empty()
     }
+
+    /// The pairs, in stream order, as places in buffers the caller may keep (by cloning the
+    /// [`Arc`]) past the call: `Some` for a batch of a stream read from chunks
+    /// ([`restore_chunks_batched`]), `None` for one read from a byte stream. A chunk whose
+    /// `Arc` is still held elsewhere when the parser is done with it is handed back to the
+    /// source ([`ChunkSource::recycle`]) only once it is no longer held (the parser looks
+    /// again before each chunk it takes), or not at all if it is still held when the parse
+    /// ends.
+    pub fn shared(&self) -> Option<impl Iterator<Item = SharedPair<'a>> + '_> {
+        if self.owners.len() != self.bufs.len() {
+            return None;
+        }
+        let (owners, buckets) = (self.owners, self.buckets);
+        Some(self.pairs.iter().map(move |p| {
+            let (buf, base) = owners[p.buf as usize];
+            SharedPair {
+                bucket: &buckets[p.bucket as usize],
+                buf,
+                key_at: base + p.key as usize,
+                key_len: p.key_len as usize,
+                value_len: p.value_len as usize,
+            }
+        }))
+    }
+}
+
+/// One pair of a [`PairBatch`] as a place in a shared buffer: its key is
+/// `buf[key_at..key_at + key_len]` and its value follows the key right away.
+pub struct SharedPair<'a> {
+    /// The pair's bucket.
+    pub bucket: &'a Bucket,
+    /// The buffer holding the pair's key and value.
+    pub buf: &'a Arc<Vec<u8>>,
+    /// Offset of the key in `buf`.
+    pub key_at: usize,
+    /// Length of the key.
+    pub key_len: usize,
+    /// Length of the value, which starts at `key_at + key_len`.
+    pub value_len: usize,
 }
 
 impl BatchSource for PairBatch<'_> {
@@ -241,7 +284,7 @@ enum Input<'a> {
 
 /// A buffer left while pending pairs still sit in it (chunk input only).
 struct Held {
-    buf: Vec<u8>,
+    buf: Arc<Vec<u8>>,
     /// The offset its pending pairs' offsets are relative to.
     base: usize,
     /// A chunk of the source (handed back to it once the pairs are handed out).
@@ -252,7 +295,9 @@ struct Held {
 /// them, with the running checksum over every byte parsed so far.
 struct Parser<'a> {
     input: Input<'a>,
-    buf: Vec<u8>,
+    /// Shared only with the batches handed out of a stream read from chunks (a byte stream's
+    /// buffer is never shared, so it is written in place).
+    buf: Arc<Vec<u8>>,
     /// `buf` is a chunk of the source, to be handed back when left.
     buf_is_chunk: bool,
     /// Start of the pending batch's frames in `buf`; pair offsets are relative to it.
@@ -276,6 +321,9 @@ struct Parser<'a> {
     pending: Vec<PairAt>,
     /// Buffers left behind that pending pairs sit in; `buf` is buffer `held.len()`.
     held: Vec<Held>,
+    /// Chunks done with but still held by a batch's consumer, handed back to the source once
+    /// they are not.
+    lent: Vec<Arc<Vec<u8>>>,
 }
 
 impl Parser<'_> {
@@ -298,7 +346,7 @@ impl Parser<'_> {
                 self.hash_to(self.pos);
                 self.block = (self.hashed, self.crc.clone());
                 if self.base > 0 {
-                    self.buf.copy_within(self.base..self.filled, 0);
+                    Arc::make_mut(&mut self.buf).copy_within(self.base..self.filled, 0);
                     self.origin += self.base as u64;
                     self.pos -= self.base;
                     self.filled -= self.base;
@@ -308,13 +356,13 @@ impl Parser<'_> {
                 }
                 let want = (self.pos + n).max(self.filled + READ_BLOCK);
                 if self.buf.len() < want {
-                    self.buf.resize(want.next_power_of_two(), 0);
+                    Arc::make_mut(&mut self.buf).resize(want.next_power_of_two(), 0);
                 }
             }
             let Input::Read(input) = &mut self.input else {
                 unreachable!("chunk input is handled above");
             };
-            match input.read(&mut self.buf[self.filled..]) {
+            match input.read(&mut Arc::make_mut(&mut self.buf)[self.filled..]) {
                 Ok(0) => self.eof = true,
                 Ok(k) => self.filled += k,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -348,7 +396,7 @@ impl Parser<'_> {
                 unreachable!("chunk input");
             };
             let at = std::mem::replace(at, 0);
-            (std::mem::take(next), at)
+            (Arc::new(std::mem::take(next)), at)
         } else {
             let mut carry = Vec::with_capacity(n);
             carry.extend_from_slice(&self.buf[self.pos..self.filled]);
@@ -361,7 +409,7 @@ impl Parser<'_> {
                 carry.extend_from_slice(&next[*at..*at + k]);
                 *at += k;
             }
-            (carry, 0)
+            (Arc::new(carry), 0)
         };
         let old = std::mem::replace(&mut self.buf, buf);
         let old_is_chunk = std::mem::replace(&mut self.buf_is_chunk, in_place);
@@ -396,6 +444,17 @@ impl Parser<'_> {
             if used.capacity() > 0 {
                 source.recycle(used);
             }
+            // Chunks lent to a batch's consumer and since let go of go back as well.
+            let mut i = 0;
+            while i < self.lent.len() {
+                if Arc::strong_count(&self.lent[i]) == 1 {
+                    if let Ok(chunk) = Arc::try_unwrap(self.lent.swap_remove(i)) {
+                        source.recycle(chunk);
+                    }
+                } else {
+                    i += 1;
+                }
+            }
             match source.next_chunk() {
                 Some(chunk) => {
                     *next = chunk;
@@ -410,9 +469,13 @@ impl Parser<'_> {
         Ok(())
     }
 
-    fn recycle(&mut self, buf: Vec<u8>) {
+    /// Hands a chunk back to the source, or keeps it until a batch's consumer lets go of it.
+    fn recycle(&mut self, buf: Arc<Vec<u8>>) {
         if let Input::Chunks { source, .. } = &mut self.input {
-            source.recycle(buf);
+            match Arc::try_unwrap(buf) {
+                Ok(chunk) => source.recycle(chunk),
+                Err(lent) => self.lent.push(lent),
+            }
         }
     }
 
@@ -536,7 +599,10 @@ where
 {
     let batch_bytes = batch_bytes.max(1);
     parse(
-        Parser::new(Input::Read(input), vec![0u8; batch_bytes + 2 * READ_BLOCK]),
+        &mut Parser::new(
+            Input::Read(input),
+            Arc::new(vec![0u8; batch_bytes + 2 * READ_BLOCK]),
+        ),
         batch_bytes,
         apply,
     )
@@ -558,16 +624,39 @@ pub fn restore_chunks_batched<F>(
 where
     F: FnMut(&PairBatch<'_>) -> Result<(), BackendError>,
 {
+    restore_chunks_settled(source, batch_bytes, apply, || Ok(()))
+}
+
+/// As [`restore_chunks_batched`], for a consumer that keeps chunks past the batches
+/// ([`PairBatch::shared`]): once the last batch is applied, `settle` is called, and must let
+/// go of every chunk kept; the chunks are then handed back to the source. (Chunks still kept
+/// when a failed parse ends are not handed back.) An error from `settle` is returned as is.
+pub fn restore_chunks_settled<F, S>(
+    source: &mut dyn ChunkSource,
+    batch_bytes: usize,
+    apply: F,
+    settle: S,
+) -> Result<u64, BackendError>
+where
+    F: FnMut(&PairBatch<'_>) -> Result<(), BackendError>,
+    S: FnOnce() -> Result<(), BackendError>,
+{
     let input = Input::Chunks {
         source,
         next: Vec::new(),
         at: 0,
     };
-    parse(Parser::new(input, Vec::new()), batch_bytes.max(1), apply)
+    let mut p = Parser::new(input, Arc::new(Vec::new()));
+    let pairs = parse(&mut p, batch_bytes.max(1), apply)?;
+    settle()?;
+    for chunk in std::mem::take(&mut p.lent) {
+        p.recycle(chunk);
+    }
+    Ok(pairs)
 }
 
 impl<'a> Parser<'a> {
-    fn new(input: Input<'a>, buf: Vec<u8>) -> Parser<'a> {
+    fn new(input: Input<'a>, buf: Arc<Vec<u8>>) -> Parser<'a> {
         Parser {
             input,
             buf,
@@ -582,11 +671,12 @@ impl<'a> Parser<'a> {
             eof: false,
             pending: Vec::new(),
             held: Vec::new(),
+            lent: Vec::new(),
         }
     }
 }
 
-fn parse<F>(mut p: Parser<'_>, batch_bytes: usize, mut apply: F) -> Result<u64, BackendError>
+fn parse<F>(p: &mut Parser<'_>, batch_bytes: usize, mut apply: F) -> Result<u64, BackendError>
 where
     F: FnMut(&PairBatch<'_>) -> Result<(), BackendError>,
 {
@@ -622,7 +712,7 @@ where
             && p.u8_at(p.pos) != TAG_END
         {
             let end = p.pos;
-            hand_out(&mut p, end, &buckets, &mut last_key, &mut apply)?;
+            hand_out(p, end, &buckets, &mut last_key, &mut apply)?;
             payload = 0;
         }
         let at = p.offset();
@@ -687,7 +777,7 @@ where
                     p.need(1)?;
                     if p.u8_at(p.pos) != TAG_END {
                         let end = p.pos;
-                        hand_out(&mut p, end, &buckets, &mut last_key, &mut apply)?;
+                        hand_out(p, end, &buckets, &mut last_key, &mut apply)?;
                         payload = 0;
                     }
                 }
@@ -708,7 +798,7 @@ where
                 p.expect_end()?;
                 if !p.pending.is_empty() {
                     let end = p.filled;
-                    hand_out(&mut p, end, &buckets, &mut last_key, &mut apply)?;
+                    hand_out(p, end, &buckets, &mut last_key, &mut apply)?;
                 }
                 return Ok(pairs);
             }
@@ -743,8 +833,15 @@ where
         let mut bufs: Vec<&[u8]> = Vec::with_capacity(p.held.len() + 1);
         bufs.extend(p.held.iter().map(|h| &h.buf[h.base..]));
         bufs.push(&p.buf[p.base..end]);
+        let mut owners: Vec<(&Arc<Vec<u8>>, usize)> = Vec::new();
+        if matches!(p.input, Input::Chunks { .. }) {
+            owners.reserve(p.held.len() + 1);
+            owners.extend(p.held.iter().map(|h| (&h.buf, h.base)));
+            owners.push((&p.buf, p.base));
+        }
         apply(&PairBatch {
             bufs: &bufs,
+            owners: &owners,
             buckets,
             pairs: &p.pending,
         })?;
@@ -923,6 +1020,84 @@ mod tests {
             Ok(())
         });
         (r.map_err(|e| e.to_string()), seen, batches)
+    }
+
+    /// A batch of a stream read from chunks shows each pair as a place in a shared buffer
+    /// holding its key and value (none for a byte stream); chunks a consumer keeps past its
+    /// batches go back to the source once `settle` let go of them, and `settle` runs only
+    /// for a whole stream.
+    #[test]
+    fn shared_pairs_point_at_their_bytes_and_kept_chunks_go_back() {
+        let bytes = stream(300);
+        let mut none = true;
+        restore_from_batched(&mut &bytes[..], 4096, |b| {
+            none &= b.shared().is_none();
+            Ok(())
+        })
+        .expect("read");
+        assert!(none, "a byte stream's batch offered shared pairs");
+        for sizes in [
+            &[1 << 20][..],
+            &[3, 1, 8, 2, 16_384, 5],
+            &[9, 70_001, 13, 1000],
+        ] {
+            let mut cut = crate::testing::ChunkCuts::new(&bytes, sizes);
+            let kept: std::cell::RefCell<Vec<Arc<Vec<u8>>>> = Default::default();
+            let mut seen = 0usize;
+            let mut settled = false;
+            let n = restore_chunks_settled(
+                &mut cut,
+                4096,
+                |b| {
+                    let shared = b
+                        .shared()
+                        .expect("a chunked stream's batch has shared pairs");
+                    for (p, (bucket, key, value)) in shared.zip(b.iter()) {
+                        assert_eq!(p.bucket, bucket);
+                        assert_eq!(&p.buf[p.key_at..p.key_at + p.key_len], key);
+                        let v = p.key_at + p.key_len;
+                        assert_eq!(&p.buf[v..v + p.value_len], value);
+                        let mut kept = kept.borrow_mut();
+                        if !kept.last().is_some_and(|k| Arc::ptr_eq(k, p.buf)) {
+                            kept.push(p.buf.clone());
+                        }
+                        seen += 1;
+                    }
+                    Ok(())
+                },
+                || {
+                    kept.borrow_mut().clear();
+                    settled = true;
+                    Ok(())
+                },
+            )
+            .expect("restore");
+            assert_eq!(n, 900);
+            assert_eq!(seen, 900, "cut {sizes:?}");
+            assert!(settled, "settle was not called");
+            assert!(
+                cut.handed - cut.recycled <= 2,
+                "cut {sizes:?}: {} of {} chunks never handed back",
+                cut.handed - cut.recycled,
+                cut.handed
+            );
+        }
+        let mut damaged = bytes.clone();
+        let at = damaged.len() - 5;
+        damaged[at] ^= 1;
+        let mut cut = crate::testing::ChunkCuts::new(&damaged, [4096]);
+        let mut settled = false;
+        let r = restore_chunks_settled(
+            &mut cut,
+            4096,
+            |_| Ok(()),
+            || {
+                settled = true;
+                Ok(())
+            },
+        );
+        assert!(r.is_err(), "a damaged stream was accepted");
+        assert!(!settled, "settle ran for a damaged stream");
     }
 
     /// Parsing inside chunks hands out exactly the pairs reading the stream does, in the
