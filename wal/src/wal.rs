@@ -5,7 +5,8 @@
 //! append encodes its records into the buffer under the mutex; a durable append of large
 //! entries instead writes them out at once, straight from the entries' own buffers (one
 //! vectored write behind whatever was buffered), since its sync follows anyway. A durable
-//! append of many smaller entries ([`WalOptions::pipeline_bytes`]) is also written before it
+//! append of many smaller entries ([`WalOptions::pipeline_bytes`], off by default) is also
+//! written before it
 //! waits, in two direct writes: once half of it is encoded, if the log's write thread
 //! (`crate::pipeline`) is awake by then, the whole pages encoded so far go to that thread,
 //! which writes them while the append encodes the rest and writes it itself (disjoint pages:
