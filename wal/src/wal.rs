@@ -5,15 +5,14 @@
 //! append encodes its records into the buffer under the mutex; a durable append of large
 //! entries instead writes them out at once, straight from the entries' own buffers (one
 //! vectored write behind whatever was buffered), since its sync follows anyway. A durable
-//! append of many smaller entries ([`WalOptions::pipeline_bytes`], off by default) is also
-//! written before it
-//! waits, in two direct writes: once half of it is encoded, if the log's write thread
-//! (`crate::pipeline`) is awake by then, the whole pages encoded so far go to that thread,
-//! which writes them while the append encodes the rest and writes it itself (disjoint pages:
-//! the partial last page of the first part moves to the second); the append then waits for
-//! the first part's result, all under the mutex, so both parts are written (or the log is
-//! poisoned) before any sync counts them. A durable
-//! request then waits for a sync that started after its bytes were written. The first one
+//! append of many smaller entries can be written before it waits too, in two direct writes
+//! ([`WalOptions::pipeline_bytes`], off by default): once half of it is encoded, if the
+//! log's write thread (`crate::pipeline`) is awake by then, the whole pages encoded so far
+//! go to that thread, which writes them while the append encodes the rest and writes it
+//! itself (disjoint pages: the partial last page of the first part moves to the second);
+//! the append then waits for the first part's result, all under the mutex, so both parts
+//! are written (or the log is poisoned) before any sync counts them. A durable request then
+//! waits for a sync that started after its bytes were written. The first one
 //! that finds no sync running becomes the leader: if the previous sync served several
 //! requests, it first waits (briefly, [`WalOptions::group_commit_wait`]) for as many to be
 //! pending again, since the appenders that sync released are usually on their way back. The
