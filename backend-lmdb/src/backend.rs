@@ -64,6 +64,9 @@ struct Writer {
     created: Vec<(Bucket, Database<Bytes, Bytes>)>,
     /// Reused buffer for stored keys.
     key_buf: Vec<u8>,
+    /// The bucket the last batch began with puts into: the next batch's leading puts into it
+    /// go through one cursor (see `commit_from`).
+    lead: Option<Bucket>,
 }
 
 impl std::fmt::Debug for LmdbBackend {
@@ -365,6 +368,7 @@ impl Backend for LmdbBackend {
                 map_size,
                 created: Vec::new(),
                 key_buf: Vec::new(),
+                lead: None,
             }),
             #[cfg(feature = "failpoints")]
             fail_next_commit: std::sync::atomic::AtomicBool::new(false),
@@ -411,11 +415,85 @@ impl Backend for LmdbBackend {
         let mut created = std::mem::take(&mut writer.created);
         created.clear();
         let mut key_buf = std::mem::take(&mut writer.key_buf);
+        // The batch's puts into the bucket the last batch began with (a store's batch begins
+        // with its revisions, in ascending order) go through one cursor, in a first pass: an
+        // append through a cursor that just appended finds the last leaf without searching
+        // the tree from its root, as a put through a fresh cursor does. The other operations
+        // are checked in order and kept (copied) for a second pass, unless the batch does not
+        // begin with such a put, in which case the first pass does nothing. A kept operation
+        // on another bucket is so applied after later puts into the cursor's bucket, with the
+        // same result (buckets are separate databases); once an operation other than such a
+        // put touches the cursor's bucket, every later operation is kept, in order.
+        let lead = writer
+            .lead
+            .as_ref()
+            .and_then(|b| dbs.get(b.name()).map(|db| (b.clone(), db)));
+        let mut rest: Option<WriteBatch> = None;
+        let mut first: Option<Bucket> = None;
+        if let Some((bucket, db)) = lead {
+            let mut cursor = db
+                .iter_mut(&mut wtxn)
+                .map_err(|e| heed_err(e, "open a cursor"))?;
+            let mut kept = WriteBatch::new();
+            let (mut state, mut appending) = (Lead::Start, true);
+            let led = source.for_each_op(&mut |op| {
+                if state == Lead::Off {
+                    return Ok(());
+                }
+                check_key(op, max_key)?;
+                if state != Lead::Kept
+                    && let BatchOpRef::Put {
+                        bucket: b,
+                        key,
+                        value,
+                    } = op
+                    && *b == bucket
+                {
+                    state = Lead::On;
+                    keys::encode_into(key, &mut key_buf);
+                    return append(&mut cursor, &key_buf, value, &mut appending)
+                        .map_err(|e| heed_err(e, "write"));
+                }
+                if state == Lead::Start {
+                    // Not a batch this pass is for: the second pass applies all of it.
+                    state = Lead::Off;
+                    return Ok(());
+                }
+                op_bucket(op).validate()?;
+                if op_bucket(op) == &bucket {
+                    state = Lead::Kept;
+                }
+                kept.push_ref(op);
+                Ok(())
+            });
+            drop(cursor);
+            if let Err(e) = led {
+                writer.key_buf = key_buf;
+                writer.created = created;
+                return Err(e);
+            }
+            if state != Lead::Off {
+                first = Some(bucket);
+                rest = Some(kept);
+            }
+        }
         // Batches run long stretches of one bucket: remember the last one's database, and
         // whether its puts so far were appends (see `apply`).
         let mut last: Option<(Bucket, Database<Bytes, Bytes>)> = None;
         let mut appending = true;
-        let applied = source.for_each_op(&mut |op| {
+        let mut op_index = 0usize;
+        let second: &dyn BatchSource = match &rest {
+            Some(kept) => kept,
+            None => source,
+        };
+        let applied = second.for_each_op(&mut |op| {
+            if rest.is_none()
+                && op_index == 0
+                && let BatchOpRef::Put { bucket, .. } = op
+            {
+                first = Some(bucket.clone());
+            }
+            op_index += 1;
             check_key(op, max_key)?;
             let bucket = op_bucket(op);
             let db = match &last {
@@ -446,6 +524,9 @@ impl Backend for LmdbBackend {
             apply(db, &mut wtxn, op, max_key, &mut key_buf, &mut appending)
                 .map_err(|e| heed_err(e, "write"))
         });
+        if applied.is_ok() {
+            writer.lead = first;
+        }
         writer.key_buf = key_buf;
         let result = applied.and_then(|()| {
             let layout = if created.is_empty() { dbs.layout() } else { id };
@@ -598,6 +679,42 @@ fn check_key(op: BatchOpRef<'_>, max_key: usize) -> Result<(), BackendError> {
     Ok(())
 }
 
+/// Where the first pass of `commit_from` stands.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Lead {
+    /// No operation seen yet.
+    Start,
+    /// Putting through the cursor; other operations are kept for the second pass.
+    On,
+    /// An operation on the cursor's bucket was kept: every later one is kept too.
+    Kept,
+    /// The batch does not begin with a put into the cursor's bucket: the second pass applies
+    /// all of it.
+    Off,
+}
+
+/// Puts `stored = value` through `cursor`: as an append (`MDB_APPEND`) while `appending`,
+/// and as an ordinary put once a key was not above every other (as `apply` does).
+fn append(
+    cursor: &mut heed::RwIter<'_, Bytes, Bytes>,
+    stored: &[u8],
+    value: &[u8],
+    appending: &mut bool,
+) -> heed::Result<()> {
+    if *appending {
+        // SAFETY: heed requires that no slice into the database be alive while the cursor
+        // writes. Nothing is read through this cursor, and `stored` and `value` are the
+        // caller's buffers, not pages of the database.
+        match unsafe { cursor.put_current_with_options::<Bytes>(PutFlags::APPEND, stored, value) } {
+            Err(heed::Error::Mdb(MdbError::KeyExist)) => *appending = false,
+            done => return done,
+        }
+    }
+    // SAFETY: as above; with no flags the cursor puts as `mdb_put` does, wherever the key
+    // goes.
+    unsafe { cursor.put_current_with_options::<Bytes>(PutFlags::empty(), stored, value) }
+}
+
 /// Applies one batch operation to its bucket's database `db` inside the write transaction.
 ///
 /// While `appending`, a put is first tried as an append (`MDB_APPEND`): a key above every key
@@ -675,5 +792,98 @@ fn map_full(lmdb: &Env<WithoutTls>, map_size: usize, path: &Path) -> BackendErro
     BackendError::Full {
         used,
         limit: map_size as u64,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+
+    /// Batches led by puts into the bucket the last batch began with take the cursor pass:
+    /// appends, overwrites of the last key (no longer appends), puts below it, operations on
+    /// other buckets between them, and deletes on the led bucket after which its puts are
+    /// kept in order; some batches fail on a key too long, in either pass. After every
+    /// commit the backend holds what a model applying the operations in order holds.
+    #[test]
+    fn led_batches_apply_their_operations_in_order() {
+        let mut x = 0x853c_49e6_748f_ea9bu64;
+        let mut next = move |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let backend = LmdbBackend::open(dir.path(), &LmdbOptions::default()).unwrap();
+        let buckets = [Bucket::new("a"), Bucket::new("b"), Bucket::new("c")];
+        let mut model: BTreeMap<(usize, Vec<u8>), Vec<u8>> = BTreeMap::new();
+        let mut top = 0u64;
+        let (mut failed, mut led) = (0, 0);
+        for round in 0..300u64 {
+            let lead = if next(4) == 0 { 1 } else { 0 };
+            let mut batch = WriteBatch::new();
+            let mut after = model.clone();
+            let mut bad = false;
+            for i in 0..next(40) {
+                top += 1 + next(3);
+                let key = match next(10) {
+                    // Overwrite the highest key: no longer an append.
+                    0 => top.saturating_sub(1 + next(5)),
+                    _ => top,
+                }
+                .to_be_bytes()
+                .to_vec();
+                let value = format!("v{round}.{i}").into_bytes();
+                batch.put(&buckets[lead], key.clone(), value.clone());
+                after.insert((lead, key), value);
+            }
+            for i in 0..next(12) {
+                let b = next(3) as usize;
+                let key = next(top + 2).to_be_bytes().to_vec();
+                match next(6) {
+                    0 => {
+                        batch.delete(&buckets[b], key.clone());
+                        after.remove(&(b, key));
+                    }
+                    1 => {
+                        let end = (next(top + 2) + 1).to_be_bytes().to_vec();
+                        batch.delete_range(&buckets[b], key.clone(), Some(end.clone()));
+                        after.retain(|(bb, k), _| !(*bb == b && *k >= key && *k < end));
+                    }
+                    2 if next(8) == 0 => {
+                        batch.put(&buckets[b], vec![7u8; 600], b"too long".to_vec());
+                        bad = true;
+                    }
+                    _ => {
+                        let value = format!("w{round}.{i}").into_bytes();
+                        batch.put(&buckets[b], key.clone(), value.clone());
+                        after.insert((b, key), value);
+                    }
+                }
+            }
+            if batch.op_count() == 0 {
+                continue;
+            }
+            led += usize::from(backend.writer.lock().lead.is_some());
+            let result = backend.commit(&batch);
+            assert_eq!(result.is_err(), bad, "round {round}: {result:?}");
+            if bad {
+                failed += 1;
+            } else {
+                model = after;
+            }
+            let txn = backend.read_txn().unwrap();
+            let mut held = BTreeMap::new();
+            for (b, bucket) in buckets.iter().enumerate() {
+                for item in txn.range(bucket, b"", None).unwrap() {
+                    let (k, v) = item.unwrap();
+                    held.insert((b, k.to_vec()), v.to_vec());
+                }
+            }
+            assert_eq!(held, model, "round {round}");
+        }
+        assert!(failed > 5 && led > 100, "{failed} failed, {led} led");
     }
 }
