@@ -334,6 +334,8 @@ pub(crate) struct DirectWriter {
     probed: bool,
     /// The first write's frame, after the file system refused that write (`EINVAL`).
     refused: Option<Vec<u8>>,
+    /// Time the caller spent waiting for writes to come back (logged when the writer ends).
+    waited: std::time::Duration,
 }
 
 fn open_direct(path: &Path) -> io::Result<Option<File>> {
@@ -442,6 +444,7 @@ impl DirectWriter {
             failed: None,
             probed: false,
             refused: None,
+            waited: std::time::Duration::ZERO,
         }))
     }
 
@@ -468,10 +471,12 @@ impl DirectWriter {
 
     /// Takes back one write from the threads, noting its outcome.
     fn take_back(&mut self) -> io::Result<()> {
+        let waiting = std::time::Instant::now();
         let (buf, frame, result) = self
             .back
             .recv()
             .map_err(|_| io::Error::other("the direct writer thread is gone"))?;
+        self.waited += waiting.elapsed();
         self.in_flight -= 1;
         self.spare.push(buf);
         self.frames.push(frame);
@@ -650,6 +655,10 @@ impl DirectWriter {
 
 impl Drop for DirectWriter {
     fn drop(&mut self) {
+        tracing::debug!(
+            waited_ms = self.waited.as_secs_f64() * 1e3,
+            "restore's direct writes waited for"
+        );
         self.jobs = None;
         for t in self.threads.drain(..) {
             let _ = t.join();

@@ -434,11 +434,19 @@ const LIVE_QUEUE: usize = 16;
 /// to the receive buffers' pool ([`buffers`]).
 struct ChunkFeed {
     rx: Receiver<Vec<u8>>,
+    /// Time spent waiting for chunks (for the closing log).
+    waited: Duration,
 }
 
 impl keel_mvcc::backend::ChunkSource for ChunkFeed {
     fn next_chunk(&mut self) -> Option<Vec<u8>> {
-        self.rx.recv().ok()
+        if let Ok(chunk) = self.rx.try_recv() {
+            return Some(chunk);
+        }
+        let waiting = std::time::Instant::now();
+        let chunk = self.rx.recv().ok();
+        self.waited += waiting.elapsed();
+        chunk
     }
 
     fn recycle(&mut self, chunk: Vec<u8>) {
@@ -484,7 +492,10 @@ impl<B: keel_mvcc::Backend> LiveRestore<B> {
             .spawn(move || {
                 lower_thread_priority();
                 let (generation, backend) = crate::apply::begin_restore::<B>(&dir, &options)?;
-                let mut input = ChunkFeed { rx };
+                let mut input = ChunkFeed {
+                    rx,
+                    waited: Duration::ZERO,
+                };
                 let started = std::time::Instant::now();
                 // The key index is built on a thread of its own, from the records' heads; the
                 // stream's checksum covers the records: their own are not recomputed.
@@ -508,6 +519,7 @@ impl<B: keel_mvcc::Backend> LiveRestore<B> {
                     pairs,
                     ms = started.elapsed().as_secs_f64() * 1e3,
                     cpu_ms = thread_cpu_ms(),
+                    waited_for_chunks_ms = input.waited.as_secs_f64() * 1e3,
                     "snapshot stream restored"
                 );
                 Ok(Restored {
