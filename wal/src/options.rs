@@ -70,12 +70,14 @@ pub struct WalOptions {
     /// Smaller appends, and any append encoded before the thread is awake, are written in
     /// one direct write. Zero turns this off.
     ///
-    /// Off by default: measured on a shared 2-core virtual machine
-    /// (`examples/append_profile.rs`, 256 entries of 1 KiB per durable append, against a
-    /// raw `pwrite` + `fdatasync`), waking the thread took longer than encoding the append
-    /// in 70-90% of appends, and with 128 KiB the median ratio to the raw loop was 0.87-0.90
-    /// (p50 latencies) against 0.93-0.95 without. Where a woken thread runs within tens of
-    /// µs (an idle machine), measure with `KEEL_PROFILE_PIPELINE_KIB=128`. At most 256 MiB.
+    /// Off by default: measured on a shared 2-core virtual machine (256 entries of 1 KiB per
+    /// durable append, against a raw `pwrite` + `fdatasync` of the same bytes), waking the
+    /// thread took longer than encoding the append in 70-90% of appends, and the spinning
+    /// thread took CPU the rest of the machine needed: with 128 KiB the median ratio to the
+    /// raw loop was 0.87-0.90 (`examples/append_profile.rs`, p50 latencies) against
+    /// 0.93-0.95 without, and 0.63-0.78 (`benches/benches/wal.rs`) against 0.78-0.91. Where
+    /// a woken thread runs within tens of µs (an idle machine), measure with
+    /// `KEEL_PROFILE_PIPELINE_KIB=128` or `KEEL_WAL_PIPELINE_KIB=128`. At most 256 MiB.
     /// Default: 0.
     pub pipeline_bytes: usize,
     /// Longest time an append to be written in two parts ([`WalOptions::pipeline_bytes`])
