@@ -21,8 +21,6 @@
 //! `KEEL_WAL_BENCH` picks parts (comma-separated, default all): `append1`, `append16`,
 //! `append256`, `growing` (the growing-log batch-256 line), `group`, `peer`, `replay`; e.g.
 //! `KEEL_WAL_BENCH=append256,group cargo bench -p keel-benches --bench wal`.
-//! `KEEL_WAL_PIPELINE_KIB=<n>` sets the logs' `pipeline_bytes` in the append parts (two-part
-//! writes of durable appends of at least that many KiB; off by default).
 
 use std::fs::File;
 use std::ops::ControlFlow;
@@ -141,24 +139,11 @@ fn keel_append_steady(wal: &Wal, es: &mut [Entry], next: &mut u64) {
     }
 }
 
-/// Options of the append benchmarks: the defaults, with `KEEL_WAL_PIPELINE_KIB` (if set)
-/// as `pipeline_bytes`.
-fn append_opts() -> WalOptions {
-    let mut o = WalOptions::default();
-    if let Some(kib) = std::env::var("KEEL_WAL_PIPELINE_KIB")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-    {
-        o.pipeline_bytes = kib << 10;
-    }
-    o
-}
-
 /// Opens a log in `dir` and runs it through `segments` segments (written unsynced, released
 /// as [`keel_append_steady`] does), the way the raw file is written once before timing.
 /// Returns the log and its next index.
 fn steady_wal(dir: &Path, segments: u64) -> (Wal, u64) {
-    let wal = Wal::open(dir, append_opts()).unwrap();
+    let wal = Wal::open(dir, WalOptions::default()).unwrap();
     let mut es = template(256);
     let mut next = 1u64;
     while next <= segments * per_segment() {
@@ -228,7 +213,7 @@ fn append(c: &mut Criterion, rec: &Recorder) {
         let (wal, mut next) = if steady && !smoke {
             steady_wal(&dir.path().join("wal"), 3)
         } else {
-            let wal = Wal::open(&dir.path().join("wal"), append_opts()).unwrap();
+            let wal = Wal::open(&dir.path().join("wal"), WalOptions::default()).unwrap();
             (wal, 1)
         };
         let mut es = template(batch);
@@ -268,14 +253,8 @@ fn append(c: &mut Criterion, rec: &Recorder) {
         let stats = wal.stats();
         println!(
             "WAL append x{batch}{growing}: {} rotations, {} into recycled files, {} appends \
-             written straight from the entries' buffers, {} in two parts ({} with the first \
-             part taken back from the write thread), {} in one piece for want of the thread",
-            stats.rotations,
-            stats.recycled,
-            stats.direct_writes,
-            stats.pipelined,
-            stats.parts_taken_back,
-            stats.pipeline_missed
+             written straight from the entries' buffers",
+            stats.rotations, stats.recycled, stats.direct_writes
         );
         rec.ratio(
             &format!("wal append, 1 KiB entries, batch {batch}{growing}, vs raw write+fdatasync"),

@@ -8,8 +8,7 @@
 //! Run: `cargo run --release -p keel-wal --example append_profile` (`KEEL_PROFILE_ROUNDS`,
 //! default 2000, appends per side; `KEEL_PROFILE_DIRECT=0` turns direct writes off;
 //! `KEEL_PROFILE_SIDE=keel` or `raw` times one side alone; `KEEL_PROFILE_SEGMENT_MIB`,
-//! default 64, sets the segment size; `KEEL_PROFILE_PIPELINE_KIB` and
-//! `KEEL_PROFILE_PIPELINE_WAIT_US`, default 0, set `pipeline_bytes` and `pipeline_wait`).
+//! default 64, sets the segment size).
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -43,8 +42,6 @@ fn main() {
     let opts = WalOptions {
         direct_writes: env("KEEL_PROFILE_DIRECT", 1) != 0,
         segment_size: env("KEEL_PROFILE_SEGMENT_MIB", 64) as u64 * (1 << 20),
-        pipeline_bytes: env("KEEL_PROFILE_PIPELINE_KIB", 0) << 10,
-        pipeline_wait: Duration::from_micros(env("KEEL_PROFILE_PIPELINE_WAIT_US", 0) as u64),
         ..WalOptions::default()
     };
     let per_segment = opts.segment_size / (size as u64 + 24);
@@ -147,14 +144,10 @@ fn main() {
     }
     let st = wal.stats();
     println!(
-        "  {} syncs of {:.1} us, {} direct flushes, {} direct (vectored) writes, {} pipelined \
-         ({} first parts taken back, {} missed)",
+        "  {} syncs of {:.1} us, {} direct flushes, {} direct (vectored) writes",
         st.syncs,
         st.sync_time.as_secs_f64() * 1e6 / st.syncs.max(1) as f64,
         st.direct_flushes,
-        st.direct_writes,
-        st.pipelined,
-        st.parts_taken_back,
-        st.pipeline_missed
+        st.direct_writes
     );
 }

@@ -9,24 +9,16 @@
 //! first bytes in front of the records, at a page-aligned address, so the pages go out
 //! straight from it. Rewriting a page's first bytes with the same bytes leaves them as they
 //! were whatever part of the write reaches the disk.
-//!
-//! A large durable append can be written in two parts ([`SegmentWriter::take_part`]): the
-//! whole pages encoded so far leave with the buffer itself (for the log's write thread), and
-//! encoding goes on in a second page-aligned buffer that starts with the records of the
-//! partial last page, so no page is in both writes. A segment starts with its header's
-//! bytes in the buffer, so its first direct write goes out in place too. Either way the
-//! file ends up with the bytes one direct write would have left.
 
 use std::io::{self, IoSlice};
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use crate::io::{DIRECT_ALIGN, WalFile, read_full_at, write_all_at, write_all_vectored_at};
-use crate::pipeline::Part;
 use crate::record::{
     self, ENTRY_PREFIX, Entry, HEADER_LEN, HardState, Metadata, SnapshotMarker, padded,
 };
-use crate::segment::{SEGMENT_HEADER_LEN, Writes, encode_header};
+use crate::segment::Writes;
 
 /// Ends the records of every write: a record header of zeros.
 const END_MARK: [u8; 8] = [0; 8];
@@ -66,8 +58,6 @@ pub(crate) struct SegmentWriter {
     pub direct: Option<Arc<dyn WalFile>>,
     /// Scratch for the direct writes `buf` cannot serve in place, aligned in place.
     pages: Vec<u8>,
-    /// A write buffer back from the write thread, for the next [`SegmentWriter::take_part`].
-    spare: Vec<u8>,
 }
 
 /// Memory the write buffer keeps once a direct write has used it: records up to about this
@@ -96,13 +86,6 @@ pub(crate) struct WriterStart {
 impl SegmentWriter {
     /// A writer appending at `start.end`.
     pub(crate) fn new(start: WriterStart) -> SegmentWriter {
-        let mut w = SegmentWriter::blank(start);
-        w.start_with_header();
-        w
-    }
-
-    /// [`SegmentWriter::new`] without buffer memory.
-    fn blank(start: WriterStart) -> SegmentWriter {
         SegmentWriter {
             seq: start.seq,
             path: start.path,
@@ -117,39 +100,17 @@ impl SegmentWriter {
             side: Vec::new(),
             direct: start.direct,
             pages: Vec::new(),
-            spare: Vec::new(),
         }
     }
 
     /// Starts over on another segment (after a rotation), keeping the buffers' memory.
     pub(crate) fn restart(&mut self, start: WriterStart) {
-        let mut next = SegmentWriter::blank(start);
+        let mut next = SegmentWriter::new(start);
         next.buf = std::mem::take(&mut self.buf);
         next.side = std::mem::take(&mut self.side);
         next.pages = std::mem::take(&mut self.pages);
-        next.spare = std::mem::take(&mut self.spare);
         next.buf.clear();
-        next.start_with_header();
         *self = next;
-    }
-
-    /// On a new segment (appending right after its header) that is written directly: puts
-    /// the header's bytes in the buffer, at a page-aligned address, so that the first
-    /// direct write goes out straight from the buffer (and its records can be cut into
-    /// parts) instead of reading the header back from the file.
-    fn start_with_header(&mut self) {
-        if self.direct.is_none() || self.flushed != SEGMENT_HEADER_LEN {
-            return;
-        }
-        if self.buf.capacity() < BUF_RESERVE {
-            self.buf = Vec::with_capacity(BUF_RESERVE);
-        }
-        self.buf.clear();
-        let pad = self.buf.as_ptr().align_offset(DIRECT_ALIGN);
-        self.buf.resize(pad, 0);
-        self.buf.extend_from_slice(&encode_header(self.seq));
-        self.file_from = pad;
-        self.lead = self.buf.len();
     }
 
     /// How appends write this segment, and so most likely the next one.
@@ -273,68 +234,6 @@ impl SegmentWriter {
         }
         self.rebase();
         Ok(true)
-    }
-
-    /// Cuts the whole pages of the buffered records (from the page boundary below
-    /// `flushed`, so the first page starts with the file's bytes the buffer keeps) off the
-    /// buffer as a [`Part`] for the write thread, and counts them as written: the caller
-    /// gets the part's result (through [`SegmentWriter::part_done`]) before anything else
-    /// writes or syncs the segment, and poisons the log if it failed. The records of the
-    /// last, partial page stay buffered, at the start of a new page-aligned buffer: a page
-    /// is never in two writes. `None` (nothing changes) where there is not a whole page of
-    /// records, no direct handle, or the buffer does not hold the page's first bytes at a
-    /// page-aligned address.
-    pub(crate) fn take_part(&mut self) -> Option<Part> {
-        let file = self.direct.clone()?;
-        let head = (self.flushed % DIRECT_ALIGN as u64) as usize;
-        if self.lead - self.file_from < head {
-            return None;
-        }
-        let from = self.lead - head;
-        let len = (head + self.pending()) / DIRECT_ALIGN * DIRECT_ALIGN;
-        if len == 0 || self.buf[from..].as_ptr().align_offset(DIRECT_ALIGN) != 0 {
-            return None;
-        }
-        let mut next = std::mem::take(&mut self.spare);
-        if next.capacity() < BUF_RESERVE {
-            next = Vec::with_capacity(BUF_RESERVE);
-        }
-        next.clear();
-        let pad = next.as_ptr().align_offset(DIRECT_ALIGN);
-        next.resize(pad, 0);
-        next.extend_from_slice(&self.buf[from + len..]);
-        let buf = std::mem::replace(&mut self.buf, next);
-        let offset = self.flushed - head as u64;
-        self.file_from = pad;
-        self.lead = pad;
-        self.flushed = offset + len as u64;
-        Some(Part {
-            file,
-            buf,
-            from,
-            len,
-            offset,
-        })
-    }
-
-    /// Takes back a part from the write thread with the result of its write. A direct
-    /// write the file system refused (`EINVAL`) is written through the page cache instead
-    /// (and direct writes are off for this segment); any other error is returned, for the
-    /// caller to poison the log.
-    pub(crate) fn part_done(&mut self, part: Part, res: io::Result<()>) -> io::Result<()> {
-        let res = match res {
-            Err(e) if e.raw_os_error() == Some(rustix::io::Errno::INVAL.raw_os_error()) => {
-                tracing::debug!(path = %self.path.display(), error = %e,
-                    "WAL: direct write refused; writing through the page cache");
-                self.direct = None;
-                write_all_at(&*self.file, part.bytes(), part.offset)
-            }
-            res => res,
-        };
-        if part.buf.capacity() >= BUF_RESERVE {
-            self.spare = part.buf;
-        }
-        res
     }
 
     /// Frames `entries` (and a hard state after them) and writes them at once, behind the

@@ -89,7 +89,6 @@ mod error;
 mod index;
 mod io;
 mod options;
-mod pipeline;
 mod record;
 mod repair;
 mod segment;

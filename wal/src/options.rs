@@ -60,34 +60,6 @@ pub struct WalOptions {
     /// at once, and large entries written straight from their own buffers, still go through
     /// the page cache. Default: true.
     pub direct_writes: bool,
-    /// A durable append that leaves at least this many bytes of records to write directly
-    /// ([`WalOptions::direct_writes`]) is written in two parts where it can: once half of it
-    /// is encoded and the log's write thread (one long-lived thread, started by the first
-    /// such append and woken as each one starts) is awake, the whole pages encoded so far
-    /// are handed to that thread, and the rest is encoded while they are written, then
-    /// written by the appending thread. So encoding overlaps writing, and two direct writes
-    /// over disjoint pages are in flight at once. One `fdatasync` follows both, as always.
-    /// Smaller appends, and any append encoded before the thread is awake, are written in
-    /// one direct write. Zero turns this off.
-    ///
-    /// Off by default: measured on a shared 2-core virtual machine (256 entries of 1 KiB per
-    /// durable append, against a raw `pwrite` + `fdatasync` of the same bytes), waking the
-    /// thread took longer than encoding the append in 70-90% of appends, and the spinning
-    /// thread took CPU the rest of the machine needed: with 128 KiB the median ratio to the
-    /// raw loop was 0.87-0.90 (`examples/append_profile.rs`, p50 latencies) against
-    /// 0.93-0.95 without, and 0.63-0.78 (`benches/benches/wal.rs`) against 0.78-0.91. Where
-    /// a woken thread runs within tens of µs (an idle machine), measure with
-    /// `KEEL_PROFILE_PIPELINE_KIB=128` or `KEEL_WAL_PIPELINE_KIB=128`. At most 256 MiB.
-    /// Default: 0.
-    pub pipeline_bytes: usize,
-    /// Longest time an append to be written in two parts ([`WalOptions::pipeline_bytes`])
-    /// that has encoded half of its records spins for the write thread to be awake; then
-    /// the part goes to the thread anyway (and if the thread has not started it by the time
-    /// the rest is encoded, the append takes it back and writes both parts itself). Zero
-    /// never waits: the append goes on encoding and hands the thread the pages encoded by
-    /// the time it is awake, or writes in one piece if it never is. At most 100 ms.
-    /// Default: 0.
-    pub pipeline_wait: Duration,
     /// The file-system seam every file operation goes through. Default: the real file
     /// system ([`RealFs`]); tests inject faults through their own implementation.
     pub fs: Arc<dyn FileSystem>,
@@ -106,8 +78,6 @@ impl Default for WalOptions {
             group_commit_wait: Duration::from_millis(1),
             durable_spin: Duration::from_millis(1),
             direct_writes: true,
-            pipeline_bytes: 0,
-            pipeline_wait: Duration::ZERO,
             fs: Arc::new(RealFs),
         }
     }
@@ -126,8 +96,6 @@ impl std::fmt::Debug for WalOptions {
             .field("group_commit_wait", &self.group_commit_wait)
             .field("durable_spin", &self.durable_spin)
             .field("direct_writes", &self.direct_writes)
-            .field("pipeline_bytes", &self.pipeline_bytes)
-            .field("pipeline_wait", &self.pipeline_wait)
             .finish_non_exhaustive()
     }
 }
@@ -157,18 +125,6 @@ impl WalOptions {
             return Err(WalError::InvalidOption {
                 field: "read_buffer",
                 reason: format!("{} bytes is outside [4 KiB, 64 MiB]", self.read_buffer),
-            });
-        }
-        if self.pipeline_bytes > 256 << 20 {
-            return Err(WalError::InvalidOption {
-                field: "pipeline_bytes",
-                reason: format!("{} bytes is more than 256 MiB", self.pipeline_bytes),
-            });
-        }
-        if self.pipeline_wait > Duration::from_millis(100) {
-            return Err(WalError::InvalidOption {
-                field: "pipeline_wait",
-                reason: format!("{:?} is longer than 100 ms", self.pipeline_wait),
             });
         }
         if self.recycle_segments > 64 {

@@ -25,16 +25,6 @@ pub struct WalStats {
     /// Writes ahead of a group commit's `fdatasync` made as direct writes
     /// ([`crate::WalOptions::direct_writes`]).
     pub direct_flushes: u64,
-    /// Durable appends written in two parts, the first by the log's write thread while the
-    /// rest was encoded ([`crate::WalOptions::pipeline_bytes`]).
-    pub pipelined: u64,
-    /// Of those, appends whose first part the write thread had not started by the time the
-    /// rest was encoded (busy, or not yet scheduled): the appending thread took it back and
-    /// wrote both parts itself.
-    pub parts_taken_back: u64,
-    /// Durable appends large enough to be pipelined that were written in one piece: the
-    /// write thread was not awake by the time they were encoded.
-    pub pipeline_missed: u64,
     /// Bytes of records encoded.
     pub bytes: u64,
     /// Times a sync leader waited for the appenders of the previous group to come back.

@@ -5,14 +5,7 @@
 //! append encodes its records into the buffer under the mutex; a durable append of large
 //! entries instead writes them out at once, straight from the entries' own buffers (one
 //! vectored write behind whatever was buffered), since its sync follows anyway. A durable
-//! append of many smaller entries can be written before it waits too, in two direct writes
-//! ([`WalOptions::pipeline_bytes`], off by default): once half of it is encoded, if the
-//! log's write thread (`crate::pipeline`) is awake by then, the whole pages encoded so far
-//! go to that thread, which writes them while the append encodes the rest and writes it
-//! itself (disjoint pages: the partial last page of the first part moves to the second);
-//! the append then waits for the first part's result, all under the mutex, so both parts
-//! are written (or the log is poisoned) before any sync counts them. A durable request then
-//! waits for a sync that started after its bytes were written. The first one
+//! request then waits for a sync that started after its bytes were written. The first one
 //! that finds no sync running becomes the leader: if the previous sync served several
 //! requests, it first waits (briefly, [`WalOptions::group_commit_wait`]) for as many to be
 //! pending again, since the appenders that sync released are usually on their way back. The
@@ -52,9 +45,8 @@ use crate::decoder::{Next, SegmentReader};
 use crate::encoder::{SegmentWriter, WriterStart};
 use crate::error::WalError;
 use crate::index::{Loc, LogIndex};
-use crate::io::{FileSystem, WalFile, read_full_at, write_all_at};
+use crate::io::{FileSystem, WalFile, read_full_at};
 use crate::options::WalOptions;
-use crate::pipeline::PartWriter;
 use crate::record::{
     ENTRY_PREFIX, Entry, HardState, MAX_PAYLOAD, Metadata, Record, SnapshotMarker, record_len,
 };
@@ -157,9 +149,6 @@ struct Inner {
     prealloc: Prealloc,
     /// Released segment files waiting to be recycled.
     free: Vec<Free>,
-    /// The write thread of pipelined appends ([`WalOptions::pipeline_bytes`]), once one
-    /// needed it; `Err` if it could not be started (appends then write in one piece).
-    parts: Option<Result<PartWriter, ()>>,
 }
 
 /// A segmented, checksummed, group-committed Raft log in one directory.
@@ -559,7 +548,6 @@ impl Wal {
             stats: WalStats::default(),
             prealloc: Prealloc::None,
             free: Vec::new(),
-            parts: None,
         };
         if !seeded {
             // The last segment was renamed into place but nothing of it reached the disk:
@@ -833,46 +821,13 @@ impl Wal {
                     let _ = g.index.push(e.index, entry_loc(e, seq, offset, prev_crc));
                 }
             } else {
-                // Pipelined: once half of it is encoded and the write thread is awake, the
-                // whole pages encoded so far go to the write thread.
-                let total = g.writer.pending() + bytes as usize;
-                let pipelined = sync
-                    && self.options.pipeline_bytes > 0
-                    && total >= self.options.pipeline_bytes
-                    && g.writer.direct.is_some()
-                    && part_writer(&mut g).is_some_and(|parts| {
-                        parts.wake();
-                        true
-                    });
-                let mut half = if pipelined { total / 2 } else { usize::MAX };
-                let mut wait = self.options.pipeline_wait;
-                let mut in_flight = false;
                 for e in entries {
                     let (offset, prev_crc) = g.writer.entry(e);
                     // Checked above: consecutive and not past last + 1.
                     let _ = g.index.push(e.index, entry_loc(e, seq, offset, prev_crc));
-                    if !in_flight
-                        && g.writer.pending() >= half
-                        && (parts_ready(&g, wait) || !std::mem::take(&mut wait).is_zero())
-                    {
-                        in_flight = send_part(&mut g)?;
-                        if !in_flight {
-                            // The buffer cannot be cut (see `take_part`): one piece.
-                            half = usize::MAX;
-                        }
-                    }
                 }
                 if let Some(hs) = hs {
                     g.writer.hard_state(hs);
-                }
-                if pipelined && !in_flight {
-                    g.stats.pipeline_missed += 1;
-                    if let Some(Ok(parts)) = &g.parts {
-                        parts.call_off();
-                    }
-                }
-                if in_flight {
-                    finish_parts(&mut g)?;
                 }
             }
             if let Some(hs) = hs {
@@ -1568,90 +1523,6 @@ fn flush_for_sync(g: &mut Inner) -> Result<(), WalError> {
             Ok(())
         }
         Ok(false) => flush(g),
-        Err(e) => {
-            let err = WalError::io("direct write", &g.writer.path, e);
-            g.poisoned = Some(err.to_string());
-            Err(err)
-        }
-    }
-}
-
-/// The log's write thread, started if need be; `None` if it cannot be.
-fn part_writer(g: &mut Inner) -> Option<&PartWriter> {
-    if g.parts.is_none() {
-        g.parts = Some(PartWriter::start().map_err(|e| {
-            warn!(error = %e, "WAL: cannot start the write thread; appends write in one piece");
-        }));
-    }
-    g.parts.as_ref().and_then(|p| p.as_ref().ok())
-}
-
-/// Whether the write thread is awake and waiting for a part (spinning for it up to
-/// `wait`).
-fn parts_ready(g: &Inner, wait: Duration) -> bool {
-    matches!(&g.parts, Some(Ok(parts)) if parts.ready_within(wait))
-}
-
-/// Hands the whole pages of the buffered records to the write thread; whether there were
-/// any to hand over.
-fn send_part(g: &mut Inner) -> Result<bool, WalError> {
-    let Some(part) = g.writer.take_part() else {
-        return Ok(false);
-    };
-    let sent = matches!(&g.parts, Some(Ok(parts)) if parts.send(part));
-    if !sent {
-        // Cannot happen while the log holds the thread's channel: the thread stops only
-        // when the channel closes. The part's bytes are counted as written, so the log must
-        // not go on.
-        let err = WalError::io(
-            "direct write",
-            &g.writer.path,
-            io::Error::other("the write thread is gone"),
-        );
-        g.poisoned = Some(err.to_string());
-        return Err(err);
-    }
-    Ok(true)
-}
-
-/// After a part was handed to the write thread: writes the rest of the buffered records
-/// (directly where it can) while the part is written, then waits for the part. Returns
-/// (after poisoning the log) the first error of either write.
-fn finish_parts(g: &mut Inner) -> Result<(), WalError> {
-    g.stats.pipelined += 1;
-    let stolen = match &g.parts {
-        Some(Ok(parts)) => parts.take_back(),
-        _ => None,
-    };
-    if let Some(part) = stolen {
-        // The thread has not started it: written here, first, rather than waited for.
-        g.stats.parts_taken_back += 1;
-        let res = write_all_at(&*part.file, part.bytes(), part.offset);
-        if let Err(e) = g.writer.part_done(part, res) {
-            let err = WalError::io("direct write", &g.writer.path, e);
-            g.poisoned = Some(err.to_string());
-            return Err(err);
-        }
-        return flush_for_sync(g);
-    }
-    let rest = match g.writer.flush_direct() {
-        Ok(true) => {
-            g.stats.direct_flushes += 1;
-            Ok(())
-        }
-        Ok(false) => g.writer.flush(),
-        Err(e) => Err(e),
-    };
-    let part = match &g.parts {
-        Some(Ok(parts)) => parts.wait(),
-        _ => None,
-    };
-    let first = match part {
-        Some((part, res)) => g.writer.part_done(part, res),
-        None => Err(io::Error::other("the write thread is gone")),
-    };
-    match first.and(rest) {
-        Ok(()) => Ok(()),
         Err(e) => {
             let err = WalError::io("direct write", &g.writer.path, e);
             g.poisoned = Some(err.to_string());

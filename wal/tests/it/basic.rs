@@ -329,21 +329,6 @@ fn bad_appends_and_ranges_are_typed_errors() {
         ),
         "{e}"
     );
-    let bad = WalOptions {
-        pipeline_bytes: 1 << 30,
-        ..WalOptions::default()
-    };
-    let e = Wal::open(dir.path(), bad).unwrap_err();
-    assert!(
-        matches!(
-            e,
-            WalError::InvalidOption {
-                field: "pipeline_bytes",
-                ..
-            }
-        ),
-        "{e}"
-    );
 }
 
 #[test]

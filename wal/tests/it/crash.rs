@@ -3,9 +3,7 @@
 //! present and identical. 50 rounds by default; `KEEL_CRASH_ROUNDS=1000` for more. The child
 //! releases old segments as it goes, so crashes also land in the middle of releasing and
 //! recycling segment files; every other round it appends from 4 threads sharing syncs
-//! (group commit), each acknowledging its entry once its own durable wait returned. Every
-//! fifth batch of the single-thread rounds is large enough to be written in two parts
-//! (pipelined), so crashes also land between and inside the two writes.
+//! (group commit), each acknowledging its entry once its own durable wait returned.
 //!
 //! The child is this test binary re-run as `crash::writer_child --ignored --exact` with
 //! `KEEL_WAL_CRASH_DIR` set.
@@ -22,9 +20,6 @@ use crate::util::entry;
 fn opts() -> WalOptions {
     WalOptions {
         segment_size: 64 << 10,
-        // The child's batches of 48 entries (about 7 KiB) are written in two parts.
-        pipeline_bytes: 4 << 10,
-        pipeline_wait: Duration::from_millis(100),
         ..WalOptions::default()
     }
 }
@@ -69,7 +64,7 @@ fn writer_child() {
     let mut next = wal.last_index() + 1;
     let mut k = 0u64;
     loop {
-        let n = if k % 5 == 4 { 48 } else { 1 + (k % 7) };
+        let n = 1 + (k % 7);
         let es: Vec<_> = (next..next + n).map(|i| entry(i, 1)).collect();
         let hs = HardState {
             term: 1,

@@ -7,7 +7,6 @@ mod direct;
 mod faults;
 mod model;
 mod page_bypass;
-mod pipeline;
 mod recycle;
 mod torn;
 mod util;

@@ -71,10 +71,6 @@ pub struct Faults {
     pub enospc_new_segment: AtomicBool,
     /// Writes to `.wal` files fail with ENOSPC.
     pub enospc_write: AtomicBool,
-    /// Writes to `.wal` files starting at an offset in this range fail with EIO.
-    pub fail_writes_at: Mutex<Option<std::ops::Range<u64>>>,
-    /// Where the last write to a `.wal` file ended.
-    pub last_write_end: AtomicU64,
     /// Writes take at most 7 bytes at a time.
     pub short_writes: AtomicBool,
     /// Number of `read_at` calls per file name.
@@ -123,17 +119,6 @@ impl WalFile for FaultFile {
         }
         if name.ends_with(".wal") && f.enospc_write.load(Ordering::SeqCst) {
             return Err(enospc());
-        }
-        if name.ends_with(".wal") {
-            if f.fail_writes_at
-                .lock()
-                .as_ref()
-                .is_some_and(|r| r.contains(&offset))
-            {
-                return Err(io::Error::from_raw_os_error(5));
-            }
-            f.last_write_end
-                .fetch_max(offset + buf.len() as u64, Ordering::SeqCst);
         }
         if f.short_writes.load(Ordering::SeqCst) {
             let n = buf.len().min(7);
