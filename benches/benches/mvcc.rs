@@ -357,10 +357,48 @@ fn spawn_scanner<B: Backend + 'static>(
 /// Client threads of the durable headline (etcd's own measurement of the change ran 10).
 const HEADLINE_CLIENTS: u64 = 16;
 
+/// `n` durable puts from [`HEADLINE_CLIENTS`] closed-loop clients on `s`: each client puts
+/// (keys from `next`) and calls `force_commit` before its next put. Returns the time they
+/// took and every put's latency (put and commit).
+fn client_puts<B: Backend>(
+    s: &Store<B>,
+    n: u64,
+    next: &AtomicU64,
+    value: &[u8],
+) -> (Duration, Vec<Duration>) {
+    let keys = headline_keys();
+    let start = Instant::now();
+    let per_client: Vec<Vec<Duration>> = std::thread::scope(|scope| {
+        let clients: Vec<_> = (0..HEADLINE_CLIENTS)
+            .map(|client| {
+                let n = n / HEADLINE_CLIENTS + u64::from(client < n % HEADLINE_CLIENTS);
+                scope.spawn(move || {
+                    let mut lat = Vec::with_capacity(n as usize);
+                    for _ in 0..n {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let k = key(i.wrapping_mul(7919) % keys);
+                        let t0 = Instant::now();
+                        s.put(&k, value, 0).expect("put");
+                        s.force_commit().expect("commit");
+                        lat.push(t0.elapsed());
+                    }
+                    lat
+                })
+            })
+            .collect();
+        clients
+            .into_iter()
+            .map(|c| c.join().expect("client"))
+            .collect()
+    });
+    (start.elapsed(), per_client.into_iter().flatten().collect())
+}
+
 /// The headline as etcd measures it: closed-loop clients, each put durable before its
-/// client sends the next one (a put, then `force_commit`, which commits every client's
-/// pending puts in one backend commit with fsync), alone and then with the reader scanning
-/// all keys back to back for the whole measured window. The goal figures: throughput and
+/// client sends the next one (see [`client_puts`]), alone and with the reader scanning all
+/// keys back to back. Every criterion sample runs half its puts alone and half with the
+/// reader (started before that half and running through it), the two halves in alternating
+/// order, so both meet the same disk on a shared machine. The goal figures: throughput and
 /// p99 latency of these puts with the reader against without it.
 fn headline_clients_on<B: Backend + 'static>(c: &mut Criterion, label: &str, s: &Arc<Store<B>>) {
     headline_load(s);
@@ -373,64 +411,40 @@ fn headline_clients_on<B: Backend + 'static>(c: &mut Criterion, label: &str, s: 
     group
         .throughput(Throughput::Elements(1))
         .sample_size(20)
-        .measurement_time(Duration::from_secs(6));
+        .measurement_time(Duration::from_secs(10));
     let alone = format!("durable client puts alone ({label})");
     let with = format!("durable client puts with a long reader ({label})");
     let mut latencies = [Vec::new(), Vec::new()];
     let scans = Arc::new(AtomicU64::new(0));
     let (mut window_scans, mut window) = (0, Duration::ZERO);
-    for with_reader in [false, true] {
-        let stop = Arc::new(AtomicBool::new(false));
-        let reader = with_reader.then(|| spawn_scanner(s, &stop, &scans));
-        let name = if with_reader { &with } else { &alone };
-        let lat = &mut latencies[usize::from(with_reader)];
-        let scans_before = scans.load(Ordering::Relaxed);
-        let t_window = Instant::now();
-        group.bench_function(name.as_str(), |b| {
-            b.iter_custom(|iters| {
-                let start = Instant::now();
-                let per_client: Vec<Vec<Duration>> = std::thread::scope(|scope| {
-                    let clients: Vec<_> = (0..HEADLINE_CLIENTS)
-                        .map(|client| {
-                            let n = iters / HEADLINE_CLIENTS
-                                + u64::from(client < iters % HEADLINE_CLIENTS);
-                            let (s, value, next) = (&**s, &value, &next);
-                            scope.spawn(move || {
-                                let mut lat = Vec::with_capacity(n as usize);
-                                for _ in 0..n {
-                                    let k = key(next
-                                        .fetch_add(1, Ordering::Relaxed)
-                                        .wrapping_mul(7919)
-                                        % keys);
-                                    let t0 = Instant::now();
-                                    s.put(&k, value, 0).expect("put");
-                                    s.force_commit().expect("commit");
-                                    lat.push(t0.elapsed());
-                                }
-                                lat
-                            })
-                        })
-                        .collect();
-                    clients
-                        .into_iter()
-                        .map(|c| c.join().expect("client"))
-                        .collect()
-                });
-                let e = start.elapsed();
-                RECORDER.record(name, e, iters);
-                lat.extend(per_client.into_iter().flatten());
-                e
-            })
-        });
-        if with_reader {
-            window = t_window.elapsed();
-            window_scans = scans.load(Ordering::Relaxed) - scans_before;
-        }
-        stop.store(true, Ordering::Release);
-        if let Some(r) = reader {
-            r.join().expect("reader");
-        }
-    }
+    let mut sample = 0u64;
+    group.bench_function("alone and with a long reader, alternating", |b| {
+        b.iter_custom(|iters| {
+            sample += 1;
+            let half = (iters / 2).max(1);
+            let mut total = Duration::ZERO;
+            let first = sample.is_multiple_of(2);
+            for with_reader in [first, !first] {
+                let stop = Arc::new(AtomicBool::new(false));
+                let reader = with_reader.then(|| spawn_scanner(s, &stop, &scans));
+                let scans_before = scans.load(Ordering::Relaxed);
+                let (took, lat) = client_puts(s, half, &next, &value);
+                if with_reader {
+                    window += took;
+                    window_scans += scans.load(Ordering::Relaxed) - scans_before;
+                }
+                stop.store(true, Ordering::Release);
+                if let Some(r) = reader {
+                    r.join().expect("reader");
+                }
+                let name = if with_reader { &with } else { &alone };
+                RECORDER.record(name, took, half);
+                latencies[usize::from(with_reader)].extend(lat);
+                total += took;
+            }
+            total
+        })
+    });
     group.finish();
     RECORDER.ratio(
         &format!(

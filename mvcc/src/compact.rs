@@ -144,7 +144,7 @@ fn delete_compacted<B: Backend>(
             }
         }
         if !batch.is_empty() {
-            let _c = inner.commit_lock.lock();
+            let _c = inner.lock_commits();
             inner.check_poisoned()?;
             inner.backend.commit(&batch)?;
         }
@@ -166,7 +166,7 @@ fn delete_compacted<B: Backend>(
         META_FINISHED_COMPACT.to_vec(),
         job.revision.to_be_bytes().to_vec(),
     );
-    let _c = inner.commit_lock.lock();
+    let _c = inner.lock_commits();
     inner.check_poisoned()?;
     inner.backend.commit(&batch)?;
     Ok(true)

@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
-use parking_lot::{Mutex, RwLock};
+use parking_lot::{Condvar, Mutex, MutexGuard, RwLock};
 
 use crate::backend::{Backend, Bucket, ReadTxn};
 use crate::compact::CompactJob;
@@ -89,7 +89,11 @@ pub(crate) struct Inner<B: Backend> {
     pub write_lock: Mutex<WriteScratch>,
     pub index: RwLock<IndexState>,
     pub state: Mutex<State>,
-    pub commit_lock: Mutex<()>,
+    /// Held while a batch goes to the backend; take it with [`Inner::lock_commits`].
+    commit_lock: Mutex<()>,
+    /// How many times `commit_lock` was released, with the condition callers waiting for a
+    /// running commit to end wait on.
+    commits_ended: (Mutex<u64>, Condvar),
     /// Write buffers taken for a backend commit so far (taken under `state` and
     /// `commit_lock`, numbered from 1).
     pub buffers_taken: AtomicU64,
@@ -240,6 +244,7 @@ impl<B: Backend> Store<B> {
                 committing: None,
             }),
             commit_lock: Mutex::new(()),
+            commits_ended: (Mutex::new(0), Condvar::new()),
             buffers_taken: AtomicU64::new(0),
             buffers_durable: AtomicU64::new(0),
             consistent_index: AtomicU64::new(consistent_index),
@@ -535,14 +540,48 @@ impl<B: Backend> Inner<B> {
         }
     }
 
-    /// Commits the current pending buffer to the backend (one batch).
+    /// Takes the commit lock: held while a batch goes to the backend. Releasing it wakes the
+    /// callers of [`commit_pending`](Inner::commit_pending) waiting for a commit to end.
+    pub(crate) fn lock_commits(&self) -> CommitGuard<'_> {
+        CommitGuard {
+            guard: Some(self.commit_lock.lock()),
+            ended: &self.commits_ended,
+        }
+    }
+
+    /// Makes every write acknowledged before this call durable: commits the pending buffer
+    /// to the backend (one batch) unless a commit that started after this call began has
+    /// already done so.
+    ///
+    /// Every write acknowledged before this call is in the buffer the next commit takes or
+    /// in an older one. A caller that finds another commit running waits for it to end
+    /// instead of queueing for the lock, then looks again: once a commit that took its
+    /// buffer (any thread's) has succeeded it returns without holding the lock, so concurrent
+    /// callers share one backend commit (a group commit) and none waits behind callers that
+    /// arrived after it.
     pub(crate) fn commit_pending(&self) -> Result<(), MvccError> {
-        // Every write acknowledged before this call is in the buffer the next commit takes or
-        // in an older one. When a commit that took that buffer (any thread's) has succeeded by
-        // the time this one holds the lock, there is nothing left to make durable: concurrent
-        // callers share one backend commit instead of each committing what arrived since.
         let needed = self.buffers_taken.load(Ordering::Acquire) + 1;
-        let _commit = self.commit_lock.lock();
+        loop {
+            let ended = *self.commits_ended.0.lock();
+            if self.buffers_durable.load(Ordering::Acquire) >= needed {
+                return Ok(());
+            }
+            if let Some(guard) = self.commit_lock.try_lock() {
+                let _commit = CommitGuard {
+                    guard: Some(guard),
+                    ended: &self.commits_ended,
+                };
+                return self.commit_locked(needed);
+            }
+            let mut count = self.commits_ended.0.lock();
+            while *count == ended {
+                self.commits_ended.1.wait(&mut count);
+            }
+        }
+    }
+
+    /// [`commit_pending`](Inner::commit_pending) with the commit lock held.
+    fn commit_locked(&self, needed: u64) -> Result<(), MvccError> {
         self.check_poisoned()?;
         if self.buffers_durable.load(Ordering::Acquire) >= needed {
             return Ok(());
@@ -578,6 +617,21 @@ impl<B: Backend> Inner<B> {
                 Err(e.into())
             }
         }
+    }
+}
+
+/// The store's commit lock, held (see [`Inner::lock_commits`]).
+pub(crate) struct CommitGuard<'a> {
+    guard: Option<MutexGuard<'a, ()>>,
+    ended: &'a (Mutex<u64>, Condvar),
+}
+
+impl Drop for CommitGuard<'_> {
+    fn drop(&mut self) {
+        // The lock first, so a woken caller can take it.
+        drop(self.guard.take());
+        *self.ended.0.lock() += 1;
+        self.ended.1.notify_all();
     }
 }
 

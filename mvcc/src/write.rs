@@ -334,7 +334,7 @@ impl<'a, B: Backend> WriteTxn<'a, B> {
                 // on while it commits this buffer. Writes keep overlapping backend commits
                 // (and their fsyncs) instead of stopping for a commit of their own; memory
                 // holds at most the buffer being committed and this one.
-                drop(self.inner.commit_lock.lock());
+                drop(self.inner.lock_commits());
             }
         }
         Ok(revision)
