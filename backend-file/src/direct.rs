@@ -5,17 +5,17 @@
 //! large restore, the dearest step of the whole load) and later written back all at once,
 //! filling the device queue in front of every other writer's `fdatasync` on the same disk.
 //! [`DirectWriter`] writes them with `O_DIRECT` instead: straight from an aligned buffer of
-//! ours to the disk, in pieces of at most [`PIECE`] bytes, so at most [`IN_FLIGHT`] (three)
-//! frames of the restore, of `RESTORE_FRAME_BYTES` each, are ever queued on the device. The
-//! copies into those buffers and the writes are made by [`IN_FLIGHT`] threads of the writer's
-//! own, that many frames in flight while the restore parses the next: a device takes a few
-//! writes at a time faster than one of their size together (see [`IN_FLIGHT`]).
+//! ours to the disk, in pieces of at most [`PIECE`] bytes, so at most two pieces of the
+//! restore (two frames, of `RESTORE_FRAME_BYTES` each) are ever queued on the device. The
+//! copies into those buffers and the writes are made by two threads of the writer's own, two
+//! frames in flight while the restore encodes the next: a device takes two writes at a time
+//! faster than one twice the size (see [`IN_FLIGHT`]).
 //!
 //! `O_DIRECT` needs offsets, lengths and buffer addresses aligned to the device's block;
 //! [`BLOCK`] (4 KiB) covers the devices keel runs on. A frame starts wherever the previous one
 //! ended, so each write starts at the block holding the frame's first byte, with that block's
 //! earlier bytes (kept from the previous frame, or read back), and stops short of the block
-//! holding its last byte, which the next write starts with: no two writes in flight touch
+//! holding its last byte, which the next write starts with: two writes in flight never touch
 //! the same block. [`DirectWriter::finish`] writes that last block with zeros up to its end
 //! (bytes after a segment's last frame are zeros in the format anyway); the file's size, if
 //! the write passed it, ends on that boundary. Durability is unchanged: the frames still
@@ -45,7 +45,7 @@ use crate::format::{PUT_HEADER, TAG_PUT};
 /// Alignment of every direct write: offset, length and buffer address.
 pub(crate) const BLOCK: usize = 4096;
 
-/// Largest single direct write (a restore has at most [`IN_FLIGHT`] writes queued on the device).
+/// Largest single direct write: the most a restore ever has queued on the device.
 pub(crate) const PIECE: usize = 1 << 20;
 
 /// A zero-initialised heap buffer whose start is aligned to [`BLOCK`].
@@ -292,14 +292,13 @@ struct Job {
 /// What a writer thread hands back after a write: the buffers, and how the write went.
 type Done = (AlignedBuf, Vec<u8>, io::Result<()>);
 
-/// Writes in flight at most, and threads making them: the device takes a few at a time (a
+/// Writes in flight at most, and threads making them: the device takes two at a time (a
 /// virtual disk measured here wrote 1.2 GB/s with two 512 KiB direct writes in flight, 0.9
 /// GB/s with one 1 MiB write at a time, the same bytes queued ahead of other writers' syncs).
-/// Three rather than two: with two, a live restore in the learner bench waited 97-131 ms of
-/// its ~300 for its writes; with three, the bench's transfer ratio over 9 alternating pairs
-/// had a median of 0.71x against 0.65x, the leader's put p99 during the transfer about 5%
-/// higher (one more 512 KiB write queued ahead of its syncs) and its ratio median unchanged.
-const IN_FLIGHT: usize = 3;
+/// Not three: in the learner bench (12 alternating pairs on the shared 2-core VM) three made
+/// the transfer faster (ratio about 0.68-0.71x against 0.61-0.65x) but the leader's put p99
+/// during the transfer unsteady (4.1-8.5 ms against 4.0-4.2 ms with two), past its goal.
+const IN_FLIGHT: usize = 2;
 
 /// Direct writes to a segment file, handed over in append order and made by
 /// [`IN_FLIGHT`] threads of the writer's own (so they may complete in any order; no two
@@ -509,7 +508,7 @@ impl DirectWriter {
     /// page cache instead.
     ///
     /// The write stops short of the block holding the frame's end, which the next write
-    /// starts with (or [`finish`](Self::finish) writes): no two writes in flight share a
+    /// starts with (or [`finish`](Self::finish) writes): two writes in flight never share a
     /// block.
     ///
     /// `seal` is run on the frame before it is written: on a writer thread when the frame

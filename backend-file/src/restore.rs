@@ -10,7 +10,7 @@
 //! which the direct writer's threads encode straight into the buffers they write from (see
 //! `direct`); the chunks go back to the source once those writes are finished. Commits made on the restoring
 //! thread write their frames without syncing them: straight to the disk where the file
-//! system allows it (see `direct`: no copy into the page cache, at most three frames queued on
+//! system allows it (see `direct`: no copy into the page cache, at most two frames queued on
 //! the device ahead of other writers' syncs), otherwise through the page cache, starting
 //! their writeback. A segment
 //! that fills is synced when it is sealed, and the active one once the whole stream has been

@@ -415,7 +415,7 @@ impl Inner {
 
     /// Writes the frame in `w.buf` at `start` without syncing it (a restore): straight to the
     /// disk where the file system allows (`direct`), so the kernel copies nothing into its
-    /// cache and at most three frames are queued ahead of other writers' syncs; otherwise through
+    /// cache and at most two frames are queued ahead of other writers' syncs; otherwise through
     /// the page cache, starting its writeback so that the one sync at the end has little left
     /// to wait for.
     fn write_unsynced(
