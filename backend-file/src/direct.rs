@@ -745,18 +745,7 @@ mod tests {
             let crc = crc32fast::hash(&frame[8..]);
             frame[4..8].copy_from_slice(&crc.to_le_bytes());
         };
-        let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("seg");
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&path)
-            .expect("create");
-        file.write_all_at(&[7u8; 100], 0).expect("header");
-        let Some(mut w) = DirectWriter::open(&path, 1).expect("open") else {
-            // The temporary directory's file system refuses O_DIRECT: nothing to check.
+        let Some((_dir, file, mut w)) = scratch_segment(&[7u8; 100]) else {
             return;
         };
         let mut expected = vec![7u8; 100];
@@ -780,8 +769,9 @@ mod tests {
         );
     }
 
-    #[test]
-    fn unaligned_appends_land_byte_for_byte() {
+    /// A segment file in a temporary directory holding `header`, and a direct writer on it
+    /// with one thread; `None` where the file system refuses `O_DIRECT` (nothing to check).
+    fn scratch_segment(header: &[u8]) -> Option<(tempfile::TempDir, std::fs::File, DirectWriter)> {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("seg");
         let file = OpenOptions::new()
@@ -791,10 +781,15 @@ mod tests {
             .truncate(true)
             .open(&path)
             .expect("create");
+        file.write_all_at(header, 0).expect("header");
+        let w = DirectWriter::open(&path, 1).expect("open")?;
+        Some((dir, file, w))
+    }
+
+    #[test]
+    fn unaligned_appends_land_byte_for_byte() {
         let header = vec![0xAB; 37];
-        file.write_all_at(&header, 0).expect("header");
-        let Some(mut w) = DirectWriter::open(&path, 1).expect("open") else {
-            // The temporary directory's file system refuses O_DIRECT: nothing to check.
+        let Some((_dir, file, mut w)) = scratch_segment(&header) else {
             return;
         };
         let mut expected = header.clone();

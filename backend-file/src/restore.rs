@@ -28,8 +28,6 @@
 use std::fs::OpenOptions;
 use std::io::Read;
 
-use std::sync::Arc;
-
 #[cfg(doc)]
 use keel_mvcc::Backend;
 use keel_mvcc::backend::snapshot::{self, MAX_KEY, MAX_VALUE, PairBatch};
@@ -226,16 +224,7 @@ impl Inner {
         let start = self.finish_frame(&mut w, false)?;
 
         // Written: apply to the index.
-        if !new_buckets.is_empty() {
-            let names = Arc::make_mut(&mut w.version.names);
-            for (i, b) in new_buckets.iter().enumerate() {
-                names.insert(b.clone(), first_new + i as u32);
-            }
-            for b in new_buckets {
-                w.bucket_names.push(b);
-                w.version.maps.push(Default::default());
-            }
-        }
+        w.add_buckets(first_new, new_buckets);
         let seg = w.active.seg.id;
         for (((_, key, value), at), id) in batch.iter().zip(value_at).zip(ids) {
             let loc = Loc {

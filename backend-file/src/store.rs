@@ -82,6 +82,22 @@ pub(crate) struct Writer {
 }
 
 impl Writer {
+    /// Names the buckets a written frame created (`first` is the first one's id) in the
+    /// writer's index.
+    pub(crate) fn add_buckets(&mut self, first: u32, new: Vec<Bucket>) {
+        if new.is_empty() {
+            return;
+        }
+        let names = Arc::make_mut(&mut self.version.names);
+        for (i, b) in new.iter().enumerate() {
+            names.insert(b.clone(), first + i as u32);
+        }
+        for b in new {
+            self.bucket_names.push(b);
+            self.version.maps.push(Default::default());
+        }
+    }
+
     pub(crate) fn applier(&mut self) -> Applier<'_> {
         Applier {
             maps: &mut self.version.maps,
@@ -652,16 +668,7 @@ impl Inner {
         let start = self.finish_frame(&mut w, sync)?;
 
         // Durable: apply to the index.
-        if !new_buckets.is_empty() {
-            let names = Arc::make_mut(&mut w.version.names);
-            for (i, b) in new_buckets.iter().enumerate() {
-                names.insert(b.clone(), first_new + i as u32);
-            }
-            for b in new_buckets {
-                w.bucket_names.push(b);
-                w.version.maps.push(Default::default());
-            }
-        }
+        w.add_buckets(first_new, new_buckets);
         let seg = w.active.seg.id;
         let mut puts = value_at.into_iter();
         batch.for_each_op(&mut |op| {

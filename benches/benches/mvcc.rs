@@ -130,40 +130,53 @@ fn put_interleaved() {
         .expect("open store");
         let reference = keel_benches::lmdb::raw_with(raw_dir.path(), &lmdb);
         let (env, db) = (reference.env.clone(), reference.db);
-        let (mut ours, mut raw) = (Vec::with_capacity(rounds), Vec::with_capacity(rounds));
         let (mut next_ours, mut next_raw) = (0u64, 0u64);
-        for round in 0..rounds {
-            for side in [round % 2, 1 - round % 2] {
-                let t0 = Instant::now();
-                if side == 0 {
-                    for _ in 0..BATCH {
-                        s.put(&key(next_ours), &value, 0).expect("put");
-                        next_ours += 1;
-                    }
-                    s.force_commit().expect("commit");
-                    ours.push(t0.elapsed());
-                } else {
-                    let mut wtxn = env.write_txn().expect("write txn");
-                    for _ in 0..BATCH {
-                        db.put(&mut wtxn, &key(next_raw), &value).expect("put");
-                        next_raw += 1;
-                    }
-                    wtxn.commit().expect("commit");
-                    raw.push(t0.elapsed());
+        let (o, r) = interleaved(
+            rounds,
+            || {
+                for _ in 0..BATCH {
+                    s.put(&key(next_ours), &value, 0).expect("put");
+                    next_ours += 1;
                 }
-            }
-        }
-        let median = |v: &mut Vec<Duration>| {
-            v.sort_unstable();
-            v[v.len() / 2].as_secs_f64() * 1e6
-        };
-        let (o, r) = (median(&mut ours), median(&mut raw));
+                s.force_commit().expect("commit");
+            },
+            || {
+                let mut wtxn = env.write_txn().expect("write txn");
+                for _ in 0..BATCH {
+                    db.put(&mut wtxn, &key(next_raw), &value).expect("put");
+                    next_raw += 1;
+                }
+                wtxn.commit().expect("commit");
+            },
+        );
         println!(
             "REPORT mvcc put, keel and raw heed batches interleaved ({label}): throughput ratio {:.3}x  [keel median {o:.1} us, raw heed median {r:.1} us per 1000 puts + commit, {rounds} batches each] (goal >= 0.70x: {})",
             r / o,
             if r / o >= 0.7 { "met" } else { "NOT met" }
         );
     }
+}
+
+/// Runs `ours` and `raw` `rounds` times each, alternating (which goes first alternates too),
+/// so both meet the same load on a shared machine; returns the median time of each in µs.
+fn interleaved(rounds: usize, mut ours: impl FnMut(), mut raw: impl FnMut()) -> (f64, f64) {
+    let mut times = [Vec::with_capacity(rounds), Vec::with_capacity(rounds)];
+    for round in 0..rounds {
+        for side in [round % 2, 1 - round % 2] {
+            let t0 = Instant::now();
+            if side == 0 {
+                ours()
+            } else {
+                raw()
+            }
+            times[side].push(t0.elapsed());
+        }
+    }
+    let [o, r] = times.map(|mut v| {
+        v.sort_unstable();
+        v[v.len() / 2].as_secs_f64() * 1e6
+    });
+    (o, r)
 }
 
 /// One put comparison (1 000 puts then the commit, keel against raw heed in the same
@@ -745,24 +758,7 @@ fn range_10k(c: &mut Criterion) {
     // both meet the same load on a shared machine, where criterion's groups run one side
     // after the other.
     let rounds = if smoke() { 4 } else { 400 };
-    let (mut t_ours, mut t_raw) = (Vec::with_capacity(rounds), Vec::with_capacity(rounds));
-    for round in 0..rounds {
-        for side in [round % 2, 1 - round % 2] {
-            let t0 = Instant::now();
-            if side == 0 {
-                ours();
-                t_ours.push(t0.elapsed());
-            } else {
-                raw();
-                t_raw.push(t0.elapsed());
-            }
-        }
-    }
-    let median = |v: &mut Vec<Duration>| {
-        v.sort_unstable();
-        v[v.len() / 2].as_secs_f64() * 1e6
-    };
-    let (o, r) = (median(&mut t_ours), median(&mut t_raw));
+    let (o, r) = interleaved(rounds, ours, raw);
     println!(
         "REPORT mvcc range of 10k keys vs raw heed cursor, ranges interleaved: time ratio {:.3}x  [keel median {o:.1} us, raw heed median {r:.1} us, {rounds} ranges each] (goal <= 1.50x: {})",
         o / r,
