@@ -414,7 +414,6 @@ fn client_puts<B: Backend>(
 /// p99 latency of these puts with the reader against without it.
 fn headline_clients_on<B: Backend + 'static>(c: &mut Criterion, label: &str, s: &Arc<Store<B>>) {
     headline_load(s);
-    let keys = headline_keys();
     let value = vec![3u8; 1024];
     let next = AtomicU64::new(0);
     let mut group = c.benchmark_group(format!(
@@ -468,14 +467,33 @@ fn headline_clients_on<B: Backend + 'static>(c: &mut Criterion, label: &str, s: 
         Some(0.9),
     );
     let [lat_alone, lat_reader] = &mut latencies;
-    let (a, r) = (p99(lat_alone), p99(lat_reader));
+    headline_p99(
+        &format!("({label}): p99 durable put latency of {HEADLINE_CLIENTS} clients"),
+        lat_alone,
+        lat_reader,
+        window_scans,
+        window,
+    );
+}
+
+/// Prints the headline's p99 put latency with the reader against without it (goal ≤ 1.5×);
+/// `window_scans` full scans finished in the `window` measured with the reader.
+fn headline_p99(
+    what: &str,
+    alone: &mut [Duration],
+    with_reader: &mut [Duration],
+    window_scans: u64,
+    window: Duration,
+) {
+    let (a, r) = (p99(alone), p99(with_reader));
     let ratio = r.as_secs_f64() / a.as_secs_f64().max(1e-9);
     println!(
-        "RATIO etcd 3.4 headline ({label}): p99 durable put latency of {HEADLINE_CLIENTS} clients with a concurrent full scan vs without: time ratio {ratio:.3}x  [with reader: p99 {:.3} ms over {} puts, alone: p99 {:.3} ms over {} puts; {window_scans} full scans of {keys} keys completed during the {:.1} s measured with the reader] (goal <= 1.50x: {})",
-        r.as_secs_f64() * 1e3,
-        lat_reader.len(),
-        a.as_secs_f64() * 1e3,
-        lat_alone.len(),
+        "RATIO etcd 3.4 headline {what} with a concurrent full scan vs without: time ratio {ratio:.3}x  [with reader: p99 {:.1} us over {} puts, alone: p99 {:.1} us over {} puts; {window_scans} full scans of {} keys completed during the {:.1} s measured with the reader] (goal <= 1.50x: {})",
+        r.as_secs_f64() * 1e6,
+        with_reader.len(),
+        a.as_secs_f64() * 1e6,
+        alone.len(),
+        headline_keys(),
         window.as_secs_f64(),
         if ratio <= 1.5 { "met" } else { "NOT met" }
     );
@@ -679,16 +697,12 @@ fn headline_on<B: Backend + 'static>(c: &mut Criterion, label: &str, s: &Arc<Sto
         Better::Faster,
         Some(0.9),
     );
-    let (a, r) = (p99(&mut lat_alone), p99(&mut lat_reader));
-    let ratio = r.as_secs_f64() / a.as_secs_f64().max(1e-9);
-    println!(
-        "RATIO etcd 3.4 headline ({label}), one writer applying puts in memory back to back: p99 put latency with a concurrent full scan vs without: time ratio {ratio:.3}x  [with reader: p99 {:.3} us over {} puts, alone: p99 {:.3} us over {} puts; {window_scans} full scans of {keys} keys completed during the {:.1} s measured with the reader] (goal <= 1.50x: {})",
-        r.as_secs_f64() * 1e6,
-        lat_reader.len(),
-        a.as_secs_f64() * 1e6,
-        lat_alone.len(),
-        window.as_secs_f64(),
-        if ratio <= 1.5 { "met" } else { "NOT met" }
+    headline_p99(
+        &format!("({label}), one writer applying puts in memory back to back: p99 put latency"),
+        &mut lat_alone,
+        &mut lat_reader,
+        window_scans,
+        window,
     );
     println!(
         "REPORT etcd 3.4 headline ({label}): writer thread CPU per put (timed loops only): {:.2} us alone, {:.2} us with the reader",
