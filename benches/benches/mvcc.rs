@@ -1161,16 +1161,9 @@ fn profile(what: &str) {
             // The headline's writer (200 000 puts of 1 KiB over 100 000 keys, fsync, default
             // batching; `KEEL_PROFILE_PUTS` sets how many), with the full-scan reader on a thread named "reader" unless alone.
             let s = Arc::new(store(dir.path(), true, StoreOptions::default()));
-            let keys = 100_000u64;
+            headline_load(&s);
+            let keys = headline_keys();
             let value = vec![3u8; 1024];
-            for chunk in (0..keys).collect::<Vec<_>>().chunks(5_000) {
-                let mut t = s.write();
-                for &i in chunk {
-                    t.put(&key(i), &value, 0).expect("load");
-                }
-                t.commit().expect("commit");
-                s.force_commit().expect("commit");
-            }
             let stop = Arc::new(AtomicBool::new(false));
             let scanned = Arc::new(AtomicU64::new(0));
             let reader = (what == "profile-headline").then(|| {
