@@ -188,14 +188,7 @@ impl Inner {
         for (i, b) in new_buckets.iter().enumerate() {
             format::put_bucket(&mut w.buf, first_new + i as u32, b.name());
         }
-        let id_of = |w: &Writer, b: &Bucket| -> Option<u32> {
-            w.version.names.get(b).copied().or_else(|| {
-                new_buckets
-                    .iter()
-                    .position(|n| n == b)
-                    .map(|i| first_new + i as u32)
-            })
-        };
+        let id_of = |w: &Writer, b: &Bucket| w.bucket_id(b, first_new, &new_buckets);
         // Value offsets of the puts, relative to the frame start, in batch order.
         let records_at = w.buf.len();
         let mut puts = Puts::with_capacity(batch.len());

@@ -82,6 +82,16 @@ pub(crate) struct Writer {
 }
 
 impl Writer {
+    /// The id of `bucket`: its own, or its place among the buckets `new` a frame being built
+    /// creates (`first` is the first one's id).
+    pub(crate) fn bucket_id(&self, bucket: &Bucket, first: u32, new: &[Bucket]) -> Option<u32> {
+        self.version.names.get(bucket).copied().or_else(|| {
+            new.iter()
+                .position(|n| n == bucket)
+                .map(|i| first + i as u32)
+        })
+    }
+
     /// Names the buckets a written frame created (`first` is the first one's id) in the
     /// writer's index.
     pub(crate) fn add_buckets(&mut self, first: u32, new: Vec<Bucket>) {
@@ -634,14 +644,7 @@ impl Inner {
         for (i, b) in new_buckets.iter().enumerate() {
             format::put_bucket(&mut buf, first_new + i as u32, b.name());
         }
-        let id_of = |w: &Writer, b: &Bucket| -> Option<u32> {
-            w.version.names.get(b).copied().or_else(|| {
-                new_buckets
-                    .iter()
-                    .position(|n| n == b)
-                    .map(|i| first_new + i as u32)
-            })
-        };
+        let id_of = |w: &Writer, b: &Bucket| w.bucket_id(b, first_new, &new_buckets);
         // Value offsets of the puts, relative to the frame start, in batch order.
         let mut value_at = Vec::with_capacity(ops);
         batch.for_each_op(&mut |op| {

@@ -511,7 +511,7 @@ fn headline_raw_reference() {
         // A criterion filter left the keel headline out: nothing to set this beside.
         return;
     }
-    let keys: u64 = if smoke() { 2_000 } else { 100_000 };
+    let keys = headline_keys();
     let run_for = if smoke() {
         Duration::from_millis(300)
     } else {

@@ -96,10 +96,10 @@ pub(crate) struct Inner<B: Backend> {
     commits_ended: (Mutex<u64>, Condvar),
     /// Write buffers taken for a backend commit so far (taken under `state` and
     /// `commit_lock`, numbered from 1).
-    pub buffers_taken: AtomicU64,
+    buffers_taken: AtomicU64,
     /// The number of the newest taken buffer whose backend commit succeeded: every write
     /// acknowledged before that buffer was taken is durable.
-    pub buffers_durable: AtomicU64,
+    buffers_durable: AtomicU64,
     pub consistent_index: AtomicU64,
     pub compacted: AtomicU64,
     pub poisoned: Mutex<Option<String>>,
