@@ -310,18 +310,23 @@ impl<T: ReadTxn> Sources<'_, T> {
             .into_iter()
             .chain(std::iter::once(self.current));
         for p in buffers {
-            let changes = p.changes.read();
-            let lo = changes.revs.partition_point(|c| c.rev < from);
-            for c in &changes.revs[lo..] {
-                if c.rev.main > to {
-                    return Ok(());
-                }
-                if last.is_some_and(|l| c.rev <= l) {
-                    continue;
-                }
-                last = Some(c.rev);
-                let key = c.rev.to_key(c.tombstone);
-                if !f(c.rev, c.tombstone, &key, &c.record)? {
+            // The changes in range are taken out (their records are shared, not copied) and
+            // `f` runs with the buffer unlocked: `f` may read the store, and a second read
+            // lock of the same buffer would wait behind a writer queued for it, which holds
+            // the store's state lock that this thread's reads also need.
+            let changes: Vec<(Revision, bool, Arc<[u8]>)> = {
+                let changes = p.changes.read();
+                let lo = changes.revs.partition_point(|c| c.rev < from);
+                changes.revs[lo..]
+                    .iter()
+                    .take_while(|c| c.rev.main <= to)
+                    .filter(|c| last.is_none_or(|l| c.rev > l))
+                    .map(|c| (c.rev, c.tombstone, c.record.clone()))
+                    .collect()
+            };
+            for (rev, tombstone, record) in changes {
+                last = Some(rev);
+                if !f(rev, tombstone, &rev.to_key(tombstone), &record)? {
                     return Ok(());
                 }
             }
@@ -516,7 +521,12 @@ pub(crate) fn scan_live<B: Backend>(
 
 #[cfg(test)]
 mod tests {
+    use std::sync::mpsc;
+    use std::time::Duration;
+
     use super::*;
+    use crate::testing::{MemBackend, MemOptions};
+    use crate::{RangeRequest, Store, StoreOptions};
 
     #[test]
     fn radix_sorted_misses_match_a_comparison_sort() {
@@ -540,5 +550,61 @@ mod tests {
             sort_misses(&mut misses);
             assert_eq!(misses, expected, "{len} pairs");
         }
+    }
+
+    /// A visit of buffered changes may read the store from its callback (as watch catch-up
+    /// does) while a writer waits to add to the same buffer: the visit holds no buffer lock
+    /// across the callback, so neither waits for the other.
+    #[test]
+    fn visiting_buffered_changes_reads_the_store_while_a_writer_waits() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let backend = MemBackend::open(&dir.path().join("mem"), &MemOptions::default())
+            .expect("open backend");
+        let options = StoreOptions {
+            batch_interval: Duration::from_secs(3600),
+            ..StoreOptions::default()
+        };
+        let s = Arc::new(Store::open(backend, options).expect("open store"));
+        for i in 0..4u8 {
+            s.put(&[b'k', i], b"v", 0).expect("put");
+        }
+        let view = s.read().expect("view");
+        let (done_tx, done) = mpsc::channel();
+        let visitor = {
+            let s = s.clone();
+            std::thread::spawn(move || {
+                let mut writer = None;
+                let mut reads = 0;
+                let visited = view.sources(None).for_each_change(
+                    Revision::new(1, 0),
+                    view.revision(),
+                    |_, _, _, _| {
+                        if writer.is_none() {
+                            // A writer queues for the buffer being visited.
+                            let s = s.clone();
+                            writer = Some(std::thread::spawn(move || {
+                                s.put(b"late", b"v", 0).expect("put");
+                            }));
+                            std::thread::sleep(Duration::from_millis(100));
+                        }
+                        let req = RangeRequest::key(b"k\x01".to_vec());
+                        let r = range(&view.inner, &view.sources(None), &req, view.revision())?;
+                        reads += r.kvs.len();
+                        Ok(true)
+                    },
+                );
+                let _ = done_tx.send((visited.is_ok(), reads));
+                if let Some(w) = writer {
+                    w.join().expect("writer");
+                }
+            })
+        };
+        let (ok, reads) = done
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the visit and the writer wait for each other");
+        assert!(ok, "the visit failed");
+        assert_eq!(reads, 4, "every visited change read the pair back");
+        visitor.join().expect("visitor");
+        assert_eq!(s.current_revision(), 5);
     }
 }
