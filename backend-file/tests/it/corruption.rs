@@ -3,14 +3,14 @@
 //! prefix of the commits produced, never a panic and never wrong data.
 
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::OnceLock;
 
 use keel_backend_file::{FileBackend, FileOptions};
 use keel_mvcc::{Backend, BackendError, WriteBatch};
 use proptest::prelude::*;
 
-use crate::support::{B, Dump, META_B, dump, small};
+use crate::support::{B, Dump, META_B, dump, segments, small};
 
 fn copy_dir(from: &Path, to: &Path) {
     for e in fs::read_dir(from).unwrap() {
@@ -21,16 +21,6 @@ fn copy_dir(from: &Path, to: &Path) {
         }
         fs::copy(e.path(), to.join(&name)).unwrap();
     }
-}
-
-fn segments(dir: &Path) -> Vec<PathBuf> {
-    let mut v: Vec<PathBuf> = fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|x| x == "seg"))
-        .collect();
-    v.sort();
-    v
 }
 
 fn batch(i: u32) -> WriteBatch {

@@ -4,14 +4,14 @@
 //! fails no commit.
 
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use keel_backend_file::{FaultHook, FileBackend, FileOptions, PrepareWith, WriteFault};
 use keel_mvcc::{Backend, BackendError, WriteBatch};
 
-use crate::support::{B, META_B, dump};
+use crate::support::{B, META_B, dump, segments};
 
 const SEGMENT: u64 = 256 << 10;
 
@@ -43,16 +43,6 @@ fn batch(i: u32) -> WriteBatch {
     }
     b.put(&META_B, b"n".to_vec(), i.to_be_bytes().to_vec());
     b
-}
-
-fn segments(dir: &Path) -> Vec<PathBuf> {
-    let mut v: Vec<PathBuf> = fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|x| x == "seg"))
-        .collect();
-    v.sort();
-    v
 }
 
 /// End of the last frame of a segment file, walking the documented frame layout.

@@ -1,7 +1,7 @@
 //! Helpers shared by the test modules.
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use keel_backend_file::{FileBackend, FileOptions};
 use keel_mvcc::{Backend, Bucket, ReadTxn};
@@ -49,4 +49,15 @@ pub fn summary(d: &Dump) -> String {
         .collect();
     let n = d.get("meta").and_then(|m| m.get(&b"n"[..])).cloned();
     format!("[{}] n={n:?}", counts.join(", "))
+}
+
+/// The segment files (`*.seg`) in `dir`, in name order (which is segment order).
+pub fn segments(dir: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "seg"))
+        .collect();
+    v.sort();
+    v
 }
