@@ -301,6 +301,11 @@ impl SegmentWriter {
         Ok(())
     }
 
+    /// Makes room for `bytes` more bytes of records in the write buffer.
+    pub(crate) fn reserve(&mut self, bytes: usize) {
+        self.buf.reserve(bytes);
+    }
+
     /// Encodes an entry; returns (offset, crc seed it was chained from).
     pub(crate) fn entry(&mut self, e: &Entry) -> (u64, u32) {
         let at = self.end();

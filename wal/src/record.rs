@@ -250,10 +250,24 @@ impl<'a> Record<'a> {
 
 /// Encoders for each record kind; each returns the new chain crc.
 pub(crate) fn encode_entry(buf: &mut Vec<u8>, e: &Entry, prev: u32) -> u32 {
-    let mut prefix = [0u8; ENTRY_PREFIX];
-    prefix[..8].copy_from_slice(&e.index.to_le_bytes());
-    prefix[8..].copy_from_slice(&e.term.to_le_bytes());
-    encode(buf, RecordType::Entry, &[&prefix, &e.data], prev)
+    // `encode` for an entry, without its general parts: header and prefix framed in one
+    // piece, then the data, the padding from zeros, and one crc pass over word and payload.
+    let len = ENTRY_PREFIX + e.data.len();
+    debug_assert!(len <= MAX_PAYLOAD);
+    let word = ((RecordType::Entry as u32) << 24) | len as u32;
+    let mut head = [0u8; HEADER_LEN + ENTRY_PREFIX];
+    head[4..8].copy_from_slice(&word.to_le_bytes());
+    head[8..16].copy_from_slice(&e.index.to_le_bytes());
+    head[16..24].copy_from_slice(&e.term.to_le_bytes());
+    let start = buf.len();
+    buf.extend_from_slice(&head);
+    buf.extend_from_slice(&e.data);
+    let mut h = crc32fast::Hasher::new_with_initial(prev);
+    h.update(&buf[start + 4..]);
+    let crc = h.finalize();
+    buf[start..start + 4].copy_from_slice(&crc.to_le_bytes());
+    buf.extend_from_slice(&[0u8; 8][..padded(len) - len]);
+    crc
 }
 
 /// The header and prefix of an entry record (the bytes before its data) and its crc,

@@ -821,6 +821,7 @@ impl Wal {
                     let _ = g.index.push(e.index, entry_loc(e, seq, offset, prev_crc));
                 }
             } else {
+                g.writer.reserve(bytes as usize);
                 for e in entries {
                     let (offset, prev_crc) = g.writer.entry(e);
                     // Checked above: consecutive and not past last + 1.
