@@ -1076,6 +1076,193 @@ fn read_events(events: &[keel_mvcc::Event]) -> ReadSum {
     }
 }
 
+/// Schedstat of this thread: (ns on CPU, ns runnable waiting for a CPU, timeslices).
+fn sched_self() -> [u64; 3] {
+    let s = std::fs::read_to_string("/proc/thread-self/schedstat").unwrap_or_default();
+    let mut f = s.split_whitespace().map(|x| x.parse::<u64>().unwrap_or(0));
+    [
+        f.next().unwrap_or(0),
+        f.next().unwrap_or(0),
+        f.next().unwrap_or(0),
+    ]
+}
+
+/// Schedstat of every thread of this process, summed by thread name.
+fn sched_all() -> std::collections::BTreeMap<String, [u64; 3]> {
+    let mut out = std::collections::BTreeMap::new();
+    for task in std::fs::read_dir("/proc/self/task")
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let path = task.path();
+        let name = std::fs::read_to_string(path.join("comm")).unwrap_or_default();
+        let s = std::fs::read_to_string(path.join("schedstat")).unwrap_or_default();
+        let mut f = s.split_whitespace().map(|x| x.parse::<u64>().unwrap_or(0));
+        let e: &mut [u64; 3] = out.entry(name.trim().to_owned()).or_insert([0; 3]);
+        for slot in e.iter_mut() {
+            *slot += f.next().unwrap_or(0);
+        }
+    }
+    out
+}
+
+fn median_of(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// `profile-clients`: the durable clients' headline on LMDB, instrumented. `KEEL_PROFILE_ROUNDS`
+/// rounds (6) of `KEEL_PROFILE_PUTS` puts (4 000) alone and the same with the reader, in
+/// alternating order; per half: throughput, p50/p99, the clients' CPU, time waiting for a
+/// CPU and times scheduled per put (schedstat), the put and `force_commit` parts of a put's
+/// latency, and the committer thread's and the reader's share; then the medians.
+fn profile_clients<B: Backend + 'static>(s: &Arc<Store<B>>) {
+    headline_load(s);
+    let env = |k: &str, d: u64| {
+        std::env::var(k)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(d)
+    };
+    let rounds = env("KEEL_PROFILE_ROUNDS", 6);
+    let per_client = env("KEEL_PROFILE_PUTS", 4_000) / HEADLINE_CLIENTS;
+    let puts = (per_client * HEADLINE_CLIENTS) as f64;
+    let keys = headline_keys();
+    let value = vec![3u8; 1024];
+    let next = AtomicU64::new(0);
+    let scans = Arc::new(AtomicU64::new(0));
+    const NAMES: [&str; 11] = [
+        "puts/s",
+        "p50 us",
+        "p99 us",
+        "client cpu us/put",
+        "client runq us/put",
+        "client slices/put",
+        "put us",
+        "force_commit us",
+        "committer cpu us/put",
+        "committer runq us/put",
+        "reader cpu share",
+    ];
+    let mut figures: [Vec<Vec<f64>>; 2] = std::array::from_fn(|_| vec![Vec::new(); NAMES.len()]);
+    for round in 0..rounds {
+        let first = round % 2 == 0;
+        for with_reader in [first, !first] {
+            let stop = Arc::new(AtomicBool::new(false));
+            let reader = with_reader.then(|| spawn_scanner(s, &stop, &scans));
+            let all0 = sched_all();
+            let start = Instant::now();
+            type Client = ([u64; 3], u64, u64, Vec<Duration>);
+            let per: Vec<Client> = std::thread::scope(|scope| {
+                let clients: Vec<_> = (0..HEADLINE_CLIENTS)
+                    .map(|_| {
+                        let (next, value) = (&next, &value);
+                        std::thread::Builder::new()
+                            .name("client".into())
+                            .spawn_scoped(scope, move || {
+                                let a = sched_self();
+                                let (mut put_ns, mut commit_ns) = (0u64, 0u64);
+                                let mut lat = Vec::with_capacity(per_client as usize);
+                                for _ in 0..per_client {
+                                    let i = next.fetch_add(1, Ordering::Relaxed);
+                                    let k = key(i.wrapping_mul(7919) % keys);
+                                    let t0 = Instant::now();
+                                    s.put(&k, value, 0).expect("put");
+                                    let t1 = Instant::now();
+                                    s.force_commit().expect("commit");
+                                    let t2 = Instant::now();
+                                    put_ns += (t1 - t0).as_nanos() as u64;
+                                    commit_ns += (t2 - t1).as_nanos() as u64;
+                                    lat.push(t2 - t0);
+                                }
+                                let b = sched_self();
+                                (
+                                    [b[0] - a[0], b[1] - a[1], b[2] - a[2]],
+                                    put_ns,
+                                    commit_ns,
+                                    lat,
+                                )
+                            })
+                            .expect("spawn client")
+                    })
+                    .collect();
+                clients
+                    .into_iter()
+                    .map(|c| c.join().expect("client"))
+                    .collect()
+            });
+            let took = start.elapsed();
+            let all1 = sched_all();
+            stop.store(true, Ordering::Release);
+            if let Some(r) = reader {
+                r.join().expect("reader");
+            }
+            let mut lat: Vec<Duration> = per.iter().flat_map(|p| p.3.iter().copied()).collect();
+            let p99v = p99(&mut lat).as_secs_f64() * 1e6;
+            let p50v = lat[lat.len() / 2].as_secs_f64() * 1e6;
+            let mut clients = [0u64; 3];
+            let (mut put_ns, mut commit_ns) = (0u64, 0u64);
+            for p in &per {
+                for (sum, x) in clients.iter_mut().zip(p.0) {
+                    *sum += x;
+                }
+                put_ns += p.1;
+                commit_ns += p.2;
+            }
+            // Thread names are cut to 15 bytes.
+            let delta = |name: &str| {
+                let a = all0.get(name).copied().unwrap_or([0; 3]);
+                let b = all1.get(name).copied().unwrap_or([0; 3]);
+                [0, 1, 2].map(|j| b[j].saturating_sub(a[j]) as f64)
+            };
+            let committer = delta("keel-mvcc-commi");
+            let reader = delta("reader");
+            let row = [
+                puts / took.as_secs_f64(),
+                p50v,
+                p99v,
+                clients[0] as f64 / 1e3 / puts,
+                clients[1] as f64 / 1e3 / puts,
+                clients[2] as f64 / puts,
+                put_ns as f64 / 1e3 / puts,
+                commit_ns as f64 / 1e3 / puts,
+                committer[0] / 1e3 / puts,
+                committer[1] / 1e3 / puts,
+                reader[0] / took.as_nanos() as f64,
+            ];
+            println!(
+                "{} round {round}: {}",
+                if with_reader {
+                    "with the reader"
+                } else {
+                    "alone"
+                },
+                NAMES
+                    .iter()
+                    .zip(row)
+                    .map(|(n, v)| format!("{n} {v:.2}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+            for (j, v) in row.iter().enumerate() {
+                figures[usize::from(with_reader)][j].push(*v);
+            }
+        }
+    }
+    for (j, name) in NAMES.iter().enumerate() {
+        let a = median_of(&mut figures[0][j]);
+        let w = median_of(&mut figures[1][j]);
+        println!(
+            "profile-clients median {name}: alone {a:.2}, with the reader {w:.2} (with/alone {:.3})",
+            w / a.max(1e-9)
+        );
+    }
+}
+
 /// Fixed workloads for an instruction counter: 20 batches (`KEEL_PROFILE_BATCHES`) of 1 000
 /// puts plus a commit (no fsync, or with it for the `-fsync` variants, to trace system calls)
 /// on the store or on raw heed, printing the median time per batch, or 20 ranges of 10 000
@@ -1229,6 +1416,10 @@ fn profile(what: &str) {
                 );
             }
         }
+        "profile-clients" => {
+            let s = Arc::new(store(dir.path(), true, StoreOptions::default()));
+            profile_clients(&s);
+        }
         other => panic!("unknown profile {other}"),
     }
     if !took.is_empty() {
@@ -1248,7 +1439,8 @@ fn main() {
     }
     // `KEEL_MVCC_BENCH_ONLY=fanout` (or `index`, `criterion`, `headline`) runs one part;
     // `profile-put`, `profile-raw-put` and `profile-range` run a fixed amount of one workload
-    // for an instruction counter (`valgrind --tool=callgrind`).
+    // for an instruction counter (`valgrind --tool=callgrind`); `profile-clients` measures
+    // where the durable clients' time goes, alone and with the reader (see `profile_clients`).
     let only = std::env::var("KEEL_MVCC_BENCH_ONLY").unwrap_or_default();
     if only.starts_with("profile-") {
         profile(&only);

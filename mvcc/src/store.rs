@@ -17,8 +17,9 @@
 //! buffer and publishes the revision under the short `state` lock. Readers take the `state`
 //! lock only to copy the published revision and the `Arc`s of the pending buffers, then read
 //! the key index in short chunks. Backend commits run on the committer thread (every
-//! `batch_interval`, or when `batch_limit` writes are pending) under their own lock, so
-//! neither readers nor writers wait for them.
+//! `batch_interval`, when `batch_limit` writes are pending, or for `force_commit` callers,
+//! back to back while callers wait) under their own lock, so neither readers nor writers wait
+//! for them.
 
 use std::io::Write;
 use std::sync::Arc;
@@ -100,6 +101,13 @@ pub(crate) struct Inner<B: Backend> {
     /// The number of the newest taken buffer whose backend commit succeeded: every write
     /// acknowledged before that buffer was taken is durable.
     buffers_durable: AtomicU64,
+    /// The newest buffer number a [`Store::force_commit`] caller waits to see durable: the
+    /// committer thread commits back to back while it is above `buffers_durable`.
+    buffers_wanted: AtomicU64,
+    /// Where `force_commit` callers wait for their buffer's commit: the condition of the
+    /// buffers of even numbers, then of odd ones, so a commit wakes only the callers it made
+    /// durable, not those waiting for the next buffer.
+    durable_waits: (Mutex<()>, [Condvar; 2]),
     pub consistent_index: AtomicU64,
     pub compacted: AtomicU64,
     pub poisoned: Mutex<Option<String>>,
@@ -247,6 +255,8 @@ impl<B: Backend> Store<B> {
             commits_ended: (Mutex::new(0), Condvar::new()),
             buffers_taken: AtomicU64::new(0),
             buffers_durable: AtomicU64::new(0),
+            buffers_wanted: AtomicU64::new(0),
+            durable_waits: (Mutex::new(()), [Condvar::new(), Condvar::new()]),
             consistent_index: AtomicU64::new(consistent_index),
             compacted: AtomicU64::new(scheduled),
             poisoned: Mutex::new(None),
@@ -418,11 +428,12 @@ impl<B: Backend> Store<B> {
     }
 
     /// Commits every write acknowledged before this call to the backend; durable when this
-    /// returns. Concurrent callers share backend commits (a group commit): a call whose
-    /// writes a commit started after it began has already made durable returns without a
-    /// commit of its own.
+    /// returns. Concurrent callers share backend commits (a group commit): the store's
+    /// committer thread takes the write buffer and commits it, and goes straight on to the
+    /// next buffer while callers wait for it, so the backend is kept busy without a caller
+    /// having to wake up first to start the next commit.
     pub fn force_commit(&self) -> Result<(), MvccError> {
-        self.inner.commit_pending()
+        self.inner.wait_durable()
     }
 
     /// Writes a consistent copy of the backend (after a [`force_commit`](Store::force_commit))
@@ -549,6 +560,64 @@ impl<B: Backend> Inner<B> {
         }
     }
 
+    /// [`Store::force_commit`]: waits until every write acknowledged before this call is
+    /// durable, the commits done by the committer thread.
+    ///
+    /// The caller notes the number of the buffer its writes are in (the current one, or the
+    /// last one taken when the current one is empty: its writes went into older buffers) and
+    /// raises `buffers_wanted` to it, waking the committer if that number is new. The
+    /// committer commits buffers back to back until `buffers_wanted` is durable, so under a
+    /// steady stream of callers the next commit starts as soon as the last one ends, on a
+    /// thread already running, instead of after a woken caller gets a CPU. Each commit wakes
+    /// only the callers of its buffer's parity: those waiting for the next buffer sleep on.
+    pub(crate) fn wait_durable(&self) -> Result<(), MvccError> {
+        self.check_poisoned()?;
+        let needed = {
+            let st = self.state.lock();
+            let taken = self.buffers_taken.load(Ordering::Acquire);
+            if st.current.changes.read().is_empty() {
+                taken
+            } else {
+                taken + 1
+            }
+        };
+        if self.buffers_durable.load(Ordering::Acquire) >= needed {
+            return Ok(());
+        }
+        if self.buffers_wanted.fetch_max(needed, Ordering::AcqRel) < needed
+            && !self.commit_requested.swap(true, Ordering::AcqRel)
+        {
+            let _ = self.committer.send(Signal::Commit);
+        }
+        let (lock, conditions) = &self.durable_waits;
+        let condition = &conditions[(needed % 2) as usize];
+        let mut waiting = lock.lock();
+        while self.buffers_durable.load(Ordering::Acquire) < needed {
+            self.check_poisoned()?;
+            condition.wait(&mut waiting);
+        }
+        Ok(())
+    }
+
+    /// Wakes the `force_commit` callers waiting for buffer `taken` (or an older one of its
+    /// parity), or all of them with `all` (the store was poisoned).
+    fn wake_durable(&self, taken: u64, all: bool) {
+        let (lock, conditions) = &self.durable_waits;
+        let _held = lock.lock();
+        if all {
+            conditions.iter().for_each(|c| {
+                c.notify_all();
+            });
+        } else {
+            conditions[(taken % 2) as usize].notify_all();
+        }
+    }
+
+    /// `force_commit` callers wait for a buffer not yet durable.
+    fn durability_wanted(&self) -> bool {
+        self.buffers_wanted.load(Ordering::Acquire) > self.buffers_durable.load(Ordering::Acquire)
+    }
+
     /// Makes every write acknowledged before this call durable: commits the pending buffer
     /// to the backend (one batch) unless a commit that started after this call began has
     /// already done so.
@@ -607,6 +676,7 @@ impl<B: Backend> Inner<B> {
             Ok(()) => {
                 self.state.lock().committing = None;
                 self.buffers_durable.store(taken, Ordering::Release);
+                self.wake_durable(taken, false);
                 Ok(())
             }
             Err(e) => {
@@ -614,6 +684,7 @@ impl<B: Backend> Inner<B> {
                 tracing::error!(error = %e, "backend commit failed; store is poisoned");
                 *self.poisoned.lock() = Some(e.to_string());
                 self.is_poisoned.store(true, Ordering::Release);
+                self.wake_durable(taken, true);
                 Err(e.into())
             }
         }
@@ -642,10 +713,17 @@ fn committer_loop<B: Backend>(inner: &Inner<B>, rx: &Receiver<Signal>) {
             Ok(Signal::Shutdown) | Err(RecvTimeoutError::Disconnected) => true,
         };
         inner.commit_requested.store(false, Ordering::Release);
-        if let Err(e) = inner.commit_pending()
-            && !matches!(e, MvccError::Poisoned { .. })
-        {
-            tracing::error!(error = %e, "background backend commit failed");
+        loop {
+            if let Err(e) = inner.commit_pending() {
+                if !matches!(e, MvccError::Poisoned { .. }) {
+                    tracing::error!(error = %e, "background backend commit failed");
+                }
+                break;
+            }
+            // Callers of `force_commit` wait for the buffer filled meanwhile: commit it now.
+            if !inner.durability_wanted() {
+                break;
+            }
         }
         if stop {
             return;

@@ -302,3 +302,55 @@ fn concurrent_force_commits_share_backend_commits() {
         CLIENTS * ROUNDS
     );
 }
+
+/// Callers waiting in `force_commit` when the backend commit fails all return an error: none
+/// waits on for a commit that will never come, and none reports a write durable that the
+/// backend never took.
+#[test]
+fn a_failed_commit_fails_every_waiting_force_commit() {
+    const CLIENTS: usize = 8;
+    let (_d, path) = fresh_path();
+    let s = open_at(
+        &path,
+        StoreOptions {
+            batch_interval: Duration::from_secs(3600),
+            ..StoreOptions::default()
+        },
+    );
+    s.backend().set_commit_delay(Duration::from_millis(20));
+    s.backend().set_fail_commits(true);
+    let s = Arc::new(s);
+    let start = Arc::new(std::sync::Barrier::new(CLIENTS));
+    let (tx, rx) = mpsc::channel();
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|c| {
+            let (s, start, tx) = (s.clone(), start.clone(), tx.clone());
+            std::thread::spawn(move || {
+                start.wait();
+                // A put after the failure is refused (the store is poisoned): nothing to wait for.
+                let outcome = match s.put(format!("c{c}").as_bytes(), b"v", 0) {
+                    Ok(_) => Some(s.force_commit().is_ok()),
+                    Err(_) => None,
+                };
+                tx.send((c, outcome)).unwrap();
+            })
+        })
+        .collect();
+    let mut waited = 0;
+    for _ in 0..CLIENTS {
+        let (c, outcome) = rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("every force_commit returns once the commit failed");
+        assert_ne!(
+            outcome,
+            Some(true),
+            "client {c}: force_commit succeeded, no commit did"
+        );
+        waited += usize::from(outcome.is_some());
+    }
+    assert!(waited > 0, "no client reached force_commit");
+    for c in clients {
+        c.join().unwrap();
+    }
+    assert_eq!(s.backend().len(&keel_mvcc::KEY_BUCKET), 0);
+}
