@@ -15,6 +15,14 @@
 //! except what compaction deleted. Compaction's physical deletion is what could differ, so a
 //! view *pins* its revision while it lives (`Inner::pin_view`), and the compactor does not
 //! delete history of a compaction above the oldest pinned revision until that view is gone.
+//!
+//! A long read gives way to writers: between chunks (of the key index, and every
+//! [`INDEX_CHUNK`](crate::store::INDEX_CHUNK) records read from the backend) it yields its CPU
+//! while a write transaction is waiting for the writer mutex or holds it. On a machine with
+//! fewer cores than busy threads, a back-to-back scan otherwise keeps a core that writers
+//! waiting to run need: each handoff of the writer mutex waits for the next writer to get a
+//! CPU, and the writers queue behind one another. A yield with nobody else waiting for this
+//! CPU returns at once.
 
 use std::cell::RefCell;
 use std::sync::Arc;
@@ -104,6 +112,10 @@ impl<B: Backend> Refresh<B::ReadTxn> for ReadView<B> {
         *self.txn.lock() = txn.clone();
         Ok(txn)
     }
+
+    fn pause(&self) {
+        yield_to_writers(&self.inner);
+    }
 }
 
 impl<B: Backend> Drop for ReadView<B> {
@@ -115,6 +127,8 @@ impl<B: Backend> Drop for ReadView<B> {
 /// Opens a fresh backend read transaction for a running read (see the module docs).
 pub(crate) trait Refresh<T> {
     fn fresh_txn(&self) -> Result<Arc<T>, MvccError>;
+    /// Between chunks of a long read: see [`yield_to_writers`].
+    fn pause(&self);
 }
 
 /// Where a reader finds records: a write transaction's own changes, the pending buffers, the
@@ -253,6 +267,11 @@ impl<T: ReadTxn> Sources<'_, T> {
                     break;
                 }
                 read += 1;
+                if read.is_multiple_of(INDEX_CHUNK)
+                    && let Some(refresh) = self.refresh
+                {
+                    refresh.pause();
+                }
                 let Some(item) = iter.next() else {
                     return Err(missing(want, compacted));
                 };
@@ -384,6 +403,14 @@ fn sort_misses(misses: &mut Vec<(Revision, usize)>) {
     *misses = src;
 }
 
+/// Lets waiting write transactions run: a long read calls this between chunks, and gives the
+/// CPU up when a writer is waiting for the writer mutex or holds it.
+pub(crate) fn yield_to_writers<B: Backend>(inner: &Inner<B>) {
+    if inner.writers.load(std::sync::atomic::Ordering::Relaxed) > 0 {
+        std::thread::yield_now();
+    }
+}
+
 fn missing(rev: Revision, compacted: &impl Fn() -> u64) -> MvccError {
     let c = compacted();
     if rev.main <= c {
@@ -513,6 +540,7 @@ pub(crate) fn scan_live<B: Backend>(
             return Ok(count);
         }
         drop(idx);
+        yield_to_writers(inner);
         // The buffers swap: `after` is read by the next chunk's scan, `last` written.
         let buf = after.get_or_insert_default();
         std::mem::swap(buf, &mut last);
@@ -550,6 +578,47 @@ mod tests {
             sort_misses(&mut misses);
             assert_eq!(misses, expected, "{len} pairs");
         }
+    }
+
+    /// Long reads yield while write transactions are open: the count of open ones goes up
+    /// while one waits for the writer mutex or holds it, and back to zero however it ends
+    /// (committed, dropped, failed), so reads do not keep yielding to writers gone.
+    #[test]
+    fn open_write_transactions_are_counted_until_they_end() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let backend = MemBackend::open(&dir.path().join("mem"), &MemOptions::default())
+            .expect("open backend");
+        let s = Arc::new(Store::open(backend, StoreOptions::default()).expect("open store"));
+        let writers =
+            |s: &Store<MemBackend>| s.inner.writers.load(std::sync::atomic::Ordering::Relaxed);
+        let mut t = s.write();
+        t.put(b"a", b"v", 0).expect("put");
+        assert_eq!(writers(&s), 1);
+        let waiting = {
+            let s = s.clone();
+            std::thread::spawn(move || {
+                let mut t = s.write();
+                t.put(b"b", b"v", 0).expect("put");
+                drop(t);
+            })
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while writers(&s) < 2 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the waiting writer is not counted"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        t.commit().expect("commit");
+        waiting.join().expect("writer");
+        assert_eq!(writers(&s), 0);
+        let mut t = s.write();
+        assert!(t.put(b"", b"v", 0).is_err());
+        drop(t);
+        s.put(b"c", b"v", 0).expect("put");
+        assert_eq!(writers(&s), 0);
+        assert_eq!(s.current_revision(), 2);
     }
 
     /// A visit of buffered changes may read the store from its callback (as watch catch-up

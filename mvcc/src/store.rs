@@ -127,6 +127,9 @@ pub(crate) struct Inner<B: Backend> {
     pub opened_leases: Mutex<OpenedLeases>,
     /// `opened_leases` still holds a list (the first write drops it: it no longer applies).
     pub opened_leases_held: AtomicBool,
+    /// Write transactions begun and not yet ended (waiting for the writer mutex or holding
+    /// it): long reads yield the CPU to them between chunks (see `read`).
+    pub writers: std::sync::atomic::AtomicUsize,
 }
 
 /// A revisioned key-value store over a [`Backend`]. `Send + Sync`; share it with an `Arc`.
@@ -268,6 +271,7 @@ impl<B: Backend> Store<B> {
             view_pins: Mutex::new(std::collections::BTreeMap::new()),
             opened_leases: Mutex::new(Some((revision, leases))),
             opened_leases_held: AtomicBool::new(true),
+            writers: std::sync::atomic::AtomicUsize::new(0),
         });
         if let Some(job) = job {
             tracing::info!(revision = job.revision, "resuming interrupted compaction");

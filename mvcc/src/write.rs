@@ -41,6 +41,7 @@ pub struct WriteTxn<'a, B: Backend> {
 
 impl<'a, B: Backend> WriteTxn<'a, B> {
     pub(crate) fn begin(inner: &'a Arc<Inner<B>>) -> WriteTxn<'a, B> {
+        inner.writers.fetch_add(1, Ordering::Relaxed);
         let guard = inner.write_lock.lock();
         let base = guard.revision;
         WriteTxn {
@@ -352,6 +353,7 @@ impl<B: Backend> Drop for WriteTxn<'_, B> {
             }
         }
         self.scratch.clear();
+        self.inner.writers.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
