@@ -568,8 +568,10 @@ impl<B: Backend> Inner<B> {
     /// durable, the commits done by the committer thread.
     ///
     /// The caller notes the number of the buffer its writes are in (the current one, or the
-    /// last one taken when the current one is empty: its writes went into older buffers) and
-    /// raises `buffers_wanted` to it, waking the committer if that number is new. The
+    /// last one taken when the current one is empty: its writes went into older buffers). A
+    /// caller that finds no commit running and nobody waiting commits on its own thread.
+    /// Otherwise it raises `buffers_wanted` to that number, waking the committer if the
+    /// number is new, and waits. The
     /// committer commits buffers back to back until `buffers_wanted` is durable, so under a
     /// steady stream of callers the next commit starts as soon as the last one ends, on a
     /// thread already running, instead of after a woken caller gets a CPU. Each commit wakes
@@ -587,6 +589,17 @@ impl<B: Backend> Inner<B> {
         };
         if self.buffers_durable.load(Ordering::Acquire) >= needed {
             return Ok(());
+        }
+        // Alone (no commit running, nobody waiting): commit on this thread, without handing
+        // the commit to the committer and waiting to be woken back.
+        if !self.durability_wanted()
+            && let Some(guard) = self.commit_lock.try_lock()
+        {
+            let _commit = CommitGuard {
+                guard: Some(guard),
+                ended: &self.commits_ended,
+            };
+            return self.commit_locked(needed);
         }
         if self.buffers_wanted.fetch_max(needed, Ordering::AcqRel) < needed
             && !self.commit_requested.swap(true, Ordering::AcqRel)
