@@ -353,12 +353,13 @@ fn open_direct(path: &Path) -> io::Result<Option<File>> {
     }
 }
 
-/// CPU time the calling thread has run so far in milliseconds, from
-/// `/proc/thread-self/schedstat` (Linux; -1 where unreadable), for the writer's closing log.
-fn thread_cpu_ms() -> f64 {
+/// Field `field` of `/proc/thread-self/schedstat` in milliseconds (Linux; -1 where
+/// unreadable), for the writer's closing log: 0 is the CPU time the calling thread has run
+/// so far, 1 the time it has spent ready to run but waiting for a processor.
+fn thread_schedstat_ms(field: usize) -> f64 {
     std::fs::read_to_string("/proc/thread-self/schedstat")
         .ok()
-        .and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .and_then(|s| s.split_whitespace().nth(field)?.parse::<u64>().ok())
         .map_or(-1.0, |ns| ns as f64 / 1e6)
 }
 
@@ -406,7 +407,8 @@ fn writer_thread(
     }
     tracing::debug!(
         bytes = written,
-        cpu_ms = thread_cpu_ms(),
+        cpu_ms = thread_schedstat_ms(0),
+        run_wait_ms = thread_schedstat_ms(1),
         "restore's direct writer done"
     );
 }

@@ -31,7 +31,8 @@
 //! `KEEL_LEARNER_BENCH_CPU=1` prints each join's CPU time from the learner's start to its
 //! promotion: the whole process's, and that of each thread alive at both ends, by name
 //! (schedstat). Threads that end in between (the snapshot sender, the restore, its key index
-//! and direct writer) log theirs at debug level:
+//! and direct writer) log theirs at debug level, with the time each spent ready to run but
+//! waiting for a processor (`run_wait_ms`):
 //! `RUST_LOG=keel_raft_glue=debug,keel_backend_file=debug,keel_mvcc=debug`.
 //!
 //! Run: `cargo bench -p keel-benches --bench learner`; smoke: `... -- --test`.

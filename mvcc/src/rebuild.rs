@@ -181,14 +181,19 @@ impl IndexThread {
                 index_block(&mut built, &block);
                 let _ = spare_tx.try_send(block);
             }
-            // CPU time of this thread (Linux schedstat), for the log.
-            let cpu_ms = std::fs::read_to_string("/proc/thread-self/schedstat")
-                .ok()
-                .and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok())
-                .map_or(-1.0, |ns| ns as f64 / 1e6);
+            // CPU time of this thread, and time it spent ready to run but waiting for a
+            // processor (Linux schedstat), for the log.
+            let schedstat = std::fs::read_to_string("/proc/thread-self/schedstat").ok();
+            let ms = |field: usize| {
+                schedstat
+                    .as_deref()
+                    .and_then(|s| s.split_whitespace().nth(field)?.parse::<u64>().ok())
+                    .map_or(-1.0, |ns| ns as f64 / 1e6)
+            };
             tracing::debug!(
                 records = built.records,
-                cpu_ms,
+                cpu_ms = ms(0),
+                run_wait_ms = ms(1),
                 "key index built on its thread"
             );
             built

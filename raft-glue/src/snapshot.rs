@@ -81,12 +81,18 @@ pub(crate) fn lower_thread_priority() {
     }
 }
 
-/// CPU time the calling thread has run so far, from `/proc/thread-self/schedstat` (Linux);
-/// `None` where that is not readable. Logged by the snapshot threads when they end.
-pub(crate) fn thread_cpu() -> Option<Duration> {
+/// Field `field` of `/proc/thread-self/schedstat` (Linux): 0 is the time the calling thread
+/// has run so far, 1 the time it has spent ready to run but waiting for a processor; `None`
+/// where that is not readable. Logged by the snapshot threads when they end.
+fn thread_schedstat(field: usize) -> Option<Duration> {
     let stat = fs::read_to_string("/proc/thread-self/schedstat").ok()?;
-    let ns = stat.split_whitespace().next()?.parse().ok()?;
+    let ns = stat.split_whitespace().nth(field)?.parse().ok()?;
     Some(Duration::from_nanos(ns))
+}
+
+/// CPU time the calling thread has run so far (see [`thread_schedstat`]).
+pub(crate) fn thread_cpu() -> Option<Duration> {
+    thread_schedstat(0)
 }
 
 /// [`thread_cpu`] in milliseconds, for logs (-1 when unknown).
@@ -94,10 +100,24 @@ pub(crate) fn thread_cpu_ms() -> f64 {
     thread_cpu().map_or(-1.0, |d| d.as_secs_f64() * 1e3)
 }
 
+/// Time the calling thread has spent ready to run but waiting for a processor, in
+/// milliseconds, for logs (-1 when unknown). A snapshot thread runs at the lowest priority:
+/// beside its CPU time this shows how long the members' other threads (and the other
+/// snapshot threads) kept it waiting.
+pub(crate) fn thread_run_wait_ms() -> f64 {
+    thread_schedstat(1).map_or(-1.0, |d| d.as_secs_f64() * 1e3)
+}
+
 /// Waiting senders, by transfer id.
 pub(crate) type AckWaiters = Arc<Mutex<HashMap<u64, Sender<SnapshotAck>>>>;
 
 /// Cuts a stream into chunks and sends them.
+///
+/// The stream's bytes are copied into the chunk's buffer. Sending keys and values straight
+/// from the read transaction instead (vectored writes of the store's mapped pages) measured
+/// more CPU on the sending thread, 89–97 ms against 73–92 ms per 215 MB stream: the chunk's
+/// CRC, needed before its frame head goes out, then reads the store's cold pages in place of
+/// the copy, and the kernel copies two slices per pair more slowly than one buffer.
 struct ChunkWriter<'a> {
     transport: &'a dyn Transport,
     from: u64,
@@ -233,6 +253,7 @@ pub(crate) fn send<T: keel_mvcc::ReadTxn>(
             bytes = w.total,
             ms = started.elapsed().as_secs_f64() * 1e3,
             cpu_ms = thread_cpu_ms(),
+            run_wait_ms = thread_run_wait_ms(),
             "snapshot streamed"
         );
         match rx.recv_timeout(timeout) {
@@ -519,6 +540,7 @@ impl<B: keel_mvcc::Backend> LiveRestore<B> {
                     pairs,
                     ms = started.elapsed().as_secs_f64() * 1e3,
                     cpu_ms = thread_cpu_ms(),
+                    run_wait_ms = thread_run_wait_ms(),
                     waited_for_chunks_ms = input.waited.as_secs_f64() * 1e3,
                     "snapshot stream restored"
                 );
