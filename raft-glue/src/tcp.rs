@@ -49,7 +49,10 @@ const POLL: Duration = Duration::from_millis(100);
 const BATCH: usize = 256;
 /// Snapshot frames received and not yet taken by the member. When it is full, the reader
 /// stops reading and TCP flow control holds the sender back: a stream arriving faster than
-/// the member restores it waits on the wire instead of piling up in memory.
+/// the member restores it waits on the wire instead of piling up in memory. (8, with 16
+/// receive buffers pooled, measured no different in the learner bench: 14 alternating runs
+/// each on the shared 2-core machine, keel transfer medians within its run-to-run noise,
+/// for about 3 200 fewer page faults per 215 MB transfer.)
 const SNAPSHOT_QUEUE: usize = 32;
 
 /// Knobs of the TCP transport.
