@@ -432,10 +432,11 @@ impl<B: Backend> Store<B> {
     }
 
     /// Commits every write acknowledged before this call to the backend; durable when this
-    /// returns. Concurrent callers share backend commits (a group commit): the store's
-    /// committer thread takes the write buffer and commits it, and goes straight on to the
-    /// next buffer while callers wait for it, so the backend is kept busy without a caller
-    /// having to wake up first to start the next commit.
+    /// returns. A caller alone commits on its own thread. Concurrent callers share backend
+    /// commits (a group commit): the store's committer thread takes the write buffer and
+    /// commits it, and goes straight on to the next buffer while callers wait for it, so the
+    /// backend is kept busy without a caller having to wake up first to start the next
+    /// commit.
     pub fn force_commit(&self) -> Result<(), MvccError> {
         self.inner.wait_durable()
     }
