@@ -104,10 +104,11 @@ pub(crate) struct Inner<B: Backend> {
     /// The newest buffer number a [`Store::force_commit`] caller waits to see durable: the
     /// committer thread commits back to back while it is above `buffers_durable`.
     buffers_wanted: AtomicU64,
-    /// Where `force_commit` callers wait for their buffer's commit: the condition of the
-    /// buffers of even numbers, then of odd ones, so a commit wakes only the callers it made
-    /// durable, not those waiting for the next buffer.
-    durable_waits: (Mutex<()>, [Condvar; 2]),
+    /// The `force_commit` callers parked until their buffer is durable: (buffer number,
+    /// thread). A commit unparks each caller it made durable directly, so they all wake at
+    /// once instead of one after another through a shared lock, and those waiting for a
+    /// later buffer sleep on.
+    durable_waits: Mutex<Vec<(u64, std::thread::Thread)>>,
     pub consistent_index: AtomicU64,
     pub compacted: AtomicU64,
     pub poisoned: Mutex<Option<String>>,
@@ -259,7 +260,7 @@ impl<B: Backend> Store<B> {
             buffers_taken: AtomicU64::new(0),
             buffers_durable: AtomicU64::new(0),
             buffers_wanted: AtomicU64::new(0),
-            durable_waits: (Mutex::new(()), [Condvar::new(), Condvar::new()]),
+            durable_waits: Mutex::new(Vec::new()),
             consistent_index: AtomicU64::new(consistent_index),
             compacted: AtomicU64::new(scheduled),
             poisoned: Mutex::new(None),
@@ -576,7 +577,7 @@ impl<B: Backend> Inner<B> {
     /// committer commits buffers back to back until `buffers_wanted` is durable, so under a
     /// steady stream of callers the next commit starts as soon as the last one ends, on a
     /// thread already running, instead of after a woken caller gets a CPU. Each commit wakes
-    /// only the callers of its buffer's parity: those waiting for the next buffer sleep on.
+    /// only the callers it made durable: those waiting for a later buffer sleep on.
     pub(crate) fn wait_durable(&self) -> Result<(), MvccError> {
         self.check_poisoned()?;
         let needed = {
@@ -607,27 +608,40 @@ impl<B: Backend> Inner<B> {
         {
             let _ = self.committer.send(Signal::Commit);
         }
-        let (lock, conditions) = &self.durable_waits;
-        let condition = &conditions[(needed % 2) as usize];
-        let mut waiting = lock.lock();
+        // Listed before looking at `buffers_durable`: a commit that ends after the look
+        // finds this caller in the list and unparks it (an unpark before the park makes the
+        // park return at once).
+        self.durable_waits
+            .lock()
+            .push((needed, std::thread::current()));
         while self.buffers_durable.load(Ordering::Acquire) < needed {
-            self.check_poisoned()?;
-            condition.wait(&mut waiting);
+            if let Err(e) = self.check_poisoned() {
+                let me = std::thread::current().id();
+                self.durable_waits.lock().retain(|(_, t)| t.id() != me);
+                return Err(e);
+            }
+            std::thread::park();
         }
         Ok(())
     }
 
-    /// Wakes the `force_commit` callers waiting for buffer `taken` (or an older one of its
-    /// parity), or all of them with `all` (the store was poisoned).
+    /// Wakes the `force_commit` callers waiting for buffer `taken` or an older one, or all of
+    /// them with `all` (the store was poisoned); unparked once the list's lock is released.
     fn wake_durable(&self, taken: u64, all: bool) {
-        let (lock, conditions) = &self.durable_waits;
-        let _held = lock.lock();
-        if all {
-            conditions.iter().for_each(|c| {
-                c.notify_all();
+        let woken: Vec<std::thread::Thread> = {
+            let mut waits = self.durable_waits.lock();
+            let mut woken = Vec::new();
+            waits.retain(|(needed, t)| {
+                let done = all || *needed <= taken;
+                if done {
+                    woken.push(t.clone());
+                }
+                !done
             });
-        } else {
-            conditions[(taken % 2) as usize].notify_all();
+            woken
+        };
+        for t in woken {
+            t.unpark();
         }
     }
 
