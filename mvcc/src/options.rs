@@ -37,6 +37,12 @@ pub struct StoreOptions {
     /// Revisions one catch-up round reads at least, for every watcher behind at once; a round
     /// with more watchers than this reads as many revisions as it has watchers. Default: 1 000.
     pub watch_sync_batch: usize,
+    /// Long reads (ranges, watch catch-up) give their CPU up between chunks of 64 keys while
+    /// a write transaction waits for the writer mutex or holds it, so that on a machine with
+    /// fewer cores than busy threads a scan does not keep a core the writers need; a yield
+    /// with nobody else waiting for the CPU returns at once. Off, long reads never yield.
+    /// Default: true.
+    pub yield_reads_to_writers: bool,
 }
 
 impl Default for StoreOptions {
@@ -51,6 +57,7 @@ impl Default for StoreOptions {
             watch_channel_capacity: 128,
             watch_sync_interval: Duration::from_millis(100),
             watch_sync_batch: 1_000,
+            yield_reads_to_writers: true,
         }
     }
 }

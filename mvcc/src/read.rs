@@ -22,7 +22,8 @@
 //! fewer cores than busy threads, a back-to-back scan otherwise keeps a core that writers
 //! waiting to run need: each handoff of the writer mutex waits for the next writer to get a
 //! CPU, and the writers queue behind one another. A yield with nobody else waiting for this
-//! CPU returns at once.
+//! CPU returns at once. [`StoreOptions::yield_reads_to_writers`](crate::StoreOptions) turns
+//! this off.
 
 use std::cell::RefCell;
 use std::sync::Arc;
@@ -404,9 +405,13 @@ fn sort_misses(misses: &mut Vec<(Revision, usize)>) {
 }
 
 /// Lets waiting write transactions run: a long read calls this between chunks, and gives the
-/// CPU up when a writer is waiting for the writer mutex or holds it.
+/// CPU up when a writer is waiting for the writer mutex or holds it (unless
+/// [`StoreOptions::yield_reads_to_writers`](crate::StoreOptions::yield_reads_to_writers) is
+/// off).
 pub(crate) fn yield_to_writers<B: Backend>(inner: &Inner<B>) {
-    if inner.writers.load(std::sync::atomic::Ordering::Relaxed) > 0 {
+    if inner.options.yield_reads_to_writers
+        && inner.writers.load(std::sync::atomic::Ordering::Relaxed) > 0
+    {
         std::thread::yield_now();
     }
 }
