@@ -239,30 +239,16 @@ fn thread_cpu() -> Option<Duration> {
 /// Nanoseconds this thread has run on a CPU, from `/proc/thread-self/schedstat` (0 where it
 /// is missing).
 fn thread_ns() -> u64 {
-    std::fs::read_to_string("/proc/thread-self/schedstat")
-        .ok()
-        .and_then(|s| s.split(' ').next()?.parse().ok())
-        .unwrap_or(0)
+    sched_self()[0]
 }
 
 /// CPU time (ns on CPU, from `/proc/self/task/*/schedstat`) of this process's threads by
 /// thread name, summed over threads of the same name; empty where those files are missing.
 fn threads_cpu() -> std::collections::BTreeMap<String, u64> {
-    let mut out = std::collections::BTreeMap::new();
-    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
-        return out;
-    };
-    for task in tasks.flatten() {
-        let path = task.path();
-        let name = std::fs::read_to_string(path.join("comm")).unwrap_or_default();
-        let ns = std::fs::read_to_string(path.join("schedstat"))
-            .ok()
-            .and_then(|s| s.split(' ').next()?.parse::<u64>().ok());
-        if let Some(ns) = ns {
-            *out.entry(name.trim().to_owned()).or_insert(0) += ns;
-        }
-    }
-    out
+    sched_all()
+        .into_iter()
+        .map(|(name, [ns, ..])| (name, ns))
+        .collect()
 }
 
 /// CPU per `per` units, in µs, of each thread name between two [`threads_cpu`] readings.

@@ -253,12 +253,7 @@ pub(crate) fn encode_entry(buf: &mut Vec<u8>, e: &Entry, prev: u32) -> u32 {
     // `encode` for an entry, without its general parts: header and prefix framed in one
     // piece, then the data, the padding from zeros, and one crc pass over word and payload.
     let len = ENTRY_PREFIX + e.data.len();
-    debug_assert!(len <= MAX_PAYLOAD);
-    let word = ((RecordType::Entry as u32) << 24) | len as u32;
-    let mut head = [0u8; HEADER_LEN + ENTRY_PREFIX];
-    head[4..8].copy_from_slice(&word.to_le_bytes());
-    head[8..16].copy_from_slice(&e.index.to_le_bytes());
-    head[16..24].copy_from_slice(&e.term.to_le_bytes());
+    let head = entry_frame(e);
     let start = buf.len();
     buf.extend_from_slice(&head);
     buf.extend_from_slice(&e.data);
@@ -270,9 +265,8 @@ pub(crate) fn encode_entry(buf: &mut Vec<u8>, e: &Entry, prev: u32) -> u32 {
     crc
 }
 
-/// The header and prefix of an entry record (the bytes before its data) and its crc,
-/// chained from `prev`: for writing the data straight from the entry's own buffer.
-pub(crate) fn entry_head(e: &Entry, prev: u32) -> ([u8; HEADER_LEN + ENTRY_PREFIX], u32) {
+/// The header (crc left zero) and prefix of an entry record: the bytes before its data.
+fn entry_frame(e: &Entry) -> [u8; HEADER_LEN + ENTRY_PREFIX] {
     let len = ENTRY_PREFIX + e.data.len();
     debug_assert!(len <= MAX_PAYLOAD);
     let word = ((RecordType::Entry as u32) << 24) | len as u32;
@@ -280,6 +274,13 @@ pub(crate) fn entry_head(e: &Entry, prev: u32) -> ([u8; HEADER_LEN + ENTRY_PREFI
     h[4..8].copy_from_slice(&word.to_le_bytes());
     h[8..16].copy_from_slice(&e.index.to_le_bytes());
     h[16..24].copy_from_slice(&e.term.to_le_bytes());
+    h
+}
+
+/// The header and prefix of an entry record (the bytes before its data) and its crc,
+/// chained from `prev`: for writing the data straight from the entry's own buffer.
+pub(crate) fn entry_head(e: &Entry, prev: u32) -> ([u8; HEADER_LEN + ENTRY_PREFIX], u32) {
+    let mut h = entry_frame(e);
     let mut c = crc32fast::Hasher::new_with_initial(prev);
     c.update(&h[4..]);
     c.update(&e.data);

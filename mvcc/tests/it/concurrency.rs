@@ -10,6 +10,15 @@ use keel_mvcc::{PutRequest, RangeRequest, StoreOptions, TxnOp, TxnRequest};
 
 use crate::common::{fresh_path, open_at, store};
 
+/// Options under which the backend commits only when a batch fills or `force_commit` asks,
+/// never on the timer.
+fn commits_on_demand() -> StoreOptions {
+    StoreOptions {
+        batch_interval: Duration::from_secs(3600),
+        ..StoreOptions::default()
+    }
+}
+
 /// etcd `TestConcurrentReadNotBlockingWrite`.
 #[test]
 fn concurrent_read_not_blocking_write() {
@@ -221,8 +230,7 @@ fn writes_wait_for_a_slow_backend_instead_of_piling_up() {
         &path,
         StoreOptions {
             batch_limit: LIMIT,
-            batch_interval: Duration::from_secs(3600),
-            ..StoreOptions::default()
+            ..commits_on_demand()
         },
     );
     s.backend().set_commit_delay(Duration::from_millis(20));
@@ -258,13 +266,7 @@ fn concurrent_force_commits_share_backend_commits() {
     const CLIENTS: u64 = 8;
     const ROUNDS: u64 = 10;
     let (_d, path) = fresh_path();
-    let s = open_at(
-        &path,
-        StoreOptions {
-            batch_interval: Duration::from_secs(3600),
-            ..StoreOptions::default()
-        },
-    );
+    let s = open_at(&path, commits_on_demand());
     s.backend().set_commit_delay(Duration::from_millis(3));
     let s = Arc::new(s);
     let (before, base) = (s.backend().commits(), s.current_revision());
@@ -310,13 +312,7 @@ fn concurrent_force_commits_share_backend_commits() {
 fn a_failed_commit_fails_every_waiting_force_commit() {
     const CLIENTS: usize = 8;
     let (_d, path) = fresh_path();
-    let s = open_at(
-        &path,
-        StoreOptions {
-            batch_interval: Duration::from_secs(3600),
-            ..StoreOptions::default()
-        },
-    );
+    let s = open_at(&path, commits_on_demand());
     s.backend().set_commit_delay(Duration::from_millis(20));
     s.backend().set_fail_commits(true);
     let s = Arc::new(s);
