@@ -25,6 +25,25 @@ fn build(dir: &std::path::Path) -> Vec<Entry> {
     want
 }
 
+/// Copies the segments `segs` into `dir`, lets `damage` change the bytes of one of them
+/// (picked by `rng`), writes them back and returns the damaged file's path.
+fn damaged_copy(
+    segs: &[std::path::PathBuf],
+    dir: &std::path::Path,
+    rng: &mut StdRng,
+    damage: impl FnOnce(&mut Vec<u8>, &mut StdRng),
+) -> std::path::PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    for s in segs {
+        std::fs::copy(s, dir.join(s.file_name().unwrap())).unwrap();
+    }
+    let victim = dir.join(segs[rng.random_range(0..segs.len())].file_name().unwrap());
+    let mut bytes = std::fs::read(&victim).unwrap();
+    damage(&mut bytes, rng);
+    std::fs::write(&victim, &bytes).unwrap();
+    victim
+}
+
 /// Opens the damaged log: either a typed error, or a log whose every entry is one of the
 /// originals (a prefix of them).
 fn check(dir: &std::path::Path, want: &[Entry], what: &str) -> bool {
@@ -71,16 +90,11 @@ fn random_bit_flips_never_yield_wrong_data() {
     let (mut errors, mut repaired) = (0, 0);
     for round in 0..60 {
         let dir = base.path().join(format!("flip{round}"));
-        std::fs::create_dir_all(&dir).unwrap();
-        for s in &segs {
-            std::fs::copy(s, dir.join(s.file_name().unwrap())).unwrap();
-        }
-        let victim = dir.join(segs[rng.random_range(0..segs.len())].file_name().unwrap());
-        let mut bytes = std::fs::read(&victim).unwrap();
         // Flip inside the written part (the first 60 KiB hold records).
         let at = rng.random_range(0..60_000);
-        bytes[at] ^= 1 << rng.random_range(0..8);
-        std::fs::write(&victim, &bytes).unwrap();
+        let victim = damaged_copy(&segs, &dir, &mut rng, |bytes, rng| {
+            bytes[at] ^= 1 << rng.random_range(0..8)
+        });
         let what = format!(
             "seed {seed} round {round}: flip at {at} of {}",
             victim.display()
@@ -105,16 +119,12 @@ fn zeroed_ranges_never_yield_wrong_data() {
     let segs = segments(&clean);
     for round in 0..40 {
         let dir = base.path().join(format!("zero{round}"));
-        std::fs::create_dir_all(&dir).unwrap();
-        for s in &segs {
-            std::fs::copy(s, dir.join(s.file_name().unwrap())).unwrap();
-        }
-        let victim = dir.join(segs[rng.random_range(0..segs.len())].file_name().unwrap());
-        let mut bytes = std::fs::read(&victim).unwrap();
         let at = rng.random_range(0..60_000);
-        let len = rng.random_range(1..4096).min(bytes.len() - at);
-        bytes[at..at + len].fill(0);
-        std::fs::write(&victim, &bytes).unwrap();
+        let mut len = 0;
+        let victim = damaged_copy(&segs, &dir, &mut rng, |bytes, rng| {
+            len = rng.random_range(1..4096).min(bytes.len() - at);
+            bytes[at..at + len].fill(0);
+        });
         check(
             &dir,
             &want,
