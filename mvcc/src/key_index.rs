@@ -15,6 +15,8 @@ use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, HashSet};
 use std::ops::Bound as RangeBound;
 
+use parking_lot::Mutex;
+
 use crate::request::Bound;
 use crate::revision::Revision;
 
@@ -37,14 +39,18 @@ pub(crate) struct Gens {
 /// history lives in a vector of generations.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum KeyEntry {
-    /// One generation holding one put (perhaps the survivor of a compaction).
+    /// One generation holding one put (perhaps the survivor of a compaction) whose sub
+    /// revision fits 32 bits (any other lives in [`KeyEntry::Multi`]): the sub revision sits
+    /// beside the tag, so an entry takes 32 bytes, and with its lock in the index 40.
     Single {
         /// Puts in the generation.
         ver: u64,
         /// Main revision of the generation's first put.
         created: u64,
-        /// The put.
-        rev: Revision,
+        /// The put's main revision.
+        main: u64,
+        /// The put's sub revision.
+        sub: u32,
     },
     /// Any other history.
     Multi(Gens),
@@ -67,8 +73,13 @@ impl KeyEntry {
     /// The live state of the key at `at` (main revision), or `None` if it did not exist then.
     pub fn get(&self, at: u64) -> Option<KeyAt> {
         match self {
-            KeyEntry::Single { ver, created, rev } => (rev.main <= at).then_some(KeyAt {
-                modified: *rev,
+            KeyEntry::Single {
+                ver,
+                created,
+                main,
+                sub,
+            } => (*main <= at).then_some(KeyAt {
+                modified: Revision::new(*main, u64::from(*sub)),
                 created: *created,
                 version: *ver,
             }),
@@ -79,34 +90,57 @@ impl KeyEntry {
     /// Runs `f` on the generations, then stores them back in the most compact form.
     fn edit<R>(&mut self, f: impl FnOnce(&mut Gens) -> R) -> R {
         let mut gens = match std::mem::take(self) {
-            KeyEntry::Single { ver, created, rev } => Gens {
+            KeyEntry::Single {
+                ver,
+                created,
+                main,
+                sub,
+            } => Gens {
                 gens: vec![Generation {
                     ver,
                     created,
-                    revs: vec![rev],
+                    revs: vec![Revision::new(main, u64::from(sub))],
                 }],
             },
             KeyEntry::Multi(g) => g,
         };
         let r = f(&mut gens);
         *self = match gens.gens.as_slice() {
-            [g] if g.revs.len() == 1 => KeyEntry::Single {
-                ver: g.ver,
-                created: g.created,
-                rev: g.revs[0],
-            },
+            [g] if g.revs.len() == 1 => {
+                KeyEntry::single(g.ver, g.created, g.revs[0]).unwrap_or(KeyEntry::Multi(gens))
+            }
             _ => KeyEntry::Multi(gens),
         };
         r
     }
 
+    /// One generation of one put, inline if its sub revision fits.
+    fn single(ver: u64, created: u64, rev: Revision) -> Option<KeyEntry> {
+        let sub = u32::try_from(rev.sub).ok()?;
+        Some(KeyEntry::Single {
+            ver,
+            created,
+            main: rev.main,
+            sub,
+        })
+    }
+
+    /// One generation of one put, inline or not.
+    fn one_put(ver: u64, created: u64, rev: Revision) -> KeyEntry {
+        KeyEntry::single(ver, created, rev).unwrap_or_else(|| {
+            KeyEntry::Multi(Gens {
+                gens: vec![Generation {
+                    ver,
+                    created,
+                    revs: vec![rev],
+                }],
+            })
+        })
+    }
+
     /// A key whose history is one put.
     fn created_by(rev: Revision) -> KeyEntry {
-        KeyEntry::Single {
-            ver: 1,
-            created: rev.main,
-            rev,
-        }
+        KeyEntry::one_put(1, rev.main, rev)
     }
 
     fn put(&mut self, rev: Revision) {
@@ -116,10 +150,11 @@ impl KeyEntry {
             KeyEntry::Single {
                 ver,
                 created,
-                rev: first,
+                main,
+                sub,
             } => {
                 let mut revs = Vec::with_capacity(4);
-                revs.extend([*first, rev]);
+                revs.extend([Revision::new(*main, u64::from(*sub)), rev]);
                 *self = KeyEntry::Multi(Gens {
                     gens: vec![Generation {
                         ver: *ver + 1,
@@ -150,10 +185,10 @@ impl KeyEntry {
     }
 
     fn compact(&mut self, at: u64, available: &mut HashSet<Revision>) {
-        if let KeyEntry::Single { rev, .. } = self {
+        if let KeyEntry::Single { main, sub, .. } = self {
             // A lone put survives any compaction.
-            if rev.main <= at {
-                available.insert(*rev);
+            if *main <= at {
+                available.insert(Revision::new(*main, u64::from(*sub)));
             }
             return;
         }
@@ -162,9 +197,9 @@ impl KeyEntry {
 
     fn keep(&self, at: u64, available: &mut HashSet<Revision>) {
         match self {
-            KeyEntry::Single { rev, .. } => {
-                if rev.main <= at {
-                    available.insert(*rev);
+            KeyEntry::Single { main, sub, .. } => {
+                if *main <= at {
+                    available.insert(Revision::new(*main, u64::from(*sub)));
                 }
             }
             KeyEntry::Multi(g) => g.keep(at, available),
@@ -436,6 +471,30 @@ impl std::borrow::Borrow<[u8]> for IndexKey {
     }
 }
 
+/// One key's history in the index, behind a lock of its own.
+///
+/// The index's map is behind the store's `RwLock`, but a change to the history of a key
+/// already in the map (a put onto it, a tombstone, a rollback) takes only the map's *read*
+/// lock and this entry's lock: such writes do not wait for a long scan holding the read
+/// lock, whose thread may have lost its CPU in the middle of a chunk (a wait of a scheduler
+/// time slice). Scans lock each entry only to read its state at their revision. The lock
+/// costs no memory: it sits in the 8 bytes an entry's alignment leaves after it (40 bytes
+/// in all, as the entry alone was before its sub revision went beside the tag).
+#[derive(Debug, Default)]
+pub(crate) struct Slot(Mutex<KeyEntry>);
+
+impl Slot {
+    fn new(entry: KeyEntry) -> Slot {
+        Slot(Mutex::new(entry))
+    }
+
+    /// The live state of the key at `at` (main revision), or `None` if it did not exist then.
+    #[inline]
+    pub fn get(&self, at: u64) -> Option<KeyAt> {
+        self.0.lock().get(at)
+    }
+}
+
 /// The key index.
 ///
 /// The map is ordered by *descending* key, and scans walk it backwards. A `BTreeMap` node
@@ -444,9 +503,13 @@ impl std::borrow::Borrow<[u8]> for IndexKey {
 /// sequence numbers, timestamps) walk the right spine and cost every comparison of every
 /// node on the way (some forty at a few thousand keys); in descending order they walk the
 /// left spine, one comparison per level. Keys in random order cost the same either way.
+///
+/// Methods taking `&self` change keys already in the map in place, under each key's own
+/// [`Slot`] lock (the store calls them holding its read lock of the index); those taking
+/// `&mut self` add or remove keys.
 #[derive(Debug, Default)]
 pub(crate) struct KeyIndex {
-    map: BTreeMap<Reverse<IndexKey>, KeyEntry>,
+    map: BTreeMap<Reverse<IndexKey>, Slot>,
 }
 
 /// The map's key for `key`.
@@ -468,38 +531,65 @@ impl KeyIndex {
     pub fn get_and_put(&mut self, key: &[u8], at: u64, rev: Revision) -> Option<KeyAt> {
         match self.map.entry(desc(key)) {
             Entry::Occupied(mut o) => {
-                let e = o.get_mut();
+                let e = o.get_mut().0.get_mut();
                 let prev = e.get(at);
                 e.put(rev);
                 prev
             }
             Entry::Vacant(v) => {
-                v.insert(KeyEntry::created_by(rev));
+                v.insert(Slot::new(KeyEntry::created_by(rev)));
                 None
             }
         }
     }
 
+    /// [`get_and_put`](Self::get_and_put) for a key already in the index, in place; `None`
+    /// (and nothing changed) when the key is not in the index.
+    pub fn get_and_put_existing(
+        &self,
+        key: &[u8],
+        at: u64,
+        rev: Revision,
+    ) -> Option<Option<KeyAt>> {
+        let slot = self.map.get(&desc(key))?;
+        let mut e = slot.0.lock();
+        let prev = e.get(at);
+        e.put(rev);
+        Some(prev)
+    }
+
     /// Records a put of `key` at `rev`.
+    #[cfg(test)]
     pub fn put(&mut self, key: &[u8], rev: Revision) {
         self.get_and_put(key, 0, rev);
     }
 
     /// Records a deletion; false when the key is not live.
-    pub fn tombstone(&mut self, key: &[u8], rev: Revision) -> bool {
+    pub fn tombstone(&self, key: &[u8], rev: Revision) -> bool {
         self.map
-            .get_mut(&desc(key))
-            .is_some_and(|e| e.tombstone(rev))
+            .get(&desc(key))
+            .is_some_and(|e| e.0.lock().tombstone(rev))
     }
 
-    /// Undoes the change at `rev` of `key` (its latest), dropping the key if nothing is left.
-    pub fn rollback(&mut self, key: &[u8], rev: Revision) {
-        let key = desc(key);
-        if let Some(e) = self.map.get_mut(&key) {
+    /// Undoes the change at `rev` of `key` (its latest) in place; true when the key is left
+    /// with no history, for [`remove_if_empty`](Self::remove_if_empty).
+    pub fn rollback(&self, key: &[u8], rev: Revision) -> bool {
+        self.map.get(&desc(key)).is_some_and(|e| {
+            let mut e = e.0.lock();
             e.rollback(rev);
-            if e.is_empty() {
-                self.map.remove(&key);
-            }
+            e.is_empty()
+        })
+    }
+
+    /// Drops `key` if it has no history.
+    pub fn remove_if_empty(&mut self, key: &[u8]) {
+        let key = desc(key);
+        if self
+            .map
+            .get_mut(&key)
+            .is_some_and(|e| e.0.get_mut().is_empty())
+        {
+            self.map.remove(&key);
         }
     }
 
@@ -507,22 +597,28 @@ impl KeyIndex {
     /// tombstone).
     pub fn restore_put(&mut self, key: &[u8], created: u64, rev: Revision, ver: u64) {
         match self.map.entry(desc(key)) {
-            Entry::Occupied(mut o) if o.get().is_live() => o.get_mut().put(rev),
-            Entry::Occupied(mut o) => o.get_mut().restore(created, rev, ver),
+            Entry::Occupied(mut o) => {
+                let e = o.get_mut().0.get_mut();
+                if e.is_live() {
+                    e.put(rev);
+                } else {
+                    e.restore(created, rev, ver);
+                }
+            }
             Entry::Vacant(v) => {
-                v.insert(KeyEntry::Single { ver, created, rev });
+                v.insert(Slot::new(KeyEntry::one_put(ver, created, rev)));
             }
         }
     }
 
     /// Visits keys of `[start, bound)` in order, starting after `after` when given, calling
-    /// `f(key, entry)` until it returns false. Returns true when the range was exhausted.
+    /// `f(key, slot)` until it returns false. Returns true when the range was exhausted.
     pub fn scan(
         &self,
         start: &[u8],
         bound: &Bound<'_>,
         after: Option<&[u8]>,
-        mut f: impl FnMut(&[u8], &KeyEntry) -> bool,
+        mut f: impl FnMut(&[u8], &Slot) -> bool,
     ) -> bool {
         let lower = match after {
             Some(a) => RangeBound::Excluded(a),
@@ -560,6 +656,7 @@ impl KeyIndex {
     pub fn compact(&mut self, at: u64) -> HashSet<Revision> {
         let mut available = HashSet::new();
         self.map.retain(|_, e| {
+            let e = e.0.get_mut();
             e.compact(at, &mut available);
             !e.is_empty()
         });
@@ -570,7 +667,7 @@ impl KeyIndex {
     pub fn keep(&self, at: u64) -> HashSet<Revision> {
         let mut available = HashSet::new();
         for e in self.map.values() {
-            e.keep(at, &mut available);
+            e.0.lock().keep(at, &mut available);
         }
         available
     }
@@ -709,20 +806,45 @@ mod tests {
     #[test]
     fn single_put_entries_stay_small() {
         // Index memory per key depends on this (BTreeMap leaves store entries inline).
-        assert!(std::mem::size_of::<KeyEntry>() <= 40);
+        assert!(std::mem::size_of::<KeyEntry>() <= 32);
+        assert!(std::mem::size_of::<Slot>() <= 40);
         let mut idx = KeyIndex::default();
         idx.put(b"a", r(1));
         assert!(matches!(
-            idx.map.get(&desc(b"a")),
+            idx.map.get(&desc(b"a")).map(|e| e.0.lock().clone()),
             Some(KeyEntry::Single { .. })
         ));
         idx.put(b"a", r(2));
-        assert!(matches!(idx.map.get(&desc(b"a")), Some(KeyEntry::Multi(_))));
+        assert!(matches!(
+            idx.map.get(&desc(b"a")).map(|e| e.0.lock().clone()),
+            Some(KeyEntry::Multi(_))
+        ));
         assert_eq!(idx.compact(2), HashSet::from([r(2)]));
         assert!(matches!(
-            idx.map.get(&desc(b"a")),
+            idx.map.get(&desc(b"a")).map(|e| e.0.lock().clone()),
             Some(KeyEntry::Single { ver: 2, .. })
         ));
+    }
+
+    /// A put whose sub revision does not fit the inline entry's 32 bits is kept all the same.
+    #[test]
+    fn a_put_with_a_large_sub_revision_is_kept_whole() {
+        let big = Revision::new(7, u64::from(u32::MAX) + 5);
+        let mut idx = KeyIndex::default();
+        idx.put(b"a", big);
+        assert!(matches!(
+            idx.map.get(&desc(b"a")).map(|e| e.0.lock().clone()),
+            Some(KeyEntry::Multi(_))
+        ));
+        assert_eq!(idx.get(b"a", 7).map(|a| a.modified), Some(big));
+        assert_eq!(idx.compact(7), HashSet::from([big]));
+        assert_eq!(
+            idx.get(b"a", 9).map(|a| (a.modified, a.version)),
+            Some((big, 1))
+        );
+        idx.restore_put(b"b", 3, Revision::new(3, u64::MAX), 4);
+        let at = idx.get(b"b", 3).expect("restored");
+        assert_eq!((at.modified.sub, at.created, at.version), (u64::MAX, 3, 4));
     }
 
     #[test]

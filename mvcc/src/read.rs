@@ -528,8 +528,8 @@ pub(crate) fn scan_live<B: Backend>(
             });
         }
         let mut seen = 0;
-        let done = idx.keys.scan(start, b, after.as_deref(), |key, entry| {
-            if let Some(at) = entry.get(rev) {
+        let done = idx.keys.scan(start, b, after.as_deref(), |key, slot| {
+            if let Some(at) = slot.get(rev) {
                 count += 1;
                 f(key, at);
             }

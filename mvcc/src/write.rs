@@ -15,6 +15,7 @@ use parking_lot::MutexGuard;
 
 use crate::backend::{Backend, Bucket};
 use crate::error::MvccError;
+use crate::key_index::KeyAt;
 use crate::kv::{KeyValue, LeaseId, decode_record, encode_parts};
 use crate::pending::{Changes, PendingRev};
 use crate::read::{ReadView, range, scan_live};
@@ -139,16 +140,9 @@ impl<'a, B: Backend> WriteTxn<'a, B> {
                 Some(p) => self.fetch(&[p.modified])?.pop(),
                 None => None,
             };
-            self.inner.index.write().keys.put(key, rev);
-            (prev, prev_kv)
+            (self.index_put(key, rev), prev_kv)
         } else {
-            let prev = self
-                .inner
-                .index
-                .write()
-                .keys
-                .get_and_put(key, rev.main, rev);
-            (prev, None)
+            (self.index_put(key, rev), None)
         };
         let (create_revision, version) = match prev {
             Some(p) => (p.created, p.version + 1),
@@ -167,6 +161,30 @@ impl<'a, B: Backend> WriteTxn<'a, B> {
             revision: rev.main,
             prev_kv,
         })
+    }
+
+    /// Records a put of `key` at `rev` in the key index; returns the key's state just before.
+    ///
+    /// A key already in the index changes in place under the index's read lock (see
+    /// [`Slot`](crate::key_index::Slot)): a long scan holding the read lock does not hold the
+    /// put up. Every taker of the write lock holds the writer mutex, as this transaction
+    /// does, so no writer queued for the write lock stands in the read lock's way either.
+    /// Only a new key takes the write lock.
+    fn index_put(&self, key: &[u8], rev: Revision) -> Option<KeyAt> {
+        if let Some(prev) = self
+            .inner
+            .index
+            .read()
+            .keys
+            .get_and_put_existing(key, rev.main, rev)
+        {
+            return prev;
+        }
+        self.inner
+            .index
+            .write()
+            .keys
+            .get_and_put(key, rev.main, rev)
     }
 
     /// Deletes `key`, or `[key, end)` (etcd range conventions); the deleted pairs are not read.
@@ -202,8 +220,9 @@ impl<'a, B: Backend> WriteTxn<'a, B> {
         } else {
             Vec::new()
         };
+        // Tombstones change keys already in the index, in place (see `index_put`).
         for chunk in victims.chunks(crate::store::INDEX_CHUNK) {
-            let mut idx = self.inner.index.write();
+            let idx = self.inner.index.read();
             for (k, prev) in chunk {
                 let rev = Revision::new(at, self.next_sub);
                 idx.keys.tombstone(k, rev);
@@ -345,10 +364,23 @@ impl<'a, B: Backend> WriteTxn<'a, B> {
 impl<B: Backend> Drop for WriteTxn<'_, B> {
     fn drop(&mut self) {
         if !self.done && !self.scratch.staged.revs.is_empty() {
-            let mut idx = self.inner.index.write();
-            for p in self.scratch.staged.revs.iter().rev() {
-                if let Ok(rec) = decode_record(p.rev, &p.record) {
-                    idx.keys.rollback(rec.key, p.rev);
+            // In place, as the changes were made; keys left with no history (created by
+            // this transaction) are then dropped under the write lock.
+            let mut emptied = Vec::new();
+            {
+                let idx = self.inner.index.read();
+                for p in self.scratch.staged.revs.iter().rev() {
+                    if let Ok(rec) = decode_record(p.rev, &p.record)
+                        && idx.keys.rollback(rec.key, p.rev)
+                    {
+                        emptied.push(rec.key);
+                    }
+                }
+            }
+            if !emptied.is_empty() {
+                let mut idx = self.inner.index.write();
+                for key in emptied {
+                    idx.keys.remove_if_empty(key);
                 }
             }
         }
@@ -396,5 +428,94 @@ impl WriteScratch {
             s.revs = Vec::new();
             self.prev_revs = Vec::new();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    use crate::backend::Backend;
+    use crate::testing::{MemBackend, MemOptions};
+    use crate::{RangeRequest, Store, StoreOptions};
+
+    /// A scan holds the key index's read lock while it walks a chunk: puts onto keys already
+    /// in the index, deletes, and a transaction rolled back all go through while it is held;
+    /// only a new key waits for the write lock.
+    #[test]
+    fn changes_to_existing_keys_do_not_wait_for_the_index_read_lock() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let backend = MemBackend::open(&dir.path().join("mem"), &MemOptions::default())
+            .expect("open backend");
+        let s = Arc::new(Store::open(backend, StoreOptions::default()).expect("open store"));
+        for k in [b"a", b"b", b"c"] {
+            s.put(k, b"v1", 0).expect("put");
+        }
+        let held = s.inner.index.read();
+        let (done_tx, done) = mpsc::channel();
+        let writer = {
+            let s = s.clone();
+            std::thread::spawn(move || {
+                s.put(b"a", b"v2", 0).expect("put");
+                s.delete_range(b"b", None).expect("delete");
+                let mut t = s.write();
+                t.put(b"c", b"never", 0).expect("put");
+                drop(t);
+                done_tx.send(()).expect("send");
+                // A new key needs the write lock.
+                s.put(b"d", b"v1", 0).expect("put");
+                done_tx.send(()).expect("send");
+            })
+        };
+        done.recv_timeout(Duration::from_secs(10))
+            .expect("changes to existing keys waited for the read lock");
+        assert!(
+            done.recv_timeout(Duration::from_millis(100)).is_err(),
+            "a new key was added under a read lock"
+        );
+        drop(held);
+        done.recv_timeout(Duration::from_secs(10))
+            .expect("the new key's put");
+        writer.join().expect("writer");
+        let all = s
+            .range(&RangeRequest::range(b"a".to_vec(), vec![0]))
+            .expect("range");
+        let pairs: Vec<(&[u8], &[u8], u64)> = all
+            .kvs
+            .iter()
+            .map(|kv| (&kv.key[..], &kv.value[..], kv.version))
+            .collect();
+        assert_eq!(
+            pairs,
+            [
+                (&b"a"[..], &b"v2"[..], 2),
+                (&b"c"[..], &b"v1"[..], 1),
+                (&b"d"[..], &b"v1"[..], 1)
+            ]
+        );
+        assert_eq!(s.current_revision(), 6);
+    }
+
+    /// A transaction that creates a key and is dropped leaves no trace of it in the index.
+    #[test]
+    fn a_rolled_back_new_key_leaves_the_index() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let backend = MemBackend::open(&dir.path().join("mem"), &MemOptions::default())
+            .expect("open backend");
+        let s = Store::open(backend, StoreOptions::default()).expect("open store");
+        s.put(b"a", b"v1", 0).expect("put");
+        let mut t = s.write();
+        t.put(b"new", b"v", 0).expect("put");
+        t.put(b"a", b"v2", 0).expect("put");
+        t.delete_range(b"new", None).expect("delete");
+        drop(t);
+        assert_eq!(s.key_count(), 1);
+        let r = s.range(&RangeRequest::key(b"a".to_vec())).expect("range");
+        assert_eq!((&r.kvs[0].value[..], r.kvs[0].version), (&b"v1"[..], 1));
+        s.put(b"new", b"w", 0).expect("put");
+        let r = s.range(&RangeRequest::key(b"new".to_vec())).expect("range");
+        assert_eq!((r.kvs[0].create_revision, r.kvs[0].version), (2, 1));
     }
 }

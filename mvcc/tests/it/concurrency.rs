@@ -350,3 +350,94 @@ fn a_failed_commit_fails_every_waiting_force_commit() {
     }
     assert_eq!(s.backend().len(&keel_mvcc::KEY_BUCKET), 0);
 }
+
+/// A key's value, create and mod revisions and version.
+type KeyState<'a> = (&'a [u8], u64, u64, u64);
+
+/// Full scans running while a writer puts onto existing keys (which change the key index in
+/// place, under the index's read lock, concurrently with the scans), deletes keys and puts new
+/// ones each see exactly the store at their view's revision: every pair, with its create and
+/// mod revisions and version, matches a model replayed from the writer's log up to it.
+#[test]
+fn scans_concurrent_with_puts_see_their_revision() {
+    let (_d, _p, s) = store();
+    let s = Arc::new(s);
+    const KEYS: u64 = 1_500;
+    let key = |i: u64| format!("key{i:05}").into_bytes();
+    // (revision, key, value: None for a delete) of every change, in revision order.
+    let mut log: Vec<(u64, Vec<u8>, Option<Vec<u8>>)> = Vec::new();
+    let mut t = s.write();
+    for i in 0..KEYS {
+        t.put(&key(i), b"v0", 0).unwrap();
+    }
+    let rev = t.commit().unwrap();
+    log.extend((0..KEYS).map(|i| (rev, key(i), Some(b"v0".to_vec()))));
+    let stop = Arc::new(AtomicBool::new(false));
+    let scanner = {
+        let (s, stop) = (s.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut scans = Vec::new();
+            while !stop.load(Ordering::Acquire) || scans.len() < 3 {
+                let view = s.read().unwrap();
+                let r = view
+                    .range(&RangeRequest::range(b"key".to_vec(), vec![0]))
+                    .unwrap();
+                scans.push((view.revision(), r.kvs));
+            }
+            scans
+        })
+    };
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_millis(800) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        // Existing keys mostly; some deletes, and keys beyond the loaded ones (new ones).
+        let i = x % (KEYS + KEYS / 10);
+        let k = key(i);
+        if x.is_multiple_of(11) {
+            let r = s.delete_range(&k, None).unwrap();
+            if r.deleted > 0 {
+                log.push((r.revision, k, None));
+            }
+        } else {
+            let value = format!("v{}", x % 1000).into_bytes();
+            let r = s.put(&k, &value, 0).unwrap();
+            log.push((r.revision, k, Some(value)));
+        }
+    }
+    stop.store(true, Ordering::Release);
+    let scans = scanner.join().unwrap();
+    assert!(scans.len() >= 3);
+    for (at, kvs) in &scans {
+        // key -> (value, create, mod, version) at `at`.
+        let mut model: std::collections::BTreeMap<&[u8], KeyState<'_>> =
+            std::collections::BTreeMap::new();
+        for (rev, k, v) in log.iter().take_while(|(rev, _, _)| rev <= at) {
+            match v {
+                Some(v) => {
+                    let e = model.entry(k).or_insert((v, *rev, *rev, 0));
+                    *e = (v, e.1, *rev, e.3 + 1);
+                }
+                None => {
+                    model.remove(&k[..]);
+                }
+            }
+        }
+        let got: Vec<(&[u8], KeyState<'_>)> = kvs
+            .iter()
+            .map(|kv| {
+                let state = (
+                    &kv.value[..],
+                    kv.create_revision,
+                    kv.mod_revision,
+                    kv.version,
+                );
+                (&kv.key[..], state)
+            })
+            .collect();
+        let want: Vec<(&[u8], KeyState<'_>)> = model.into_iter().collect();
+        assert_eq!(got, want, "the scan at revision {at}");
+    }
+}
