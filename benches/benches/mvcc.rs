@@ -1423,7 +1423,7 @@ fn main() {
         index_child(&path);
         return;
     }
-    // `KEEL_MVCC_BENCH_ONLY=fanout` (or `index`, `criterion`, `headline`) runs one part;
+    // `KEEL_MVCC_BENCH_ONLY=fanout` (or `index`, `criterion`, `headline`, `range`) runs one part;
     // `profile-put`, `profile-raw-put` and `profile-range` run a fixed amount of one workload
     // for an instruction counter (`valgrind --tool=callgrind`); `profile-clients` measures
     // where the durable clients' time goes, alone and with the reader (see `profile_clients`).
@@ -1439,6 +1439,11 @@ fn main() {
             range_10k(&mut c);
         }
         headline(&mut c);
+        c.final_summary();
+    }
+    if only == "range" {
+        let mut c = Criterion::default().configure_from_args();
+        range_10k(&mut c);
         c.final_summary();
     }
     if only.is_empty() || only == "index" {

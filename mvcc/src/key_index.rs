@@ -8,7 +8,11 @@
 //! is a tombstone) and everything after it, and drops keys left with nothing.
 //!
 //! The index is rebuilt on open from the `key` bucket; it lives behind one `RwLock` in the
-//! store, and readers hold the read lock only for short chunks of a scan.
+//! store, and readers hold the read lock only for short chunks of a scan. Each key's history
+//! has a lock of its own ([`Slot`]): a write that changes keys already in the index takes the
+//! read lock too, and so never waits for a scan, however long the scan's thread keeps the
+//! read lock (it may lose its CPU in the middle of a chunk); only adding and removing keys
+//! (a new key's put, rolling one back, compaction) takes the write lock.
 
 use std::cmp::Reverse;
 use std::collections::btree_map::Entry;

@@ -13,7 +13,8 @@
 //!
 //! Concurrency: write transactions are serialised by one mutex and apply their changes to the
 //! key index at once (at the next revision, which readers do not look at until it is
-//! published) and to a private buffer; `commit` appends that buffer to the shared pending
+//! published; changes to keys already in the index in place, under the index's read lock, see
+//! `key_index::Slot`) and to a private buffer; `commit` appends that buffer to the shared pending
 //! buffer and publishes the revision under the short `state` lock. Readers take the `state`
 //! lock only to copy the published revision and the `Arc`s of the pending buffers, then read
 //! the key index in short chunks. Backend commits run on the committer thread (every
@@ -57,8 +58,9 @@ pub(crate) const META_FINISHED_COMPACT: &[u8] = b"finished_compact_rev";
 /// Store format written and read by this build.
 pub const STORE_FORMAT: u32 = 1;
 
-/// Keys visited per hold of the key-index read lock: a writer waits at most about one chunk
-/// of a scan (some 10 µs) for the lock.
+/// Keys visited per hold of the key-index read lock: a writer adding a key (or compaction)
+/// waits at most about one chunk of a scan (some 10 µs, unless the scan's thread loses its
+/// CPU in the chunk) for the write lock; writes to keys already in the index do not wait.
 pub(crate) const INDEX_CHUNK: usize = 64;
 
 pub(crate) struct IndexState {
