@@ -58,6 +58,10 @@ pub(crate) const META_FINISHED_COMPACT: &[u8] = b"finished_compact_rev";
 /// Store format written and read by this build.
 pub const STORE_FORMAT: u32 = 1;
 
+/// `force_commit` callers a commit wakes, and each woken caller wakes in turn (see
+/// `Inner::wake_durable`).
+const WAKE_FANOUT: usize = 2;
+
 /// Keys visited per hold of the key-index read lock: a writer adding a key (or compaction)
 /// waits at most about one chunk of a scan (some 10 µs, unless the scan's thread loses its
 /// CPU in the chunk) for the write lock; writes to keys already in the index do not wait.
@@ -107,9 +111,9 @@ pub(crate) struct Inner<B: Backend> {
     /// committer thread commits back to back while it is above `buffers_durable`.
     buffers_wanted: AtomicU64,
     /// The `force_commit` callers parked until their buffer is durable: (buffer number,
-    /// thread). A commit unparks each caller it made durable directly, so they all wake at
-    /// once instead of one after another through a shared lock, and those waiting for a
-    /// later buffer sleep on.
+    /// thread). The callers a commit made durable are unparked directly (a few by the
+    /// commit, the rest by callers already woken: see [`Inner::wake_durable`]), not one
+    /// after another through a shared lock, and those waiting for a later buffer sleep on.
     durable_waits: Mutex<Vec<(u64, std::thread::Thread)>>,
     pub consistent_index: AtomicU64,
     pub compacted: AtomicU64,
@@ -624,25 +628,58 @@ impl<B: Backend> Inner<B> {
             }
             std::thread::park();
         }
+        // Leaves the list, and wakes the next callers made durable (see `wake_durable`).
+        let me = std::thread::current().id();
+        self.wake_durable_from(self.buffers_durable.load(Ordering::Acquire), Some(me));
         Ok(())
     }
 
     /// Wakes the `force_commit` callers waiting for buffer `taken` or an older one, or all of
-    /// them with `all` (the store was poisoned); unparked once the list's lock is released.
+    /// them with `all` (the store was poisoned).
+    ///
+    /// A commit wakes only [`WAKE_FANOUT`] of them, and goes on to its next commit; each
+    /// caller woken wakes as many more before it returns, so every caller made durable
+    /// wakes, in a tree, and the committer does not spend the unparks of all of them (some
+    /// microseconds each, more when a woken caller takes its CPU) between two commits.
     fn wake_durable(&self, taken: u64, all: bool) {
+        if !all {
+            self.wake_durable_from(taken, None);
+            return;
+        }
         let woken: Vec<std::thread::Thread> = {
             let mut waits = self.durable_waits.lock();
-            let mut woken = Vec::new();
-            waits.retain(|(needed, t)| {
-                let done = all || *needed <= taken;
-                if done {
-                    woken.push(t.clone());
-                }
-                !done
-            });
-            woken
+            waits.drain(..).map(|(_, t)| t).collect()
         };
         for t in woken {
+            t.unpark();
+        }
+    }
+
+    /// Takes `me` (a returning caller) off the list, and unparks up to [`WAKE_FANOUT`]
+    /// callers waiting for buffer `durable` or an older one, taken off the list (once the
+    /// list's lock is released).
+    ///
+    /// No caller made durable stays asleep: a commit making any durable wakes some, and every
+    /// caller woken, or returning after it was listed, wakes more while any are left. A
+    /// caller taken off the list before it parks returns without parking (its buffer is
+    /// durable) and wakes its share on the way out.
+    fn wake_durable_from(&self, durable: u64, me: Option<std::thread::ThreadId>) {
+        let mut woken: [Option<std::thread::Thread>; WAKE_FANOUT] = Default::default();
+        {
+            let mut waits = self.durable_waits.lock();
+            if let Some(me) = me
+                && let Some(i) = waits.iter().position(|(_, t)| t.id() == me)
+            {
+                waits.remove(i);
+            }
+            for slot in &mut woken {
+                let Some(i) = waits.iter().position(|(needed, _)| *needed <= durable) else {
+                    break;
+                };
+                *slot = Some(waits.remove(i).1);
+            }
+        }
+        for t in woken.into_iter().flatten() {
             t.unpark();
         }
     }

@@ -441,3 +441,40 @@ fn scans_concurrent_with_puts_see_their_revision() {
         assert_eq!(got, want, "the scan at revision {at}");
     }
 }
+
+/// Many callers of `force_commit` on quick commits: a commit wakes only a few of the callers
+/// it made durable and each woken caller wakes more, and none is left asleep (a missed wake
+/// hangs a client, caught by the deadline).
+#[test]
+fn every_force_commit_caller_made_durable_wakes() {
+    const CLIENTS: u64 = 16;
+    const ROUNDS: u64 = 150;
+    let (_d, path) = fresh_path();
+    let s = Arc::new(open_at(&path, commits_on_demand()));
+    let (done_tx, done) = mpsc::channel();
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|c| {
+            let (s, done_tx) = (s.clone(), done_tx.clone());
+            std::thread::spawn(move || {
+                for r in 0..ROUNDS {
+                    s.put(format!("c{c}-r{}", r % 7).as_bytes(), b"v", 0)
+                        .unwrap();
+                    s.force_commit().unwrap();
+                }
+                done_tx.send(()).unwrap();
+            })
+        })
+        .collect();
+    for _ in 0..CLIENTS {
+        done.recv_timeout(Duration::from_secs(60))
+            .expect("a force_commit caller was never woken");
+    }
+    for c in clients {
+        c.join().unwrap();
+    }
+    assert_eq!(s.current_revision(), CLIENTS * ROUNDS);
+    assert_eq!(
+        s.backend().len(&keel_mvcc::KEY_BUCKET) as u64,
+        CLIENTS * ROUNDS
+    );
+}
