@@ -1,16 +1,14 @@
 //! A driver for timing restores: a snapshot stream of `pairs` pairs of 1 KiB values, restored
 //! into fresh stores in turn through the file backend's own restore (one sync at the end),
-//! through the same from 1 MiB chunks (`restore_chunks`, as a snapshot transfer does), the
-//! same again with each chunk's CRC-32 handed over with it (`chunks-crc`, as the TCP
-//! transport's reader, which checks each chunk as it arrives, hands them on), and through
-//! keel-mvcc's generic restore (a durable commit every 8 MiB); prints each one's time,
+//! through the same from 1 MiB chunks (`restore_chunks`, as a snapshot transfer does), and
+//! through keel-mvcc's generic restore (a durable commit every 8 MiB); prints each one's time,
 //! and the CPU time of the restoring thread and of the whole process (Linux; the direct
 //! writer's thread logs its own at debug level).
 //!
 //! `cargo run --release -p keel-backend-file --example restore_profile -- [pairs] [rounds] [ways]`
 //!
-//! `ways` is a comma-separated list of `own`, `chunks`, `chunks-crc` and `generic` (default:
-//! all four), to profile one of them alone.
+//! `ways` is a comma-separated list of `own`, `chunks` and `generic` (default: all three), to
+//! profile one of them alone.
 
 use std::time::Instant;
 
@@ -23,7 +21,7 @@ fn main() {
     let rounds: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(3);
     let ways: Vec<String> = args
         .next()
-        .unwrap_or_else(|| "own,chunks,chunks-crc,generic".to_owned())
+        .unwrap_or_else(|| "own,chunks,generic".to_owned())
         .split(',')
         .map(str::to_owned)
         .collect();
@@ -52,26 +50,18 @@ fn main() {
     };
     println!("stream of {} bytes", stream.len());
     for round in 0..rounds {
-        for how in ["own       ", "chunks    ", "chunks-crc", "generic   "] {
+        for how in ["own    ", "chunks ", "generic"] {
             if !ways.iter().any(|w| w == how.trim()) {
                 continue;
             }
             let dir = root.join(format!("target-{round}-{}", how.trim()));
             let target = FileBackend::open(&dir, &FileOptions::default()).expect("open target");
-            let chunks: Vec<(Vec<u8>, Option<u32>)> = stream
-                .chunks(1 << 20)
-                .map(|c| {
-                    (
-                        c.to_vec(),
-                        (how == "chunks-crc").then(|| crc32fast::hash(c)),
-                    )
-                })
-                .collect();
+            let chunks: Vec<Vec<u8>> = stream.chunks(1 << 20).map(<[u8]>::to_vec).collect();
             let (thread0, process0) = (thread_cpu_ms(), process_cpu_ms());
             let t = Instant::now();
-            let n = match how.trim() {
+            let n = match how {
                 "generic" => keel_mvcc::backend::snapshot::restore(&target, &mut stream.as_slice()),
-                "chunks" | "chunks-crc" => {
+                "chunks " => {
                     target.restore_chunks(&mut Chunks(chunks.into_iter()), &mut |_, _, _| {})
                 }
                 _ => target.restore(&mut stream.as_slice()),
@@ -92,15 +82,11 @@ fn main() {
     let _ = std::fs::remove_dir_all(&root);
 }
 
-/// Hands out owned chunks, with their CRC-32 when they have one.
-struct Chunks(std::vec::IntoIter<(Vec<u8>, Option<u32>)>);
+/// Hands out owned chunks.
+struct Chunks(std::vec::IntoIter<Vec<u8>>);
 
 impl keel_mvcc::backend::ChunkSource for Chunks {
     fn next_chunk(&mut self) -> Option<Vec<u8>> {
-        self.0.next().map(|(chunk, _)| chunk)
-    }
-
-    fn next_chunk_with_crc(&mut self) -> Option<(Vec<u8>, Option<u32>)> {
         self.0.next()
     }
 }

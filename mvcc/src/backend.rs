@@ -449,18 +449,6 @@ pub trait ChunkSource {
     /// has not seen the stream's end frame by then fails as a stream that ends early).
     fn next_chunk(&mut self) -> Option<Vec<u8>>;
 
-    /// [`next_chunk`](Self::next_chunk), with the CRC-32 (IEEE, as computed by `crc32fast`)
-    /// of the chunk's bytes when the source has it: a source that read the chunk's bytes
-    /// and checked them against a checksum sent with them (a transport's chunk checksum)
-    /// hands that checksum on, and a restore then takes the stream's checksum from the
-    /// chunks' by combination instead of reading every byte again. `Some` promises that the
-    /// CRC was computed from exactly the bytes handed over: a restore trusts it, and a
-    /// wrong one would let damaged bytes through. The default hands out
-    /// [`next_chunk`](Self::next_chunk)'s chunks without a CRC, and the restore hashes them.
-    fn next_chunk_with_crc(&mut self) -> Option<(Vec<u8>, Option<u32>)> {
-        self.next_chunk().map(|chunk| (chunk, None))
-    }
-
     /// Takes back a chunk the restore is done with, for the source to reuse its buffer.
     /// The default drops it.
     fn recycle(&mut self, chunk: Vec<u8>) {

@@ -1028,9 +1028,7 @@ fn receive_loop<B: Backend>(
         let store = live.as_ref().is_none_or(|l| l.key != key);
         let accepted = assembler.chunk(&chunk, store);
         match (&accepted, live.as_ref()) {
-            (Ok(_), Some(l)) if l.key == key => {
-                l.feed(chunk.data, chunk.data_checked.then_some(chunk.crc))
-            }
+            (Ok(_), Some(l)) if l.key == key => l.feed(chunk.data),
             (Err(_), Some(l)) if l.key == key => live = None,
             _ => {}
         }

@@ -656,17 +656,6 @@ fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {
 /// Fills `buf`, waiting through read timeouts; `Ok(false)` on a clean end of stream before
 /// the first byte, or on shutdown.
 fn read_full(inner: &Inner, s: &mut TcpStream, buf: &mut [u8]) -> io::Result<bool> {
-    read_full_seeing(inner, s, buf, |_| {})
-}
-
-/// [`read_full`], showing `seen` each piece as soon as it is read (while it is still in the
-/// processor's cache).
-fn read_full_seeing(
-    inner: &Inner,
-    s: &mut TcpStream,
-    buf: &mut [u8],
-    mut seen: impl FnMut(&[u8]),
-) -> io::Result<bool> {
     let mut got = 0;
     while got < buf.len() {
         if inner.shutdown.load(Ordering::Acquire) {
@@ -680,10 +669,7 @@ fn read_full_seeing(
                     "truncated frame",
                 ));
             }
-            Ok(n) => {
-                seen(&buf[got..got + n]);
-                got += n;
-            }
+            Ok(n) => got += n,
             Err(e)
                 if matches!(
                     e.kind(),
@@ -720,9 +706,7 @@ fn read_frame(inner: &Inner, s: &mut TcpStream) -> Result<ReadOutcome, NodeError
 }
 
 /// Reads a chunk frame's payload: its head, then its data straight into a buffer of its own
-/// (a recycled one, see [`crate::snapshot::buffers`]), which becomes the chunk's, hashing
-/// each piece of the data as it arrives: the data is checked against the chunk's CRC here,
-/// on the connection's reader thread, and not hashed again by the receiver.
+/// (a recycled one, see [`crate::snapshot::buffers`]), which becomes the chunk's.
 fn read_chunk(
     inner: &Inner,
     s: &mut TcpStream,
@@ -760,18 +744,10 @@ fn read_chunk(
         return Ok(ReadOutcome::Closed);
     }
     let mut data = crate::snapshot::buffers::take(h.len - data_at);
-    let mut crc = crc32fast::Hasher::new();
-    if !read_full_seeing(inner, s, &mut data, |piece| crc.update(piece)).map_err(io_err)?
-        && !data.is_empty()
-    {
+    if !read_full(inner, s, &mut data).map_err(io_err)? && !data.is_empty() {
         return Ok(ReadOutcome::Closed);
     }
-    Ok(ReadOutcome::Frame(frame::decode_chunk(
-        h,
-        &head,
-        data,
-        crc.finalize(),
-    )?))
+    Ok(ReadOutcome::Frame(frame::decode_chunk(h, &head, data)?))
 }
 
 /// Hands a snapshot frame to the member, waiting while its queue is full; false once the
@@ -882,7 +858,6 @@ mod tests {
             crc: crc32fast::hash(&data),
             data,
             end: None,
-            data_checked: false,
         })
     }
 

@@ -68,10 +68,6 @@ pub struct SnapshotChunk {
     pub crc: u32,
     /// Present on the last chunk: `(stream length, CRC-32 of the whole stream)`.
     pub end: Option<(u64, u32)>,
-    /// True when the receiving side has read `data` and found it to hash to `crc` (the TCP
-    /// transport does as it reads it); the receiver then hands `crc` on with the data instead
-    /// of hashing it again. False as sent; not part of the wire format.
-    pub data_checked: bool,
 }
 
 /// The receiver's verdict on a snapshot transfer.
@@ -479,7 +475,6 @@ mod tests {
             crc: crc32fast::hash(&data),
             data,
             end: None,
-            data_checked: false,
         };
         t1.send_snapshot(SnapshotFrame::Chunk(chunk.clone()))
             .unwrap_or(());

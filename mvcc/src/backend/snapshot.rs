@@ -262,9 +262,6 @@ impl BatchSource for PairBatch<'_> {
     }
 }
 
-/// CRC-32 (IEEE, finalized) of any bytes followed by their own CRC-32, little-endian.
-const CRC_RESIDUE: u32 = 0x2144_df1c;
-
 /// Bytes read from the input at a time.
 const READ_BLOCK: usize = 1 << 20;
 
@@ -282,12 +279,6 @@ enum Input<'a> {
         /// The chunk being taken from, and its next byte.
         next: Vec<u8>,
         at: usize,
-        /// CRC-32 of every chunk taken from the source before the last one ...
-        before: crc32fast::Hasher,
-        /// ... and of the last one (in `next`, or in `buf` when the parser works in it).
-        /// The stream's checksum is checked from these (see [`Parser::check_chunks_crc`]),
-        /// not by hashing the bytes as they are parsed.
-        last: crc32fast::Hasher,
     },
 }
 
@@ -315,9 +306,8 @@ struct Parser<'a> {
     pos: usize,
     /// End of the bytes read into `buf`.
     filled: usize,
-    /// Bytes of `buf` before `hashed` are in `crc` (byte stream input only: the checksum of a
-    /// stream read from chunks is taken from the chunks' CRCs). The parser hashes a block
-    /// ahead of where it parses (see [`HASH_BLOCK`]), so `hashed` may be past `pos`.
+    /// Bytes of `buf` before `hashed` are in `crc`. The parser hashes a block ahead of
+    /// where it parses (see [`HASH_BLOCK`]), so `hashed` may be past `pos`.
     hashed: usize,
     crc: crc32fast::Hasher,
     /// Where the block being parsed starts in `buf` (at or before `pos` whenever `hashed` is
@@ -397,6 +387,8 @@ impl Parser<'_> {
             Input::Chunks { next, at, .. } => next.len() - at,
             Input::Read(_) => 0,
         };
+        // Everything parsed in the current buffer is hashed before it is left.
+        self.hash_to(self.pos);
         let start = self.offset();
         let in_place = have == 0 && left >= n;
         let (buf, base) = if in_place {
@@ -434,6 +426,8 @@ impl Parser<'_> {
         self.origin = start - base as u64;
         self.base = base;
         self.pos = base;
+        self.hashed = base;
+        self.block = (base, self.crc.clone());
         self.filled = self.buf.len();
         Ok(())
     }
@@ -442,14 +436,7 @@ impl Parser<'_> {
     /// (and handing used ones back).
     fn next_chunk_with_bytes(&mut self) -> Result<(), BackendError> {
         let offset = self.offset();
-        let Input::Chunks {
-            source,
-            next,
-            at,
-            before,
-            last,
-        } = &mut self.input
-        else {
+        let Input::Chunks { source, next, at } = &mut self.input else {
             return Ok(());
         };
         while *at >= next.len() {
@@ -468,14 +455,8 @@ impl Parser<'_> {
                     i += 1;
                 }
             }
-            match source.next_chunk_with_crc() {
-                Some((chunk, crc)) => {
-                    // A chunk without a CRC from the source is hashed here, in one pass
-                    // just before it is parsed (which then finds it in the processor's
-                    // cache).
-                    let crc = crc.unwrap_or_else(|| crc32fast::hash(&chunk));
-                    before.combine(last);
-                    *last = crc32fast::Hasher::new_with_initial_len(crc, chunk.len() as u64);
+            match source.next_chunk() {
+                Some(chunk) => {
                     *next = chunk;
                     *at = 0;
                 }
@@ -515,9 +496,7 @@ impl Parser<'_> {
                     }
                 }
             }
-            Input::Chunks {
-                source, next, at, ..
-            } => {
+            Input::Chunks { source, next, at } => {
                 let mut extra = next.len() > *at;
                 while !extra && let Some(chunk) = source.next_chunk() {
                     extra = !chunk.is_empty();
@@ -532,57 +511,14 @@ impl Parser<'_> {
         }
     }
 
-    /// For a stream read from chunks, whose `crc` field was just taken: whether the field
-    /// holds the CRC-32 of the stream before it, from the CRCs of the chunks taken (handed
-    /// on by the source, or computed when taken) instead of the bytes.
-    ///
-    /// CRC-32 followed by its own value (little-endian) leaves a fixed residue,
-    /// [`CRC_RESIDUE`], and no other four bytes do (for a given prefix, appending four bytes
-    /// is a bijection on the CRC), so the field is right exactly when the CRC of the stream
-    /// up to the end of the field is that residue. That CRC is the chunks' CRCs combined when
-    /// the field ends the last chunk taken, as it does in a well-formed stream; otherwise
-    /// (bytes follow the end frame, which is refused anyway) the last chunk is hashed up to
-    /// the end of the field.
-    fn check_chunks_crc(&self) -> bool {
-        let Input::Chunks {
-            next,
-            at,
-            before,
-            last,
-            ..
-        } = &self.input
-        else {
-            return false;
-        };
-        // The last chunk taken and where the field ends in it. The parser works either in
-        // that chunk (`buf`), or in a copy of the bytes of a read that spans chunks, whose
-        // last bytes were taken from it, up to `at`.
-        let (chunk, end) = if self.buf_is_chunk {
-            (&self.buf[..], Some(self.pos))
-        } else {
-            (&next[..], at.checked_sub(self.filled - self.pos))
-        };
-        let Some(end) = end else {
-            // The field does not end in the last chunk taken: never so after a read that
-            // took it (a copy holds exactly the bytes of the read that made it).
-            return false;
-        };
-        let mut crc = before.clone();
-        if end == chunk.len() {
-            crc.combine(last);
-        } else {
-            crc.update(&chunk[..end]);
-        }
-        crc.finalize() == CRC_RESIDUE
-    }
-
     /// Takes `n` bytes (made available by `need`), returning their offset in `buf`.
+    #[inline]
     fn take(&mut self, n: usize) -> Result<usize, BackendError> {
-        self.need(n)?;
-        if self.pos >= self.hashed
-            && self.hashed < self.filled
-            && matches!(self.input, Input::Read(_))
-        {
+        // Three takes a pair: `need` is called only when the buffer runs short.
+        if self.filled - self.pos < n {
+            self.need(n)?;
+        }
+        if self.pos >= self.hashed && self.hashed < self.filled {
             // Hash the next block before parsing it: one sequential pass brings it into the
             // processor's cache (bytes just received land in another core's cache or in
             // memory), and the parse, which jumps from frame to frame, then finds it there.
@@ -682,10 +618,8 @@ where
 /// its own (only the bytes of a frame field that spans two chunks are copied), and hands
 /// each chunk back to the source ([`ChunkSource::recycle`]) once no pending pair sits in it.
 /// A batch may span several chunks. Same batches' rule, same order, same rule for the last
-/// one, same checks: the stream's checksum is verified before the last batch is handed out,
-/// from the chunks' CRCs: those the source hands on
-/// ([`ChunkSource::next_chunk_with_crc`], which vouches for them), combined without reading
-/// the bytes again, and for the other chunks, each hashed once as it is taken.
+/// one, same checks: the stream's checksum is verified over its bytes before the last batch
+/// is handed out.
 pub fn restore_chunks_batched<F>(
     source: &mut dyn ChunkSource,
     batch_bytes: usize,
@@ -715,8 +649,6 @@ where
         source,
         next: Vec::new(),
         at: 0,
-        before: crc32fast::Hasher::new(),
-        last: crc32fast::Hasher::new(),
     };
     let mut p = Parser::new(input, Arc::new(Vec::new()));
     let pairs = parse(&mut p, batch_bytes.max(1), apply)?;
@@ -857,16 +789,11 @@ where
             TAG_END => {
                 let count_at = p.take(8)?;
                 let count = p.u64_at(count_at);
-                let crc_ok = if matches!(p.input, Input::Read(_)) {
-                    p.hash_to(p.pos);
-                    let expected_crc = p.crc.clone().finalize();
-                    let crc_at = p.take(4)?;
-                    p.u32_at(crc_at) == expected_crc
-                } else {
-                    p.take(4)?;
-                    p.check_chunks_crc()
-                };
-                if !crc_ok {
+                p.hash_to(p.pos);
+                let expected_crc = p.crc.clone().finalize();
+                let crc_at = p.take(4)?;
+                let crc = p.u32_at(crc_at);
+                if crc != expected_crc {
                     return Err(bad(at, "checksum mismatch"));
                 }
                 if count != pairs {
@@ -1084,20 +1011,9 @@ mod tests {
     }
 
     fn by_chunks(bytes: &[u8], sizes: &[usize], batch: usize) -> Seen {
-        by_cuts(crate::testing::ChunkCuts::new(bytes, sizes), batch)
-    }
-
-    /// As [`by_chunks`], the source handing each chunk out with its CRC-32.
-    fn by_checked_chunks(bytes: &[u8], sizes: &[usize], batch: usize) -> Seen {
-        by_cuts(
-            crate::testing::ChunkCuts::new(bytes, sizes).with_crcs(),
-            batch,
-        )
-    }
-
-    fn by_cuts(mut cut: crate::testing::ChunkCuts<'_>, batch: usize) -> Seen {
         let mut seen = Vec::new();
         let mut batches = 0;
+        let mut cut = crate::testing::ChunkCuts::new(bytes, sizes);
         let r = restore_chunks_batched(&mut cut, batch, |b| {
             batches += 1;
             assert!(!b.is_empty(), "an empty batch");
@@ -1206,18 +1122,14 @@ mod tests {
             let read = by_reading(&bytes, batch);
             assert_eq!(read.0, Ok(1200));
             for sizes in cuts {
-                for got in [
-                    by_chunks(&bytes, sizes, batch),
-                    by_checked_chunks(&bytes, sizes, batch),
-                ] {
-                    assert_eq!(got.0, read.0, "cut {sizes:?}, batch {batch}");
-                    assert!(
-                        got.1 == read.1,
-                        "pairs differ: cut {sizes:?}, batch {batch}"
-                    );
-                    if batch == 1 {
-                        assert_eq!(got.2, 1200, "one pair per batch");
-                    }
+                let got = by_chunks(&bytes, sizes, batch);
+                assert_eq!(got.0, read.0, "cut {sizes:?}, batch {batch}");
+                assert!(
+                    got.1 == read.1,
+                    "pairs differ: cut {sizes:?}, batch {batch}"
+                );
+                if batch == 1 {
+                    assert_eq!(got.2, 1200, "one pair per batch");
                 }
             }
         }
@@ -1234,132 +1146,25 @@ mod tests {
             };
             damaged[at] ^= 0x10;
             let read = by_reading(&damaged, 4096);
+            let got = by_chunks(&damaged, &[3, 1, 8, 2, 16_384, 5], 4096);
             assert!(read.0.is_err(), "flip at {at} accepted by the reader");
-            // A source handing CRCs on computed them from the bytes it hands over, damage
-            // and all: the stream's own checksum, combined from them, refuses it.
-            for sizes in [&[3, 1, 8, 2, 16_384, 5][..], &[1 << 20], &[65_536, 7]] {
-                for got in [
-                    by_chunks(&damaged, sizes, 4096),
-                    by_checked_chunks(&damaged, sizes, 4096),
-                ] {
-                    assert_eq!(got.0, read.0, "flip at {at}, cut {sizes:?}");
-                    assert!(
-                        got.1.len() < 1200,
-                        "flip at {at}: the last batch was handed out"
-                    );
-                }
-            }
+            assert_eq!(got.0, read.0, "flip at {at}");
+            assert!(
+                got.1.len() < 1200,
+                "flip at {at}: the last batch was handed out"
+            );
         }
         for len in [0, 10, 16, bytes.len() / 3, bytes.len() - 4, bytes.len() - 1] {
             let read = by_reading(&bytes[..len], 4096);
+            let got = by_chunks(&bytes[..len], &[4096, 7], 4096);
             assert!(read.0.is_err());
-            for got in [
-                by_chunks(&bytes[..len], &[4096, 7], 4096),
-                by_checked_chunks(&bytes[..len], &[4096, 7], 4096),
-            ] {
-                assert_eq!(got.0, read.0, "cut to {len}");
-            }
+            assert_eq!(got.0, read.0, "cut to {len}");
         }
         let mut extended = bytes.clone();
         extended.extend_from_slice(&[0, 0]);
-        for sizes in [
-            &[bytes.len()][..],
-            &[bytes.len() + 1, 1],
-            &[bytes.len() - 2, 9],
-        ] {
-            for got in [
-                by_chunks(&extended, sizes, 4096),
-                by_checked_chunks(&extended, sizes, 4096),
-            ] {
-                assert!(
-                    got.0
-                        .as_ref()
-                        .is_err_and(|e| e.contains("after the end frame")),
-                    "cut {sizes:?}: {:?}",
-                    got.0
-                );
-            }
-        }
-        // Bytes after an end frame whose checksum is wrong: refused for the checksum, as
-        // a byte stream is, however the stream is cut.
-        let mut wrong = extended.clone();
-        wrong[bytes.len() - 1] ^= 1;
-        let read = by_reading(&wrong, 4096);
-        assert!(read.0.as_ref().is_err_and(|e| e.contains("checksum")));
-        for sizes in [
-            &[bytes.len()][..],
-            &[bytes.len() - 2, 9],
-            &[bytes.len() + 1, 1],
-        ] {
-            for got in [
-                by_chunks(&wrong, sizes, 4096),
-                by_checked_chunks(&wrong, sizes, 4096),
-            ] {
-                assert_eq!(got.0, read.0, "cut {sizes:?}");
-            }
-        }
-    }
-
-    /// A chunk's CRC handed on by its source is what the stream's checksum is checked
-    /// against (the bytes are not hashed again): a whole stream whose source vouches for a
-    /// wrong CRC is refused, before its last batch.
-    #[test]
-    fn a_chunks_crc_from_the_source_is_what_is_checked() {
-        struct Lying<'a>(crate::testing::ChunkCuts<'a>, usize);
-        impl ChunkSource for Lying<'_> {
-            fn next_chunk(&mut self) -> Option<Vec<u8>> {
-                self.0.next_chunk()
-            }
-            fn next_chunk_with_crc(&mut self) -> Option<(Vec<u8>, Option<u32>)> {
-                let chunk = self.0.next_chunk()?;
-                let mut crc = crc32fast::hash(&chunk);
-                if self.1 == 0 {
-                    crc ^= 1;
-                }
-                self.1 = self.1.wrapping_sub(1);
-                Some((chunk, Some(crc)))
-            }
-        }
-        let bytes = stream(100);
-        for lie_at in [0, 3, 7] {
-            let mut src = Lying(crate::testing::ChunkCuts::new(&bytes, [40_000]), lie_at);
-            let mut seen = 0;
-            let r = restore_chunks_batched(&mut src, 4096, |b| {
-                seen += b.len();
-                Ok(())
-            });
-            assert!(
-                r.as_ref()
-                    .is_err_and(|e| e.to_string().contains("checksum")),
-                "a wrong CRC for chunk {lie_at}: {r:?}"
-            );
-            assert!(seen < 300, "the last batch was handed out");
-        }
-    }
-
-    /// Any bytes followed by their CRC-32 (little-endian) hash to [`CRC_RESIDUE`], and with
-    /// any other four bytes do not.
-    #[test]
-    fn a_crc_followed_by_itself_leaves_the_residue() {
-        let mut state = 0x9e37_79b9_7f4a_7c15u64;
-        for len in [0usize, 1, 5, 64, 1000, 70_001] {
-            let mut bytes: Vec<u8> = (0..len)
-                .map(|_| {
-                    state ^= state << 13;
-                    state ^= state >> 7;
-                    state ^= state << 17;
-                    state as u8
-                })
-                .collect();
-            let crc = crc32fast::hash(&bytes);
-            bytes.extend_from_slice(&crc.to_le_bytes());
-            assert_eq!(crc32fast::hash(&bytes), CRC_RESIDUE, "len {len}");
-            for bit in [0, 7, 13, 31] {
-                let at = len + bit / 8;
-                bytes[at] ^= 1 << (bit % 8);
-                assert_ne!(crc32fast::hash(&bytes), CRC_RESIDUE, "len {len}, bit {bit}");
-                bytes[at] ^= 1 << (bit % 8);
-            }
-        }
+        let got = by_chunks(&extended, &[bytes.len()], 4096);
+        assert!(got.0.is_err_and(|e| e.contains("after the end frame")));
+        let got = by_chunks(&extended, &[bytes.len() + 1, 1], 4096);
+        assert!(got.0.is_err_and(|e| e.contains("after the end frame")));
     }
 }

@@ -4,8 +4,7 @@
 use crate::backend::ChunkSource;
 
 /// Hands out a stream's bytes as chunks of the given sizes, taken in turn (a size of 0 gives
-/// an empty chunk), with or without their CRCs ([`with_crcs`](Self::with_crcs)), and counts
-/// the chunks handed back. Handing back an empty buffer, or more
+/// an empty chunk), and counts the chunks handed back. Handing back an empty buffer, or more
 /// chunks than were handed out, panics.
 pub struct ChunkCuts<'a> {
     rest: &'a [u8],
@@ -15,8 +14,6 @@ pub struct ChunkCuts<'a> {
     pub handed: usize,
     /// Chunks handed back so far.
     pub recycled: usize,
-    /// Hand each chunk out with its CRC-32 ([`ChunkSource::next_chunk_with_crc`]).
-    crcs: bool,
 }
 
 impl<'a> ChunkCuts<'a> {
@@ -30,15 +27,7 @@ impl<'a> ChunkCuts<'a> {
             next: 0,
             handed: 0,
             recycled: 0,
-            crcs: false,
         }
-    }
-
-    /// Hands each chunk out with the CRC-32 of its bytes, as a source that checked them
-    /// does.
-    pub fn with_crcs(mut self) -> ChunkCuts<'a> {
-        self.crcs = true;
-        self
     }
 }
 
@@ -53,12 +42,6 @@ impl ChunkSource for ChunkCuts<'_> {
         self.rest = rest;
         self.handed += usize::from(n > 0);
         Some(chunk.to_vec())
-    }
-
-    fn next_chunk_with_crc(&mut self) -> Option<(Vec<u8>, Option<u32>)> {
-        let chunk = self.next_chunk()?;
-        let crc = self.crcs.then(|| crc32fast::hash(&chunk));
-        Some((chunk, crc))
     }
 
     fn recycle(&mut self, chunk: Vec<u8>) {

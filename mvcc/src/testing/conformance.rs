@@ -1601,8 +1601,7 @@ pub fn restore_observed_shows_every_pair_once<B: Backend>(options: B::Options) {
 /// order, however the stream is cut into chunks (single bytes, sizes that split every frame
 /// field, empty chunks, one chunk); it hands back every chunk it took but the last one or
 /// two; a flipped
-/// byte, a cut stream and trailing bytes fail it as they fail `restore`. All of it with
-/// chunks handed over with and without their CRCs ([`ChunkCuts::with_crcs`]).
+/// byte, a cut stream and trailing bytes fail it as they fail `restore`.
 pub fn restore_chunks_matches_restore<B: Backend>(options: B::Options) {
     use crate::backend::snapshot::RESTORE_BATCH_PAIRS;
     let source = Fixture::<B>::new(&options);
@@ -1620,30 +1619,16 @@ pub fn restore_chunks_matches_restore<B: Backend>(options: B::Options) {
     let seed = seed();
     let mut rng = StdRng::seed_from_u64(seed);
     let random: Vec<usize> = (0..64).map(|_| rng.random_range(0..70_000)).collect();
-    let cuts: Vec<(&str, Vec<usize>, bool)> = vec![
-        ("one chunk", vec![stream.len()], false),
-        ("1 MiB chunks", vec![1 << 20], false),
-        ("1 MiB chunks with CRCs", vec![1 << 20], true),
-        ("odd sizes", vec![1, 2, 3, 5, 8, 13, 4093, 65_537], false),
-        (
-            "odd sizes with CRCs",
-            vec![1, 2, 3, 5, 8, 13, 4093, 65_537],
-            true,
-        ),
-        ("with empty chunks", vec![0, 777, 0, 0, 100_003], false),
-        (
-            "with empty chunks and CRCs",
-            vec![0, 777, 0, 0, 100_003],
-            true,
-        ),
-        ("random sizes", random, false),
+    let cuts: Vec<(&str, Vec<usize>)> = vec![
+        ("one chunk", vec![stream.len()]),
+        ("1 MiB chunks", vec![1 << 20]),
+        ("odd sizes", vec![1, 2, 3, 5, 8, 13, 4093, 65_537]),
+        ("with empty chunks", vec![0, 777, 0, 0, 100_003]),
+        ("random sizes", random),
     ];
-    for (what, sizes, crcs) in cuts {
+    for (what, sizes) in cuts {
         let target = Fixture::<B>::new(&options);
         let mut chunks = ChunkCuts::new(&stream, sizes);
-        if crcs {
-            chunks = chunks.with_crcs();
-        }
         let mut seen: Vec<(String, Vec<u8>, Vec<u8>)> = Vec::new();
         let loaded = target
             .b()
@@ -1669,15 +1654,10 @@ pub fn restore_chunks_matches_restore<B: Backend>(options: B::Options) {
             chunks.handed
         );
     }
-    // The "odd sizes" cut only: one stream of chunks per damage, handed over with their CRCs
-    // (computed from the damaged bytes, as a source that checked them hands them on) every
-    // other time.
-    let restore_damaged = |damaged: &[u8], crcs: bool| {
+    // The "odd sizes" cut only: one stream of chunks per damage.
+    let restore_damaged = |damaged: &[u8]| {
         let target = Fixture::<B>::new(&options);
         let mut chunks = ChunkCuts::new(damaged, [1, 2, 3, 5, 8, 13, 4093, 65_537]);
-        if crcs {
-            chunks = chunks.with_crcs();
-        }
         target.b().restore_chunks(&mut chunks, &mut |_, _, _| {})
     };
     for round in 0..16 {
@@ -1688,24 +1668,22 @@ pub fn restore_chunks_matches_restore<B: Backend>(options: B::Options) {
             _ => rng.random_range(0..stream.len()),
         };
         damaged[at] ^= rng.random_range(1..=255u8);
-        match restore_damaged(&damaged, round % 2 == 1) {
+        match restore_damaged(&damaged) {
             Err(BackendError::Snapshot { .. }) => {}
             other => panic!("byte {at} flipped (seed {seed}): restore_chunks gave {other:?}"),
         }
     }
-    for crcs in [false, true] {
-        for cut in [0, 15, stream.len() / 2, stream.len() - 4, stream.len() - 1] {
-            match restore_damaged(&stream[..cut], crcs) {
-                Err(BackendError::Snapshot { .. }) => {}
-                other => panic!("cut to {cut}: restore_chunks gave {other:?}"),
-            }
-        }
-        let mut extended = stream.clone();
-        extended.push(0);
-        match restore_damaged(&extended, crcs) {
+    for cut in [0, 15, stream.len() / 2, stream.len() - 4, stream.len() - 1] {
+        match restore_damaged(&stream[..cut]) {
             Err(BackendError::Snapshot { .. }) => {}
-            other => panic!("one byte appended: restore_chunks gave {other:?}"),
+            other => panic!("cut to {cut}: restore_chunks gave {other:?}"),
         }
+    }
+    let mut extended = stream.clone();
+    extended.push(0);
+    match restore_damaged(&extended) {
+        Err(BackendError::Snapshot { .. }) => {}
+        other => panic!("one byte appended: restore_chunks gave {other:?}"),
     }
 }
 

@@ -22,15 +22,12 @@
 //! A frame whose magic, version, kind, length or CRC is wrong ends the connection: after a
 //! bad frame the stream cannot be resynchronised safely, and the sender reconnects.
 //!
-//! A chunk's data is hashed once on each side: its frame CRC is computed (and checked) by
+//! A chunk's data is read once on each side: its frame CRC is computed (and checked) by
 //! combining the CRC of everything before the data with `data_crc32` (CRC-32 combination,
 //! the same value as hashing the whole payload when `data_crc32` is right), and the data
-//! itself is hashed against `data_crc32` by the reader as it arrives ([`decode_chunk`], a
-//! mismatch refuses the frame), or, decoded from a whole payload ([`decode`]), by the
-//! snapshot receiver, which aborts the transfer on a mismatch. So a chunk frame is sent as
-//! its head followed by the data as it is ([`encode_chunk_head`]), without copying it into
-//! the frame, and a chunk the reader checked is not hashed again: its `data_crc32` goes on
-//! with it ([`SnapshotChunk::data_checked`]).
+//! itself is checked against `data_crc32` by the snapshot receiver, which aborts the transfer
+//! on a mismatch. So a chunk frame is sent as its head followed by the data as it is
+//! ([`encode_chunk_head`]), without copying it into the frame.
 
 use protobuf::Message as _;
 use raft::eraftpb::Message;
@@ -240,16 +237,8 @@ pub fn is_chunk(h: &Header) -> bool {
 
 /// Verifies and decodes a chunk frame read in two parts: `head`, the payload up to its
 /// data (as [`chunk_head`] found it), and `data`, the rest, which becomes the chunk's buffer
-/// as it is, with `data_crc`, the CRC-32 the caller computed from `data` as it read it. Same
-/// checks as [`decode`], and the data's own: a chunk whose data does not hash to its
-/// `data_crc32` is refused, and one that does is marked
-/// [`data_checked`](SnapshotChunk::data_checked).
-pub fn decode_chunk(
-    h: &Header,
-    head: &[u8],
-    data: Vec<u8>,
-    data_crc: u32,
-) -> Result<Frame, NodeError> {
+/// as it is. Same checks as [`decode`].
+pub fn decode_chunk(h: &Header, head: &[u8], data: Vec<u8>) -> Result<Frame, NodeError> {
     if !is_chunk(h) || head.len() + data.len() != h.len {
         return Err(bad(0, "not a chunk frame of that length"));
     }
@@ -260,22 +249,15 @@ pub fn decode_chunk(
     hasher.update(&h.bytes[0..12]);
     hasher.update(head);
     let c = &head[head.len() - 4..];
-    let stated = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+    let data_crc = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
     hasher.combine(&crc32fast::Hasher::new_with_initial_len(
-        stated,
+        data_crc,
         data.len() as u64,
     ));
     check_crc(h.crc, hasher.finalize())?;
-    if data_crc != stated {
-        return Err(bad(
-            HEADER_BYTES + head.len(),
-            format!("chunk data fails its checksum: {stated:08x} stated, {data_crc:08x} read"),
-        ));
-    }
     let mut frame = parse(h, head, head.len(), |_| Vec::new())?;
     if let Frame::Chunk(c) = &mut frame {
         c.data = data;
-        c.data_checked = true;
     }
     Ok(frame)
 }
@@ -469,7 +451,6 @@ fn parse(
                 data,
                 crc,
                 end,
-                data_checked: false,
             })
         }
         _ => {
@@ -538,7 +519,6 @@ mod tests {
             data: vec![9; 1000],
             crc: crc32fast::hash(&[9; 1000]),
             end: Some((1000, 0xdead_beef)),
-            data_checked: false,
         };
         match roundtrip(&Frame::Chunk(chunk.clone())) {
             Frame::Chunk(c) => {
@@ -614,9 +594,7 @@ mod tests {
                 ChunkHead::DataAt(_) => return Err(bad(8, "short")),
             }
         };
-        let data = payload[at..].to_vec();
-        let crc = crc32fast::hash(&data);
-        decode_chunk(&h, &payload[..at], data, crc)
+        decode_chunk(&h, &payload[..at], payload[at..].to_vec())
     }
 
     /// A chunk read in two parts decodes as the whole payload does, and is refused alike when
@@ -640,7 +618,6 @@ mod tests {
                 crc: crc32fast::hash(&data),
                 data: data.clone(),
                 end,
-                data_checked: false,
             };
             let mut out = Vec::new();
             encode(&Frame::Chunk(chunk.clone()), &mut out).expect("encode");
@@ -667,52 +644,7 @@ mod tests {
             let h = parse_header(hb, 1 << 20).expect("header");
             let payload = &out[HEADER_BYTES..];
             let at = data_at - HEADER_BYTES;
-            let data = payload[at - 1..].to_vec();
-            let crc = crc32fast::hash(&data);
-            assert!(decode_chunk(&h, &payload[..at - 1], data, crc).is_err());
-        }
-    }
-
-    /// A chunk read in two parts whose data does not hash to its `data_crc32` (damaged
-    /// after the sender hashed it, the frame CRC, combined from that, still matching) is
-    /// refused by the reader; one that does is marked checked, and a whole-payload decode
-    /// leaves the data to the receiver to check.
-    #[test]
-    fn chunks_read_in_two_parts_check_their_data() {
-        let data: Vec<u8> = (0..5000u32).map(|i| (i * 31) as u8).collect();
-        let chunk = SnapshotChunk {
-            from: 1,
-            to: 2,
-            transfer: 3,
-            seq: 0,
-            message: None,
-            crc: crc32fast::hash(&data),
-            data: data.clone(),
-            end: None,
-            data_checked: false,
-        };
-        let mut out = Vec::new();
-        encode(&Frame::Chunk(chunk), &mut out).expect("encode");
-        match read_in_two_parts(&out).expect("decode") {
-            Frame::Chunk(c) => assert!(c.data_checked, "a chunk read in two parts"),
-            other => panic!("{other:?}"),
-        }
-        let mut hb = [0u8; HEADER_BYTES];
-        hb.copy_from_slice(&out[..HEADER_BYTES]);
-        let h = parse_header(hb, 1 << 20).expect("header");
-        match decode_owned(&h, out[HEADER_BYTES..].to_vec()).expect("decode") {
-            Frame::Chunk(c) => assert!(!c.data_checked, "a whole payload's chunk"),
-            other => panic!("{other:?}"),
-        }
-        let data_at = out.len() - data.len();
-        for i in [data_at, data_at + 1, data_at + 2500, out.len() - 1] {
-            let mut b = out.clone();
-            b[i] ^= 0x20;
-            let e = read_in_two_parts(&b).expect_err("a damaged data byte was accepted");
-            assert!(
-                e.to_string().contains("chunk data fails its checksum"),
-                "{e}"
-            );
+            assert!(decode_chunk(&h, &payload[..at - 1], payload[at - 1..].to_vec()).is_err());
         }
     }
 
@@ -730,7 +662,6 @@ mod tests {
             crc: crc32fast::hash(&data),
             data,
             end: Some((4096, 0x1234_5678)),
-            data_checked: false,
         };
         let mut out = Vec::new();
         encode(&Frame::Chunk(chunk.clone()), &mut out).expect("encode");
