@@ -226,6 +226,12 @@ impl BucketMap {
         }
     }
 
+    /// The largest key, if any.
+    fn last_key(&self) -> Option<&[u8]> {
+        let leaf = self.branches.last()?.leaves.last()?;
+        leaf.keys.last().map(Key::as_bytes)
+    }
+
     /// Sets `key` to `loc`; returns the previous location.
     pub(crate) fn insert(&mut self, key: &[u8], loc: Loc) -> Option<Loc> {
         if self.branches.is_empty() {
@@ -242,15 +248,27 @@ impl BucketMap {
             self.len = 1;
             return None;
         }
-        let (b, l) = self.leaf_for(key).unwrap_or((0, 0));
+        // A key past the last one (a restore's, keel's revision keys) goes at the end of the
+        // last leaf without a search.
+        let append = self.last_key().is_some_and(|last| last < key);
+        let (b, l) = if append {
+            let b = self.branches.len() - 1;
+            (b, self.branches[b].leaves.len() - 1)
+        } else {
+            self.leaf_for(key).unwrap_or((0, 0))
+        };
         let last_branch = b + 1 == self.branches.len();
         let branches = Arc::make_mut(&mut self.branches);
         let br = Arc::make_mut(&mut branches[b]);
         let last_leaf = last_branch && l + 1 == br.leaves.len();
         let leaf = Arc::make_mut(&mut br.leaves[l]);
-        let at = match leaf.search(key) {
-            Ok(i) => return Some(std::mem::replace(&mut leaf.locs[i], loc)),
-            Err(i) => i,
+        let at = if append {
+            leaf.keys.len()
+        } else {
+            match leaf.search(key) {
+                Ok(i) => return Some(std::mem::replace(&mut leaf.locs[i], loc)),
+                Err(i) => i,
+            }
         };
         leaf.insert(at, key, loc);
         self.len += 1;
@@ -524,5 +542,19 @@ mod tests {
         let leaves: usize = map.branches.iter().map(|b| b.leaves.len()).sum();
         assert_eq!(leaves, 100_000usize.div_ceil(LEAF_MAX));
         assert_eq!(map.branches.len(), leaves.div_ceil(BRANCH_MAX));
+        assert!(
+            map.iter()
+                .map(|(k, l)| (k.to_vec(), l))
+                .eq((0..100_000u32).map(|i| (i.to_be_bytes().to_vec(), loc(i)))),
+            "appended entries read back in order"
+        );
+        // Appending the last key again replaces its location; a key below it is inserted.
+        assert_eq!(
+            map.insert(&99_999u32.to_be_bytes(), loc(1)),
+            Some(loc(99_999))
+        );
+        assert_eq!(map.insert(&[0, 0, 0, 0, 0], loc(2)), None);
+        assert_eq!(map.get(&[0, 0, 0, 0, 0]), Some(&loc(2)));
+        assert_eq!(map.len, 100_001);
     }
 }
