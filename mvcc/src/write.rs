@@ -169,8 +169,14 @@ impl<'a, B: Backend> WriteTxn<'a, B> {
     /// [`Slot`](crate::key_index::Slot)): a long scan holding the read lock does not hold the
     /// put up. Every taker of the write lock holds the writer mutex, as this transaction
     /// does, so no writer queued for the write lock stands in the read lock's way either.
-    /// Only a new key takes the write lock.
+    /// Only a new key takes the write lock. When the write lock is free (no scan holds the
+    /// read lock), the put takes it at once, without waiting: one search of the index finds
+    /// the key or where to add it, instead of a search under the read lock that misses for a
+    /// new key and a second one under the write lock.
     fn index_put(&self, key: &[u8], rev: Revision) -> Option<KeyAt> {
+        if let Some(mut idx) = self.inner.index.try_write() {
+            return idx.keys.get_and_put(key, rev.main, rev);
+        }
         if let Some(prev) = self
             .inner
             .index
