@@ -303,6 +303,79 @@ impl BucketMap {
         None
     }
 
+    /// Sets each key of `entries` to its location, in order, calling `replaced` with the
+    /// previous location of a key that was present. A run of keys each above the one before
+    /// and above the map's last key (a restore's keys, which arrive sorted per bucket) is
+    /// appended to the last leaf, with one copy-on-write check per leaf rather than per key;
+    /// any other key is [`insert`](Self::insert)ed. The map ends up as the same inserts one by
+    /// one would leave it.
+    pub(crate) fn extend_sorted<'k>(
+        &mut self,
+        entries: impl IntoIterator<Item = (&'k [u8], Loc)>,
+        mut replaced: impl FnMut(&[u8], Loc),
+    ) {
+        let mut entries = entries.into_iter().peekable();
+        while let Some((key, loc)) = entries.next() {
+            if self.last_key().is_some_and(|last| last < key) {
+                self.append_run(key, loc, &mut entries);
+            } else if let Some(old) = self.insert(key, loc) {
+                replaced(key, old);
+            }
+        }
+    }
+
+    /// Appends `key` (above the map's last key, which the map has) and then each next entry
+    /// of `rest` while its key is above the one before, filling the last leaf and branch and
+    /// starting new ones as appends one by one do.
+    fn append_run<'k, I: Iterator<Item = (&'k [u8], Loc)>>(
+        &mut self,
+        mut key: &'k [u8],
+        mut loc: Loc,
+        rest: &mut std::iter::Peekable<I>,
+    ) {
+        let branches = Arc::make_mut(&mut self.branches);
+        let Some(mut br) = branches.last_mut().map(Arc::make_mut) else {
+            return;
+        };
+        let Some(mut leaf) = br.leaves.last_mut().map(Arc::make_mut) else {
+            return;
+        };
+        loop {
+            if leaf.keys.len() >= LEAF_MAX {
+                let b = branches.len() - 1;
+                // Borrow ends for the last branch: start a new one when it is full.
+                if branches[b].leaves.len() >= BRANCH_MAX {
+                    Arc::make_mut(&mut self.pre).push(prefix(key));
+                    Arc::make_mut(&mut self.firsts).push(Key::new(key));
+                    branches.push(Arc::new(Branch::default()));
+                }
+                let Some(last) = branches.last_mut() else {
+                    return;
+                };
+                br = Arc::make_mut(last);
+                br.pre.push(prefix(key));
+                br.firsts.push(Key::new(key));
+                br.leaves.push(Arc::new(Leaf {
+                    pre: Vec::with_capacity(LEAF_MAX),
+                    keys: Vec::with_capacity(LEAF_MAX),
+                    locs: Vec::with_capacity(LEAF_MAX),
+                }));
+                let Some(last) = br.leaves.last_mut() else {
+                    return;
+                };
+                leaf = Arc::make_mut(last);
+            }
+            leaf.pre.push(prefix(key));
+            leaf.keys.push(Key::new(key));
+            leaf.locs.push(loc);
+            self.len += 1;
+            match rest.next_if(|(next, _)| *next > key) {
+                Some((k, l)) => (key, loc) = (k, l),
+                None => return,
+            }
+        }
+    }
+
     /// Removes `key`; returns its location.
     pub(crate) fn remove(&mut self, key: &[u8]) -> Option<Loc> {
         let (b, l) = self.leaf_for(key)?;
@@ -442,6 +515,37 @@ mod tests {
         }
     }
 
+    /// Asserts the map's structural invariants: node sizes, and first keys and prefixes
+    /// matching the nodes they name.
+    fn check_shape(m: &BucketMap) {
+        assert_eq!(m.pre.len(), m.branches.len());
+        assert_eq!(m.firsts.len(), m.branches.len());
+        for (bi, br) in m.branches.iter().enumerate() {
+            assert!(!br.leaves.is_empty() && br.leaves.len() <= BRANCH_MAX);
+            assert_eq!(m.firsts[bi], br.firsts[0]);
+            assert_eq!(m.pre[bi], br.pre[0]);
+            assert_eq!(br.firsts.len(), br.leaves.len());
+            assert_eq!(br.pre.len(), br.leaves.len());
+            for (i, leaf) in br.leaves.iter().enumerate() {
+                assert!(!leaf.keys.is_empty() && leaf.keys.len() <= LEAF_MAX);
+                assert_eq!(br.firsts[i], leaf.keys[0]);
+                assert_eq!(br.pre[i], leaf.pre[0]);
+                assert_eq!(leaf.pre.len(), leaf.keys.len());
+                for (p, k) in leaf.pre.iter().zip(&leaf.keys) {
+                    assert_eq!(*p, prefix(k.as_bytes()));
+                }
+            }
+        }
+    }
+
+    /// Entries per leaf, per branch: the map's shape.
+    fn shape(m: &BucketMap) -> Vec<Vec<usize>> {
+        m.branches
+            .iter()
+            .map(|b| b.leaves.iter().map(|l| l.keys.len()).collect())
+            .collect()
+    }
+
     #[test]
     fn matches_a_btreemap_under_random_operations() {
         for seed in 0..20u64 {
@@ -511,24 +615,7 @@ mod tests {
                     .collect();
                 assert_eq!(got, want);
                 assert_eq!(m.range(&b, Some(&a)).count(), 0);
-                assert_eq!(m.pre.len(), m.branches.len());
-                assert_eq!(m.firsts.len(), m.branches.len());
-                for (bi, br) in m.branches.iter().enumerate() {
-                    assert!(!br.leaves.is_empty() && br.leaves.len() <= BRANCH_MAX);
-                    assert_eq!(m.firsts[bi], br.firsts[0]);
-                    assert_eq!(m.pre[bi], br.pre[0]);
-                    assert_eq!(br.firsts.len(), br.leaves.len());
-                    assert_eq!(br.pre.len(), br.leaves.len());
-                    for (i, leaf) in br.leaves.iter().enumerate() {
-                        assert!(!leaf.keys.is_empty() && leaf.keys.len() <= LEAF_MAX);
-                        assert_eq!(br.firsts[i], leaf.keys[0]);
-                        assert_eq!(br.pre[i], leaf.pre[0]);
-                        assert_eq!(leaf.pre.len(), leaf.keys.len());
-                        for (p, k) in leaf.pre.iter().zip(&leaf.keys) {
-                            assert_eq!(*p, prefix(k.as_bytes()));
-                        }
-                    }
-                }
+                check_shape(m);
             }
         }
     }
@@ -556,5 +643,129 @@ mod tests {
         assert_eq!(map.insert(&[0, 0, 0, 0, 0], loc(2)), None);
         assert_eq!(map.get(&[0, 0, 0, 0, 0]), Some(&loc(2)));
         assert_eq!(map.len, 100_001);
+    }
+
+    #[test]
+    fn sorted_batches_match_inserts_one_by_one() {
+        for seed in 0..40u64 {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+            // Keys of 8 to 40 bytes (some sharing their 8-byte prefix, some stored on the heap).
+            let key = |n: u32, long: bool| {
+                let mut k = format!("k{n:07}").into_bytes();
+                if long {
+                    k.extend_from_slice(&[b'x'; 32]);
+                }
+                k
+            };
+            let mut batched = BucketMap::default();
+            let mut single = BucketMap::default();
+            let mut model: BTreeMap<Vec<u8>, Loc> = BTreeMap::new();
+            // A start of random inserts leaves the last leaf and branch partly full (or the
+            // map empty).
+            for step in 0..rng.random_range(0..700u32) {
+                let k = key(rng.random_range(0..4000), rng.random_bool(0.1));
+                batched.insert(&k, loc(step));
+                single.insert(&k, loc(step));
+                model.insert(k, loc(step));
+            }
+            let mut step = 1_000_000u32;
+            for _ in 0..12 {
+                let kept = (batched.clone(), model.clone());
+                // A batch: mostly runs of keys above everything so far, with keys that are
+                // not above the one before (below the last key, present already, repeated)
+                // mixed in.
+                let mut next = model.keys().next_back().map_or(0, |k| {
+                    std::str::from_utf8(&k[1..8]).unwrap().parse().unwrap()
+                });
+                let mut entries: Vec<(Vec<u8>, Loc)> = Vec::new();
+                for _ in 0..rng.random_range(1..1500) {
+                    step += 1;
+                    let k = match rng.random_range(0..40) {
+                        0 => key(rng.random_range(0..next + 1), rng.random_bool(0.5)),
+                        1 => entries
+                            .last()
+                            .map_or_else(|| key(next, false), |e| e.0.clone()),
+                        _ => {
+                            next += rng.random_range(1..3);
+                            key(next, rng.random_bool(0.1))
+                        }
+                    };
+                    entries.push((k, loc(step)));
+                }
+                let mut replaced = Vec::new();
+                batched.extend_sorted(entries.iter().map(|(k, l)| (&k[..], *l)), |k, old| {
+                    replaced.push((k.to_vec(), old))
+                });
+                let mut want = Vec::new();
+                for (k, l) in &entries {
+                    let old = single.insert(k, *l);
+                    assert_eq!(old, model.insert(k.clone(), *l), "seed {seed}");
+                    if let Some(old) = old {
+                        want.push((k.clone(), old));
+                    }
+                }
+                assert_eq!(replaced, want, "seed {seed}: replaced locations");
+                assert_eq!(batched.len, model.len(), "seed {seed}");
+                check_shape(&batched);
+                assert_eq!(
+                    shape(&batched),
+                    shape(&single),
+                    "seed {seed}: a batch leaves the shape inserts one by one leave"
+                );
+                assert!(
+                    batched
+                        .iter()
+                        .map(|(k, l)| (k.to_vec(), l))
+                        .eq(model.iter().map(|(k, l)| (k.clone(), *l))),
+                    "seed {seed}: batched entries read back"
+                );
+                for (k, _) in entries.iter().step_by(7) {
+                    assert_eq!(batched.get(k), model.get(k), "seed {seed}");
+                }
+                let (old_map, old_model) = kept;
+                assert!(
+                    old_map
+                        .iter()
+                        .map(|(k, l)| (k.to_vec(), l))
+                        .eq(old_model.iter().map(|(k, l)| (k.clone(), *l))),
+                    "seed {seed}: a version kept from before the batch is unchanged"
+                );
+            }
+            assert!(
+                batched.branches.len() > 1,
+                "seed {seed}: the batches split branches"
+            );
+        }
+    }
+
+    #[test]
+    fn a_sorted_batch_fills_the_last_leaf_then_starts_new_ones() {
+        let mut map = BucketMap::default();
+        // Two half leaves: the last one has room for LEAF_MAX / 2 - 1 more.
+        for i in (0..=LEAF_MAX as u32).rev() {
+            map.insert(&i.to_be_bytes(), loc(i));
+        }
+        assert_eq!(shape(&map), vec![vec![LEAF_MAX / 2, LEAF_MAX / 2 + 1]]);
+        let keys: Vec<[u8; 4]> = (LEAF_MAX as u32 + 1..LEAF_MAX as u32 * 7)
+            .map(u32::to_be_bytes)
+            .collect();
+        let mut replaced = 0;
+        map.extend_sorted(keys.iter().map(|k| (&k[..], loc(7))), |_, _| replaced += 1);
+        assert_eq!(replaced, 0);
+        check_shape(&map);
+        let full = LEAF_MAX;
+        assert_eq!(
+            shape(&map),
+            vec![
+                vec![LEAF_MAX / 2, full, full, full],
+                vec![full, full, full, LEAF_MAX / 2]
+            ]
+        );
+        assert_eq!(map.len, LEAF_MAX * 7);
+        assert_eq!(
+            map.get(&(LEAF_MAX as u32 * 7 - 1).to_be_bytes()),
+            Some(&loc(7))
+        );
+        assert_eq!(map.get(&5u32.to_be_bytes()), Some(&loc(5)));
     }
 }

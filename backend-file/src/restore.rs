@@ -37,7 +37,7 @@ use keel_mvcc::{BackendError, Bucket};
 use crate::direct::Puts;
 use crate::format::{self, FRAME_HEADER};
 use crate::recovery::RESTORING;
-use crate::store::{FileBackend, Inner, Writer};
+use crate::store::{FileBackend, Inner};
 use crate::version::Loc;
 
 /// Payload bytes of the batches a restore commits, one frame each. Small enough that a batch
@@ -157,75 +157,74 @@ impl Inner {
         }
         let mut w = self.writer.lock();
         Self::check_poison(&w)?;
-        // Validate everything before writing anything (the parser bounds keys and values by
-        // the same limits; checked again as any commit is).
+        // One pass over the pairs validates them (the parser bounds keys and values by the
+        // same limits; checked again as any commit is), names the batch's new buckets and
+        // lists the put records; nothing is written before it has gone through.
+        let first_new = w.bucket_names.len() as u32;
         let mut new_buckets: Vec<Bucket> = Vec::new();
-        let mut estimate = FRAME_HEADER as u64;
-        let mut last: Option<&Bucket> = None;
-        for (bucket, key, value) in batch.iter() {
+        let mut puts = Puts::with_capacity(batch.len());
+        // Each put's bucket id, key and value length, and the offset of its value from the
+        // start of the records.
+        let mut placed: Vec<(u32, &[u8], u32, usize)> = Vec::with_capacity(batch.len());
+        let mut last: Option<(&Bucket, u32)> = None;
+        for p in pairs {
             for (what, len, limit) in [
-                ("key", key.len(), MAX_KEY),
-                ("value", value.len(), MAX_VALUE),
+                ("key", p.key_len, MAX_KEY),
+                ("value", p.value_len, MAX_VALUE),
             ] {
                 if len > limit {
                     return Err(BackendError::TooLarge { what, len, limit });
                 }
             }
-            if last != Some(bucket) {
-                if !w.version.names.contains_key(bucket) && !new_buckets.contains(bucket) {
-                    bucket.validate()?;
-                    new_buckets.push(bucket.clone());
-                }
-                last = Some(bucket);
-            }
-            estimate += format::put_len(key.len(), value.len());
-        }
-        for b in w.bucket_names.iter().chain(&new_buckets) {
-            estimate += 6 + b.name().len() as u64;
-        }
-        self.begin_frame(&mut w, estimate)?;
-        let first_new = w.bucket_names.len() as u32;
-        for (i, b) in new_buckets.iter().enumerate() {
-            format::put_bucket(&mut w.buf, first_new + i as u32, b.name());
-        }
-        let id_of = |w: &Writer, b: &Bucket| w.bucket_id(b, first_new, &new_buckets);
-        // Value offsets of the puts, relative to the frame start, in batch order.
-        let records_at = w.buf.len();
-        let mut puts = Puts::with_capacity(batch.len());
-        let mut value_at = Vec::with_capacity(batch.len());
-        let mut ids = Vec::with_capacity(batch.len());
-        let mut last: Option<(&Bucket, u32)> = None;
-        for p in pairs {
             let id = match last {
                 Some((b, id)) if b == p.bucket => id,
                 _ => {
-                    let Some(id) = id_of(&w, p.bucket) else {
-                        // Validated above: every bucket is known or new.
-                        return Err(BackendError::Other(
-                            format!("restore: bucket {} has no id", p.bucket.name()).into(),
-                        ));
+                    let id = match w.bucket_id(p.bucket, first_new, &new_buckets) {
+                        Some(id) => id,
+                        None => {
+                            p.bucket.validate()?;
+                            new_buckets.push(p.bucket.clone());
+                            first_new + new_buckets.len() as u32 - 1
+                        }
                     };
                     last = Some((p.bucket, id));
                     id
                 }
             };
+            let key = p.buf.get(p.key_at..p.key_at + p.key_len).ok_or_else(|| {
+                BackendError::Other("restore: a pair's key lies outside its chunk".into())
+            })?;
             let at = puts.push(id, p.buf, p.key_at, p.key_len, p.value_len);
-            value_at.push((records_at + at) as u64);
-            ids.push(id);
+            placed.push((id, key, p.value_len as u32, at));
         }
+        let mut estimate = (FRAME_HEADER + puts.len()) as u64;
+        for b in w.bucket_names.iter().chain(&new_buckets) {
+            estimate += 6 + b.name().len() as u64;
+        }
+        self.begin_frame(&mut w, estimate)?;
+        for (i, b) in new_buckets.iter().enumerate() {
+            format::put_bucket(&mut w.buf, first_new + i as u32, b.name());
+        }
+        let records_at = w.buf.len();
         w.puts = Some(puts);
         let start = self.finish_frame(&mut w, false)?;
 
-        // Written: apply to the index.
+        // Written: apply to the index, a run of one bucket's keys at a time (a restore's
+        // keys arrive sorted per bucket, so most go to the end of its last leaf).
         w.add_buckets(first_new, new_buckets);
         let seg = w.active.seg.id;
-        for (((_, key, value), at), id) in batch.iter().zip(value_at).zip(ids) {
-            let loc = Loc {
-                seg,
-                off: (start + at) as u32,
-                len: value.len() as u32,
-            };
-            w.applier().put(id, key, loc);
+        let base = start + records_at as u64;
+        let mut applier = w.applier();
+        for run in placed.chunk_by(|a, b| a.0 == b.0) {
+            let entries = run.iter().map(|&(_, key, len, at)| {
+                let loc = Loc {
+                    seg,
+                    off: (base + at as u64) as u32,
+                    len,
+                };
+                (key, loc)
+            });
+            applier.put_sorted(run[0].0, seg, entries);
         }
         // Published together when the restore succeeds (see the module doc).
         self.record_end(&mut w)?;

@@ -100,6 +100,36 @@ impl Applier<'_> {
         }
     }
 
+    /// [`put`](Self::put)s each of `entries` into `bucket`, in order, all of them values in
+    /// segment `seg`: keys above the bucket's last key are appended a leaf at a time (see
+    /// [`BucketMap::extend_sorted`]).
+    pub(crate) fn put_sorted<'k>(
+        &mut self,
+        bucket: u32,
+        seg: u32,
+        entries: impl IntoIterator<Item = (&'k [u8], Loc)>,
+    ) {
+        let stats = &mut *self.stats;
+        // Added to the segment's live bytes once at the end; the entries a batch replaces in
+        // its own segment are taken off after that.
+        let (mut live, mut dead_here) = (0, 0);
+        self.maps[bucket as usize].extend_sorted(
+            entries.into_iter().inspect(|(key, loc)| {
+                live += put_len(key.len(), loc.len as usize);
+            }),
+            |key, old| {
+                if old.seg == seg {
+                    dead_here += put_len(key.len(), old.len as usize);
+                } else {
+                    Self::dead(stats, key, old);
+                }
+            },
+        );
+        if let Some(s) = stats.get_mut(&seg) {
+            s.live = (s.live + live).saturating_sub(dead_here);
+        }
+    }
+
     pub(crate) fn delete(&mut self, bucket: u32, key: &[u8]) {
         if let Some(old) = self.maps[bucket as usize].remove(key) {
             Self::dead(self.stats, key, old);
