@@ -340,12 +340,13 @@ impl BucketMap {
         let Some(mut leaf) = br.leaves.last_mut().map(Arc::make_mut) else {
             return;
         };
+        let mut pre = prefix(key);
         loop {
             if leaf.keys.len() >= LEAF_MAX {
                 let b = branches.len() - 1;
-                // Borrow ends for the last branch: start a new one when it is full.
+                // The last leaf is full: start a new one, in a new branch if the last is full.
                 if branches[b].leaves.len() >= BRANCH_MAX {
-                    Arc::make_mut(&mut self.pre).push(prefix(key));
+                    Arc::make_mut(&mut self.pre).push(pre);
                     Arc::make_mut(&mut self.firsts).push(Key::new(key));
                     branches.push(Arc::new(Branch::default()));
                 }
@@ -353,7 +354,7 @@ impl BucketMap {
                     return;
                 };
                 br = Arc::make_mut(last);
-                br.pre.push(prefix(key));
+                br.pre.push(pre);
                 br.firsts.push(Key::new(key));
                 br.leaves.push(Arc::new(Leaf {
                     pre: Vec::with_capacity(LEAF_MAX),
@@ -365,11 +366,16 @@ impl BucketMap {
                 };
                 leaf = Arc::make_mut(last);
             }
-            leaf.pre.push(prefix(key));
+            leaf.pre.push(pre);
             leaf.keys.push(Key::new(key));
             leaf.locs.push(loc);
             self.len += 1;
-            match rest.next_if(|(next, _)| *next > key) {
+            // Above the key before: decided by the prefixes unless they are equal.
+            let last = pre;
+            match rest.next_if(|(next, _)| {
+                pre = prefix(next);
+                pre > last || (pre == last && *next > key)
+            }) {
                 Some((k, l)) => (key, loc) = (k, l),
                 None => return,
             }

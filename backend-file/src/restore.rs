@@ -126,10 +126,7 @@ impl FileBackend {
             .map_err(|e| BackendError::io(&marker, "create", e))?;
         inner.io.sync_dir(&inner.dir)?;
         let pairs = parse(&mut |batch| {
-            for (bucket, key, value) in batch.iter() {
-                observe(bucket, key, value);
-            }
-            if inner.commit_restored(batch)? {
+            if inner.commit_restored(batch, observe)? {
                 self.nudge_reclaimer();
             }
             Ok(())
@@ -143,13 +140,21 @@ impl FileBackend {
 }
 
 impl Inner {
-    /// Commits one batch of a restore without a sync, on the restoring thread. A batch of a
-    /// stream received in chunks ([`PairBatch::shared`]) is not encoded here: its put
-    /// records go to the writer as places in the chunks ([`Puts`]), for the direct writer's
-    /// threads to encode where they write the frame; any other batch is committed as
-    /// [`commit`](Inner::commit) does. Returns whether the reclaimer should run.
-    fn commit_restored(&self, batch: &PairBatch<'_>) -> Result<bool, BackendError> {
+    /// Commits one batch of a restore without a sync, on the restoring thread, after
+    /// showing its pairs to `observe`. A batch of a stream received in chunks
+    /// ([`PairBatch::shared`]) is not encoded here: its put records go to the writer as
+    /// places in the chunks ([`Puts`]), for the direct writer's threads to encode where they
+    /// write the frame; any other batch is committed as [`commit`](Inner::commit) does.
+    /// Returns whether the reclaimer should run.
+    fn commit_restored(
+        &self,
+        batch: &PairBatch<'_>,
+        observe: &mut PairObserver<'_>,
+    ) -> Result<bool, BackendError> {
         let Some(pairs) = batch.shared() else {
+            for (bucket, key, value) in batch.iter() {
+                observe(bucket, key, value);
+            }
             return self.commit(batch, false);
         };
         if batch.is_empty() {
@@ -157,9 +162,10 @@ impl Inner {
         }
         let mut w = self.writer.lock();
         Self::check_poison(&w)?;
-        // One pass over the pairs validates them (the parser bounds keys and values by the
-        // same limits; checked again as any commit is), names the batch's new buckets and
-        // lists the put records; nothing is written before it has gone through.
+        // One pass over the pairs shows them to the observer, validates them (the parser
+        // bounds keys and values by the same limits; checked again as any commit is), names
+        // the batch's new buckets and lists the put records; nothing is written before it has
+        // gone through.
         let first_new = w.bucket_names.len() as u32;
         let mut new_buckets: Vec<Bucket> = Vec::new();
         let mut puts = Puts::with_capacity(batch.len());
@@ -177,7 +183,7 @@ impl Inner {
                 }
             }
             let id = match last {
-                Some((b, id)) if b == p.bucket => id,
+                Some((b, id)) if std::ptr::eq(b, p.bucket) || b == p.bucket => id,
                 _ => {
                     let id = match w.bucket_id(p.bucket, first_new, &new_buckets) {
                         Some(id) => id,
@@ -191,9 +197,14 @@ impl Inner {
                     id
                 }
             };
-            let key = p.buf.get(p.key_at..p.key_at + p.key_len).ok_or_else(|| {
-                BackendError::Other("restore: a pair's key lies outside its chunk".into())
-            })?;
+            let pair = p
+                .buf
+                .get(p.key_at..p.key_at + p.key_len + p.value_len)
+                .ok_or_else(|| {
+                    BackendError::Other("restore: a pair lies outside its chunk".into())
+                })?;
+            let (key, value) = pair.split_at(p.key_len);
+            observe(p.bucket, key, value);
             let at = puts.push(id, p.buf, p.key_at, p.key_len, p.value_len);
             placed.push((id, key, p.value_len as u32, at));
         }

@@ -578,6 +578,18 @@ impl Parser<'_> {
     }
 }
 
+/// True when `key` sorts after `previous`: decided by their first 8 bytes when both have
+/// that many and they differ (a compare of two integers), else byte by byte.
+fn ascending(previous: &[u8], key: &[u8]) -> bool {
+    if let (Some(a), Some(b)) = (previous.first_chunk::<8>(), key.first_chunk::<8>()) {
+        let (a, b) = (u64::from_be_bytes(*a), u64::from_be_bytes(*b));
+        if a != b {
+            return a < b;
+        }
+    }
+    previous < key
+}
+
 /// As [`restore_with`], with each batch handed out as slices of the parser's read buffer
 /// instead of a [`WriteBatch`]: no allocation or copy per pair. Same batches, same order,
 /// same rule for the last one, same checks.
@@ -758,7 +770,7 @@ where
                         Some(prev) if prev.bucket as usize == buckets.len() - 1 => p.key_of(prev),
                         _ => last_key.as_slice(),
                     };
-                    if previous >= key {
+                    if !ascending(previous, key) {
                         return Err(bad(at, "keys out of order"));
                     }
                 }
@@ -995,6 +1007,82 @@ mod tests {
     }
 
     type Seen = (Result<u64, String>, Vec<(String, Vec<u8>, Vec<u8>)>, usize);
+
+    /// A stream of `keys` in one bucket, in the order given, each with a 100-byte value.
+    fn stream_of(keys: &[&[u8]]) -> Vec<u8> {
+        let mut out = Vec::new();
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&VERSION.to_le_bytes());
+        out.extend_from_slice(&0u32.to_le_bytes());
+        out.push(TAG_BUCKET);
+        out.extend_from_slice(&1u16.to_le_bytes());
+        out.push(b'k');
+        for key in keys {
+            out.push(TAG_PAIR);
+            out.extend_from_slice(&(key.len() as u32).to_le_bytes());
+            out.extend_from_slice(&100u32.to_le_bytes());
+            out.extend_from_slice(key);
+            out.extend_from_slice(&[7; 100]);
+        }
+        out.push(TAG_END);
+        out.extend_from_slice(&(keys.len() as u64).to_le_bytes());
+        let crc = crc32fast::hash(&out);
+        out.extend_from_slice(&crc.to_le_bytes());
+        out
+    }
+
+    /// Keys must rise strictly within a bucket, whether they differ in their first 8 bytes
+    /// or only after them, within a batch or across two.
+    #[test]
+    fn keys_out_of_order_are_refused() {
+        let sorted: &[&[u8]] = &[
+            b"",
+            b"a",
+            b"abcdefg",
+            b"abcdefgh",
+            b"abcdefgh\x00",
+            b"abcdefghij",
+            b"abcdefgi",
+            b"b",
+            b"bbbbbbbbbbbbbbbb1",
+            b"bbbbbbbbbbbbbbbb2",
+            b"c",
+        ];
+        for batch in [1, 4096] {
+            let (r, seen, _) = by_reading(&stream_of(sorted), batch);
+            assert_eq!(r, Ok(sorted.len() as u64), "batch {batch}");
+            assert_eq!(seen.len(), sorted.len());
+            let (r, _, _) = by_chunks(&stream_of(sorted), &[150, 7, 1 << 20], batch);
+            assert_eq!(r, Ok(sorted.len() as u64), "batch {batch}, chunks");
+        }
+        let unsorted: &[&[&[u8]]] = &[
+            &[b"a", b"a"],
+            &[b"b", b"a"],
+            &[b"abcdefgh", b"abcdefgh"],
+            &[b"abcdefgi", b"abcdefgh"],
+            &[b"abcdefghij", b"abcdefgh"],
+            &[b"abcdefgh\x01", b"abcdefgh\x00"],
+            &[b"bbbbbbbbbbbbbbbb2", b"bbbbbbbbbbbbbbbb1"],
+            &[b"abcdefghi", b"abc"],
+            &[b"abc", b""],
+        ];
+        for keys in unsorted {
+            for batch in [1, 4096] {
+                let (r, _, _) = by_reading(&stream_of(keys), batch);
+                let e = r.expect_err("an unsorted stream restored");
+                assert!(
+                    e.contains("keys out of order"),
+                    "{keys:?}, batch {batch}: {e}"
+                );
+                let (r, _, _) = by_chunks(&stream_of(keys), &[150, 7, 1 << 20], batch);
+                let e = r.expect_err("an unsorted stream restored from chunks");
+                assert!(
+                    e.contains("keys out of order"),
+                    "{keys:?}, batch {batch}: {e}"
+                );
+            }
+        }
+    }
 
     fn by_reading(bytes: &[u8], batch: usize) -> Seen {
         let mut seen = Vec::new();
