@@ -19,6 +19,8 @@ use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, HashSet};
 use std::ops::Bound as RangeBound;
 
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
+
 use parking_lot::Mutex;
 
 use crate::request::Bound;
@@ -475,27 +477,230 @@ impl std::borrow::Borrow<[u8]> for IndexKey {
     }
 }
 
-/// One key's history in the index, behind a lock of its own.
+/// `Slot::seq` bit: a writer is changing the single-put fields.
+const BUSY: u32 = 1;
+/// `Slot::seq` bit: the key's history is the vector of generations behind the lock.
+const MULTI: u32 = 2;
+/// `Slot::seq` step of a change (above the two flag bits).
+const STEP: u32 = 4;
+
+/// A single-put history as atomics, read by scans without taking a lock (a seqlock). The
+/// version and the distance from the creating revision to the put take 32 bits each in one
+/// word: a put they do not fit (as one whose sub revision does not) goes to the vector.
+#[derive(Debug, Default)]
+struct Inline {
+    /// Change counter in steps of [`STEP`], with the [`BUSY`] and [`MULTI`] bits.
+    seq: AtomicU32,
+    sub: AtomicU32,
+    main: AtomicU64,
+    /// The version in the high 32 bits, `main - created` in the low.
+    ver_age: AtomicU64,
+}
+
+/// The [`KeyEntry::Single`] of the inline fields.
+#[inline]
+fn unpack(main: u64, sub: u32, ver_age: u64) -> KeyEntry {
+    KeyEntry::Single {
+        ver: ver_age >> 32,
+        created: main.wrapping_sub(ver_age & u64::from(u32::MAX)),
+        main,
+        sub,
+    }
+}
+
+/// The inline `ver_age` word of a single put, if its fields fit.
+fn pack(ver: u64, created: u64, main: u64) -> Option<u64> {
+    let ver = u32::try_from(ver).ok()?;
+    let age = u32::try_from(main.checked_sub(created)?).ok()?;
+    Some(u64::from(ver) << 32 | u64::from(age))
+}
+
+/// One key's history in the index.
 ///
 /// The index's map is behind the store's `RwLock`, but a change to the history of a key
 /// already in the map (a put onto it, a tombstone, a rollback) takes only the map's *read*
 /// lock and this entry's lock: such writes do not wait for a long scan holding the read
 /// lock, whose thread may have lost its CPU in the middle of a chunk (a wait of a scheduler
-/// time slice). Scans lock each entry only to read its state at their revision. The lock
-/// costs no memory: it sits in the 8 bytes an entry's alignment leaves after it (40 bytes
-/// in all, as the entry alone was before its sub revision went beside the tag).
-#[derive(Debug, Default)]
-pub(crate) struct Slot(Mutex<KeyEntry>);
+/// time slice).
+///
+/// A history that is a single put (the common case) is kept in atomics that scans read
+/// without writing anything: a seqlock, whose counter a writer makes odd ([`BUSY`]) while it
+/// stores the fields and moves on once they are stored; a reader loads the counter, the
+/// fields and the counter again, and takes the state if the counter was even and unchanged.
+/// Any other history is a vector of generations behind the lock (with the [`MULTI`] bit set
+/// in the counter), which readers then take. Writers always take the lock, so they never
+/// race each other. An entry takes 40 bytes, as with a lock around a [`KeyEntry`].
+#[derive(Debug)]
+pub(crate) struct Slot {
+    inline: Inline,
+    multi: Mutex<Option<Box<Gens>>>,
+}
 
 impl Slot {
     fn new(entry: KeyEntry) -> Slot {
-        Slot(Mutex::new(entry))
+        let mut slot = Slot {
+            inline: Inline::default(),
+            multi: Mutex::new(None),
+        };
+        slot.update_mut(|e| *e = entry);
+        slot
     }
 
     /// The live state of the key at `at` (main revision), or `None` if it did not exist then.
     #[inline]
     pub fn get(&self, at: u64) -> Option<KeyAt> {
-        self.0.lock().get(at)
+        let i = &self.inline;
+        let s1 = i.seq.load(Ordering::Acquire);
+        if s1 & (BUSY | MULTI) == 0 {
+            let (main, sub) = (
+                i.main.load(Ordering::Relaxed),
+                i.sub.load(Ordering::Relaxed),
+            );
+            let ver_age = i.ver_age.load(Ordering::Relaxed);
+            fence(Ordering::Acquire);
+            if i.seq.load(Ordering::Relaxed) == s1 {
+                return unpack(main, sub, ver_age).get(at);
+            }
+        }
+        self.read(|e| e.get(at))
+    }
+
+    /// Runs `f` on the history, under the lock (which holds writers off).
+    fn read<R>(&self, f: impl FnOnce(EntryRef<'_>) -> R) -> R {
+        let multi = self.multi.lock();
+        f(self.inline.view(&multi))
+    }
+
+    /// Runs `f` on the history as a [`KeyEntry`] under the lock, then stores it back.
+    fn update<R>(&self, f: impl FnOnce(&mut KeyEntry) -> R) -> R {
+        let mut multi = self.multi.lock();
+        self.inline.apply(&mut multi, f)
+    }
+
+    /// [`update`](Self::update) without the lock, given the entry to itself.
+    fn update_mut<R>(&mut self, f: impl FnOnce(&mut KeyEntry) -> R) -> R {
+        let Slot { inline, multi } = self;
+        inline.apply(multi.get_mut(), f)
+    }
+
+    /// The history as a [`KeyEntry`].
+    #[cfg(test)]
+    fn entry(&self) -> KeyEntry {
+        self.read(|e| match e {
+            EntryRef::Single(e) => e,
+            EntryRef::Multi(g) => KeyEntry::Multi(g.clone()),
+        })
+    }
+}
+
+/// A history as read under a [`Slot`]'s lock.
+enum EntryRef<'a> {
+    /// Always a [`KeyEntry::Single`].
+    Single(KeyEntry),
+    Multi(&'a Gens),
+}
+
+impl EntryRef<'_> {
+    fn get(&self, at: u64) -> Option<KeyAt> {
+        match self {
+            EntryRef::Single(e) => e.get(at),
+            EntryRef::Multi(g) => g.get(at),
+        }
+    }
+
+    fn keep(&self, at: u64, available: &mut HashSet<Revision>) {
+        match self {
+            EntryRef::Single(e) => e.keep(at, available),
+            EntryRef::Multi(g) => g.keep(at, available),
+        }
+    }
+}
+
+impl Inline {
+    /// The single put the fields hold (the caller holds the lock or owns the slot).
+    fn single(&self) -> KeyEntry {
+        unpack(
+            self.main.load(Ordering::Relaxed),
+            self.sub.load(Ordering::Relaxed),
+            self.ver_age.load(Ordering::Relaxed),
+        )
+    }
+
+    /// The history, given the slot's vector (the caller holds the lock or owns the slot, so
+    /// no writer changes it meanwhile).
+    fn view<'a>(&self, multi: &'a Option<Box<Gens>>) -> EntryRef<'a> {
+        match multi {
+            Some(g) if self.seq.load(Ordering::Relaxed) & MULTI != 0 => EntryRef::Multi(g),
+            _ => EntryRef::Single(self.single()),
+        }
+    }
+
+    /// Runs `f` on the history as a [`KeyEntry`] and stores the result back: a vector in
+    /// `multi` (kept allocated while the history stays a vector), a single put in the atomics
+    /// under the seqlock protocol. The caller holds the lock or owns the slot.
+    fn apply<R>(&self, multi: &mut Option<Box<Gens>>, f: impl FnOnce(&mut KeyEntry) -> R) -> R {
+        let seq = self.seq.load(Ordering::Relaxed);
+        let mut entry = match multi {
+            Some(g) if seq & MULTI != 0 => KeyEntry::Multi(std::mem::take(&mut **g)),
+            _ => self.single(),
+        };
+        let r = f(&mut entry);
+        match entry {
+            KeyEntry::Single {
+                ver,
+                created,
+                main,
+                sub,
+            } if let Some(ver_age) = pack(ver, created, main) => {
+                let same = seq & MULTI == 0
+                    && self.main.load(Ordering::Relaxed) == main
+                    && self.sub.load(Ordering::Relaxed) == sub
+                    && self.ver_age.load(Ordering::Relaxed) == ver_age;
+                if !same {
+                    // Readers that see the counter odd, or changed once they read the
+                    // fields, take the lock (held by the caller unless it owns the slot).
+                    self.seq.store(seq | BUSY, Ordering::Relaxed);
+                    fence(Ordering::Release);
+                    self.main.store(main, Ordering::Relaxed);
+                    self.sub.store(sub, Ordering::Relaxed);
+                    self.ver_age.store(ver_age, Ordering::Relaxed);
+                    self.seq.store(
+                        (seq & !(BUSY | MULTI)).wrapping_add(STEP),
+                        Ordering::Release,
+                    );
+                }
+                *multi = None;
+            }
+            entry => {
+                let gens = match entry {
+                    KeyEntry::Multi(gens) => gens,
+                    KeyEntry::Single {
+                        ver,
+                        created,
+                        main,
+                        sub,
+                    } => Gens {
+                        gens: vec![Generation {
+                            ver,
+                            created,
+                            revs: vec![Revision::new(main, u64::from(sub))],
+                        }],
+                    },
+                };
+                match multi {
+                    Some(g) => **g = gens,
+                    None => *multi = Some(Box::new(gens)),
+                }
+                if seq & MULTI == 0 {
+                    // The vector is in place before readers are sent to it; the single-put
+                    // fields are not touched, so a reader that read them reads a state
+                    // that was.
+                    self.seq
+                        .store(seq.wrapping_add(STEP) | MULTI, Ordering::Release);
+                }
+            }
+        }
+        r
     }
 }
 
@@ -534,12 +739,11 @@ impl KeyIndex {
     /// [`get`](Self::get) at `at`, then [`put`](Self::put) of `rev`, in one lookup.
     pub fn get_and_put(&mut self, key: &[u8], at: u64, rev: Revision) -> Option<KeyAt> {
         match self.map.entry(desc(key)) {
-            Entry::Occupied(mut o) => {
-                let e = o.get_mut().0.get_mut();
+            Entry::Occupied(mut o) => o.get_mut().update_mut(|e| {
                 let prev = e.get(at);
                 e.put(rev);
                 prev
-            }
+            }),
             Entry::Vacant(v) => {
                 v.insert(Slot::new(KeyEntry::created_by(rev)));
                 None
@@ -556,10 +760,11 @@ impl KeyIndex {
         rev: Revision,
     ) -> Option<Option<KeyAt>> {
         let slot = self.map.get(&desc(key))?;
-        let mut e = slot.0.lock();
-        let prev = e.get(at);
-        e.put(rev);
-        Some(prev)
+        Some(slot.update(|e| {
+            let prev = e.get(at);
+            e.put(rev);
+            prev
+        }))
     }
 
     /// Records a put of `key` at `rev`.
@@ -572,16 +777,17 @@ impl KeyIndex {
     pub fn tombstone(&self, key: &[u8], rev: Revision) -> bool {
         self.map
             .get(&desc(key))
-            .is_some_and(|e| e.0.lock().tombstone(rev))
+            .is_some_and(|e| e.update(|e| e.tombstone(rev)))
     }
 
     /// Undoes the change at `rev` of `key` (its latest) in place; true when the key is left
     /// with no history, for [`remove_if_empty`](Self::remove_if_empty).
     pub fn rollback(&self, key: &[u8], rev: Revision) -> bool {
         self.map.get(&desc(key)).is_some_and(|e| {
-            let mut e = e.0.lock();
-            e.rollback(rev);
-            e.is_empty()
+            e.update(|e| {
+                e.rollback(rev);
+                e.is_empty()
+            })
         })
     }
 
@@ -591,7 +797,7 @@ impl KeyIndex {
         if self
             .map
             .get_mut(&key)
-            .is_some_and(|e| e.0.get_mut().is_empty())
+            .is_some_and(|e| e.update_mut(|e| e.is_empty()))
         {
             self.map.remove(&key);
         }
@@ -602,12 +808,13 @@ impl KeyIndex {
     pub fn restore_put(&mut self, key: &[u8], created: u64, rev: Revision, ver: u64) {
         match self.map.entry(desc(key)) {
             Entry::Occupied(mut o) => {
-                let e = o.get_mut().0.get_mut();
-                if e.is_live() {
-                    e.put(rev);
-                } else {
-                    e.restore(created, rev, ver);
-                }
+                o.get_mut().update_mut(|e| {
+                    if e.is_live() {
+                        e.put(rev);
+                    } else {
+                        e.restore(created, rev, ver);
+                    }
+                });
             }
             Entry::Vacant(v) => {
                 v.insert(Slot::new(KeyEntry::one_put(ver, created, rev)));
@@ -660,9 +867,10 @@ impl KeyIndex {
     pub fn compact(&mut self, at: u64) -> HashSet<Revision> {
         let mut available = HashSet::new();
         self.map.retain(|_, e| {
-            let e = e.0.get_mut();
-            e.compact(at, &mut available);
-            !e.is_empty()
+            e.update_mut(|e| {
+                e.compact(at, &mut available);
+                !e.is_empty()
+            })
         });
         available
     }
@@ -671,7 +879,7 @@ impl KeyIndex {
     pub fn keep(&self, at: u64) -> HashSet<Revision> {
         let mut available = HashSet::new();
         for e in self.map.values() {
-            e.0.lock().keep(at, &mut available);
+            e.read(|e| e.keep(at, &mut available));
         }
         available
     }
@@ -815,19 +1023,75 @@ mod tests {
         let mut idx = KeyIndex::default();
         idx.put(b"a", r(1));
         assert!(matches!(
-            idx.map.get(&desc(b"a")).map(|e| e.0.lock().clone()),
+            idx.map.get(&desc(b"a")).map(Slot::entry),
             Some(KeyEntry::Single { .. })
         ));
         idx.put(b"a", r(2));
         assert!(matches!(
-            idx.map.get(&desc(b"a")).map(|e| e.0.lock().clone()),
+            idx.map.get(&desc(b"a")).map(Slot::entry),
             Some(KeyEntry::Multi(_))
         ));
         assert_eq!(idx.compact(2), HashSet::from([r(2)]));
         assert!(matches!(
-            idx.map.get(&desc(b"a")).map(|e| e.0.lock().clone()),
+            idx.map.get(&desc(b"a")).map(Slot::entry),
             Some(KeyEntry::Single { ver: 2, .. })
         ));
+    }
+
+    /// Readers of a slot rewritten in place over and over, now as a single put, now as a
+    /// vector, see only states that were written (no mix of two writes' fields), in the
+    /// order they were written.
+    #[test]
+    fn lock_free_reads_never_see_a_torn_single_put() {
+        // State `n`: every field a function of `n`, so a mix of two states shows.
+        fn state(n: u64) -> KeyEntry {
+            let rev = Revision::new(n, u64::from(n as u32 ^ 0x5a5a));
+            if n.is_multiple_of(5) {
+                KeyEntry::Multi(Gens {
+                    gens: vec![Generation {
+                        ver: n,
+                        created: n / 3,
+                        revs: vec![rev],
+                    }],
+                })
+            } else {
+                KeyEntry::single(n, n / 3, rev).expect("fits")
+            }
+        }
+        let slot = Slot::new(state(1));
+        let done = std::sync::atomic::AtomicBool::new(false);
+        let seen = std::thread::scope(|s| {
+            let readers: Vec<_> = (0..2)
+                .map(|_| {
+                    s.spawn(|| {
+                        let (mut last, mut reads) = (0, 0u64);
+                        while !done.load(Ordering::Relaxed) {
+                            let at = slot.get(u64::MAX).expect("a live key");
+                            let n = at.modified.main;
+                            assert_eq!(
+                                (at.version, at.created, at.modified.sub),
+                                (n, n / 3, u64::from(n as u32 ^ 0x5a5a)),
+                                "a torn state"
+                            );
+                            assert!(n >= last, "state {n} read after {last}");
+                            last = n;
+                            reads += 1;
+                        }
+                        reads
+                    })
+                })
+                .collect();
+            for n in 2..300_000 {
+                slot.update(|e| *e = state(n));
+            }
+            done.store(true, Ordering::Relaxed);
+            readers
+                .into_iter()
+                .map(|r| r.join().expect("reader"))
+                .sum::<u64>()
+        });
+        assert!(seen > 0);
+        assert_eq!(slot.entry(), state(299_999));
     }
 
     /// A put whose sub revision does not fit the inline entry's 32 bits is kept all the same.
@@ -837,7 +1101,7 @@ mod tests {
         let mut idx = KeyIndex::default();
         idx.put(b"a", big);
         assert!(matches!(
-            idx.map.get(&desc(b"a")).map(|e| e.0.lock().clone()),
+            idx.map.get(&desc(b"a")).map(Slot::entry),
             Some(KeyEntry::Multi(_))
         ));
         assert_eq!(idx.get(b"a", 7).map(|a| a.modified), Some(big));
@@ -849,6 +1113,24 @@ mod tests {
         idx.restore_put(b"b", 3, Revision::new(3, u64::MAX), 4);
         let at = idx.get(b"b", 3).expect("restored");
         assert_eq!((at.modified.sub, at.created, at.version), (u64::MAX, 3, 4));
+        // A version, or a distance from the creating put, over 32 bits: kept whole too.
+        let far = Revision::new(1 << 40, 2);
+        idx.restore_put(b"c", 5, far, 1 << 33);
+        idx.restore_put(b"d", 5, Revision::new(9, 0), 1 << 33);
+        for (k, at) in [(&b"c"[..], far), (b"d", Revision::new(9, 0))] {
+            let got = idx.get(k, at.main).expect("restored");
+            assert_eq!((got.modified, got.created, got.version), (at, 5, 1 << 33));
+        }
+        idx.restore_put(b"e", 5, Revision::new(6, 1), 7);
+        assert!(matches!(
+            idx.map.get(&desc(b"e")).map(Slot::entry),
+            Some(KeyEntry::Single {
+                ver: 7,
+                created: 5,
+                main: 6,
+                sub: 1
+            })
+        ));
     }
 
     #[test]
