@@ -559,9 +559,21 @@ impl Slot {
             let ver_age = i.ver_age.load(Ordering::Relaxed);
             fence(Ordering::Acquire);
             if i.seq.load(Ordering::Relaxed) == s1 {
-                return unpack(main, sub, ver_age).get(at);
+                return (main <= at).then(|| KeyAt {
+                    modified: Revision::new(main, u64::from(sub)),
+                    created: main.wrapping_sub(ver_age & u64::from(u32::MAX)),
+                    version: ver_age >> 32,
+                });
             }
         }
+        self.get_locked(at)
+    }
+
+    /// [`get`](Self::get) under the lock: a history that is a vector, or a single put being
+    /// changed.
+    #[cold]
+    #[inline(never)]
+    fn get_locked(&self, at: u64) -> Option<KeyAt> {
         self.read(|e| e.get(at))
     }
 
