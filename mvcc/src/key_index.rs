@@ -537,7 +537,33 @@ pub(crate) struct Slot {
 }
 
 impl Slot {
+    #[inline]
     fn new(entry: KeyEntry) -> Slot {
+        if let KeyEntry::Single {
+            ver,
+            created,
+            main,
+            sub,
+        } = entry
+            && let Some(ver_age) = pack(ver, created, main)
+        {
+            return Slot {
+                inline: Inline {
+                    seq: AtomicU32::new(0),
+                    sub: AtomicU32::new(sub),
+                    main: AtomicU64::new(main),
+                    ver_age: AtomicU64::new(ver_age),
+                },
+                multi: Mutex::new(None),
+            };
+        }
+        Slot::new_vector(entry)
+    }
+
+    /// [`new`](Self::new) for a history the inline fields do not hold.
+    #[cold]
+    #[inline(never)]
+    fn new_vector(entry: KeyEntry) -> Slot {
         let mut slot = Slot {
             inline: Inline::default(),
             multi: Mutex::new(None),
