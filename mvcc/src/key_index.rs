@@ -77,6 +77,7 @@ impl KeyEntry {
     }
 
     /// The live state of the key at `at` (main revision), or `None` if it did not exist then.
+    #[inline]
     pub fn get(&self, at: u64) -> Option<KeyAt> {
         match self {
             KeyEntry::Single {
@@ -93,9 +94,9 @@ impl KeyEntry {
         }
     }
 
-    /// Runs `f` on the generations, then stores them back in the most compact form.
-    fn edit<R>(&mut self, f: impl FnOnce(&mut Gens) -> R) -> R {
-        let mut gens = match std::mem::take(self) {
+    /// The history as generations, whatever its form.
+    fn into_gens(self) -> Gens {
+        match self {
             KeyEntry::Single {
                 ver,
                 created,
@@ -109,7 +110,12 @@ impl KeyEntry {
                 }],
             },
             KeyEntry::Multi(g) => g,
-        };
+        }
+    }
+
+    /// Runs `f` on the generations, then stores them back in the most compact form.
+    fn edit<R>(&mut self, f: impl FnOnce(&mut Gens) -> R) -> R {
+        let mut gens = std::mem::take(self).into_gens();
         let r = f(&mut gens);
         *self = match gens.gens.as_slice() {
             [g] if g.revs.len() == 1 => {
@@ -585,11 +591,7 @@ impl Slot {
             let ver_age = i.ver_age.load(Ordering::Relaxed);
             fence(Ordering::Acquire);
             if i.seq.load(Ordering::Relaxed) == s1 {
-                return (main <= at).then(|| KeyAt {
-                    modified: Revision::new(main, u64::from(sub)),
-                    created: main.wrapping_sub(ver_age & u64::from(u32::MAX)),
-                    version: ver_age >> 32,
-                });
+                return unpack(main, sub, ver_age).get(at);
             }
         }
         self.get_locked(at)
@@ -710,21 +712,7 @@ impl Inline {
                 *multi = None;
             }
             entry => {
-                let gens = match entry {
-                    KeyEntry::Multi(gens) => gens,
-                    KeyEntry::Single {
-                        ver,
-                        created,
-                        main,
-                        sub,
-                    } => Gens {
-                        gens: vec![Generation {
-                            ver,
-                            created,
-                            revs: vec![Revision::new(main, u64::from(sub))],
-                        }],
-                    },
-                };
+                let gens = entry.into_gens();
                 match multi {
                     Some(g) => **g = gens,
                     None => *multi = Some(Box::new(gens)),

@@ -558,7 +558,8 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::testing::{MemBackend, MemOptions};
+    use crate::store::mem_store;
+    use crate::testing::MemBackend;
     use crate::{RangeRequest, Store, StoreOptions};
 
     #[test]
@@ -590,10 +591,8 @@ mod tests {
     /// (committed, dropped, failed), so reads do not keep yielding to writers gone.
     #[test]
     fn open_write_transactions_are_counted_until_they_end() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let backend = MemBackend::open(&dir.path().join("mem"), &MemOptions::default())
-            .expect("open backend");
-        let s = Arc::new(Store::open(backend, StoreOptions::default()).expect("open store"));
+        let (_dir, s) = mem_store(StoreOptions::default());
+        let s = Arc::new(s);
         let writers =
             |s: &Store<MemBackend>| s.inner.writers.load(std::sync::atomic::Ordering::Relaxed);
         let mut t = s.write();
@@ -631,14 +630,11 @@ mod tests {
     /// across the callback, so neither waits for the other.
     #[test]
     fn visiting_buffered_changes_reads_the_store_while_a_writer_waits() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let backend = MemBackend::open(&dir.path().join("mem"), &MemOptions::default())
-            .expect("open backend");
-        let options = StoreOptions {
+        let (_dir, s) = mem_store(StoreOptions {
             batch_interval: Duration::from_secs(3600),
             ..StoreOptions::default()
-        };
-        let s = Arc::new(Store::open(backend, options).expect("open store"));
+        });
+        let s = Arc::new(s);
         for i in 0..4u8 {
             s.put(&[b'k', i], b"v", 0).expect("put");
         }

@@ -814,3 +814,17 @@ impl<B: Backend> Drop for Store<B> {
         }
     }
 }
+
+/// A store over a new in-memory backend in a temporary directory, which lives as long as the
+/// returned guard: the unit tests' store.
+#[cfg(test)]
+pub(crate) fn mem_store(
+    options: StoreOptions,
+) -> (tempfile::TempDir, Store<crate::testing::MemBackend>) {
+    use crate::testing::{MemBackend, MemOptions};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let backend =
+        MemBackend::open(&dir.path().join("mem"), &MemOptions::default()).expect("open backend");
+    let store = Store::open(backend, options).expect("open store");
+    (dir, store)
+}

@@ -443,19 +443,16 @@ mod tests {
     use std::sync::mpsc;
     use std::time::Duration;
 
-    use crate::backend::Backend;
-    use crate::testing::{MemBackend, MemOptions};
-    use crate::{RangeRequest, Store, StoreOptions};
+    use crate::store::mem_store;
+    use crate::{RangeRequest, StoreOptions};
 
     /// A scan holds the key index's read lock while it walks a chunk: puts onto keys already
     /// in the index, deletes, and a transaction rolled back all go through while it is held;
     /// only a new key waits for the write lock.
     #[test]
     fn changes_to_existing_keys_do_not_wait_for_the_index_read_lock() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let backend = MemBackend::open(&dir.path().join("mem"), &MemOptions::default())
-            .expect("open backend");
-        let s = Arc::new(Store::open(backend, StoreOptions::default()).expect("open store"));
+        let (_dir, s) = mem_store(StoreOptions::default());
+        let s = Arc::new(s);
         for k in [b"a", b"b", b"c"] {
             s.put(k, b"v1", 0).expect("put");
         }
@@ -507,10 +504,7 @@ mod tests {
     /// A transaction that creates a key and is dropped leaves no trace of it in the index.
     #[test]
     fn a_rolled_back_new_key_leaves_the_index() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let backend = MemBackend::open(&dir.path().join("mem"), &MemOptions::default())
-            .expect("open backend");
-        let s = Store::open(backend, StoreOptions::default()).expect("open store");
+        let (_dir, s) = mem_store(StoreOptions::default());
         s.put(b"a", b"v1", 0).expect("put");
         let mut t = s.write();
         t.put(b"new", b"v", 0).expect("put");
