@@ -16,9 +16,11 @@
 //!   for one writer applying puts in memory back to back (default batching, the backend
 //!   committing in the background): alone, that writer and the committer keep both of a
 //!   2-core machine's cores busy, so with the reader three busy threads share two cores and
-//!   the writer keeps at most about two thirds of its rate whatever the store does. A REPORT line follows with the machine's own figure: raw
-//!   heed's put throughput with a raw full-scan reader against raw heed's alone, over the
-//!   same data.
+//!   the writer keeps at most about two thirds of its rate whatever the store does. Both
+//!   parts run each criterion sample's puts half alone and half with the reader, the halves
+//!   in alternating order, so both meet the same machine. A REPORT line follows with the
+//!   machine's own figure: raw heed's put throughput with a raw full-scan reader against raw
+//!   heed's alone, over the same data.
 //! - range of 10 000 keys (owned results) against a raw heed cursor copying the same pairs
 //!   out; goal ≤ 1.5× the time.
 //! - index memory: anonymous resident memory added by rebuilding the key index of 1 000 000
@@ -592,86 +594,87 @@ fn headline_on<B: Backend + 'static>(c: &mut Criterion, label: &str, s: &Arc<Sto
     group
         .throughput(Throughput::Elements(1))
         .sample_size(20)
-        .measurement_time(Duration::from_secs(6));
-    let mut lat_alone = Vec::new();
-    let mut lat_reader = Vec::new();
+        .measurement_time(Duration::from_secs(12));
+    let mut latencies = [Vec::new(), Vec::new()];
     let mut next = 0u64;
     let alone = format!("puts alone ({label})");
     let with = format!("puts with a long reader ({label})");
-    let mut window_scans = 0;
-    // Writer CPU per put, with and without the reader: equal figures mean the reader costs
-    // the writer CPU time (cores), not waiting.
-    let mut cpu_per_put = [0.0f64; 2];
-    // Every thread's CPU per put, and the reader's per key it read, per phase.
-    let mut split = [String::new(), String::new()];
-    let mut window = Duration::ZERO;
-    for with_reader in [false, true] {
-        let stop = Arc::new(AtomicBool::new(false));
-        let reader = with_reader.then(|| spawn_scanner(s, &stop, &scans));
-        let (name, lat) = if with_reader {
-            (&with, &mut lat_reader)
-        } else {
-            (&alone, &mut lat_alone)
-        };
-        let scans_before = scans.load(Ordering::Relaxed);
-        let (cpu0, puts0) = (thread_cpu(), lat.len());
-        let threads0 = threads_cpu();
-        let t_window = Instant::now();
-        // The writer's CPU inside the timed loops only: criterion's own analysis runs on this
-        // thread between them.
-        let mut writer_ns = 0u64;
-        group.bench_function(name.as_str(), |b| {
-            b.iter_custom(|iters| {
+    let (mut window_scans, mut window) = (0, Duration::ZERO);
+    // Writer CPU in the timed loops, with and without the reader: equal figures mean the
+    // reader costs the writer CPU time (cores), not waiting.
+    let mut writer_ns = [0u64; 2];
+    // Every other thread's CPU, summed over each phase's halves.
+    let mut threads: [std::collections::BTreeMap<String, u64>; 2] = Default::default();
+    let me = std::thread::current().name().map(str::to_owned);
+    let mut sample = 0u64;
+    // Every criterion sample runs half its puts alone and half with the reader (started
+    // before that half and running through it), the two halves in alternating order, as
+    // the durable clients' part does, so both meet the same machine.
+    group.bench_function("alone and with a long reader, alternating", |b| {
+        b.iter_custom(|iters| {
+            sample += 1;
+            let half = (iters / 2).max(1);
+            let mut total = Duration::ZERO;
+            let first = sample.is_multiple_of(2);
+            for with_reader in [first, !first] {
+                let phase = usize::from(with_reader);
+                let stop = Arc::new(AtomicBool::new(false));
+                let reader = with_reader.then(|| spawn_scanner(s, &stop, &scans));
+                let scans_before = scans.load(Ordering::Relaxed);
+                let threads0 = threads_cpu();
+                let lat = &mut latencies[phase];
                 let ns0 = thread_ns();
                 let start = Instant::now();
-                for _ in 0..iters {
+                for _ in 0..half {
                     let t0 = Instant::now();
                     s.put(&key(next.wrapping_mul(7919) % keys), &value, 0)
                         .expect("put");
                     lat.push(t0.elapsed());
                     next += 1;
                 }
-                let e = start.elapsed();
-                writer_ns += thread_ns().saturating_sub(ns0);
-                RECORDER.record(name, e, iters);
-                e
-            })
-        });
-        let n = (lat.len() - puts0).max(1) as f64;
-        cpu_per_put[usize::from(with_reader)] = if writer_ns > 0 {
-            writer_ns as f64 / 1e3 / n
-        } else {
-            // No schedstat: the thread's CPU over the whole window, criterion's work included.
-            cpu0.zip(thread_cpu())
-                .map_or(0.0, |(c0, c1)| (c1 - c0).as_secs_f64() * 1e6 / n)
-        };
-        let mut threads1 = threads_cpu();
-        let reader_ns = threads1.remove("reader").unwrap_or(0);
+                let took = start.elapsed();
+                writer_ns[phase] += thread_ns().saturating_sub(ns0);
+                if with_reader {
+                    window += took;
+                    window_scans += scans.load(Ordering::Relaxed) - scans_before;
+                }
+                for (name, ns) in threads_cpu() {
+                    let used = ns.saturating_sub(threads0.get(&name).copied().unwrap_or(0));
+                    *threads[phase].entry(name).or_insert(0) += used;
+                }
+                stop.store(true, Ordering::Release);
+                if let Some(r) = reader {
+                    r.join().expect("reader");
+                }
+                RECORDER.record(if with_reader { &with } else { &alone }, took, half);
+                total += took;
+            }
+            total
+        })
+    });
+    group.finish();
+    let puts = latencies.each_ref().map(|l| l.len().max(1) as f64);
+    let cpu_per_put = [0, 1].map(|phase| writer_ns[phase] as f64 / 1e3 / puts[phase]);
+    let split = [0, 1].map(|phase| {
+        let mut used = threads[phase].clone();
         // The writer (this thread) is reported above, from its timed loops only.
-        if let Some(me) = std::thread::current().name().map(str::to_owned) {
-            threads1.remove(&me);
+        if let Some(me) = &me {
+            used.remove(me);
         }
-        threads1.retain(|name, _| !name.starts_with("mvcc-"));
-        split[usize::from(with_reader)] =
-            cpu_split(&threads0, &threads1, (lat.len() - puts0) as f64);
-        if with_reader {
-            window = t_window.elapsed();
-            window_scans = scans.load(Ordering::Relaxed) - scans_before;
+        let reader_ns = used.remove("reader").unwrap_or(0);
+        used.retain(|name, _| !name.starts_with("mvcc-"));
+        let mut line = cpu_split(&Default::default(), &used, puts[phase]);
+        if phase == 1 {
             // Partial scans at both ends are not counted: an upper bound.
             let read = (window_scans * keys).max(1) as f64;
-            split[1].push_str(&format!(
+            line.push_str(&format!(
                 "; reader {:.2} us per key read",
-                reader_ns.saturating_sub(threads0.get("reader").copied().unwrap_or(0)) as f64
-                    / 1e3
-                    / read
+                reader_ns as f64 / 1e3 / read
             ));
         }
-        stop.store(true, Ordering::Release);
-        if let Some(r) = reader {
-            r.join().expect("reader");
-        }
-    }
-    group.finish();
+        line
+    });
+    let [lat_alone, lat_reader] = &mut latencies;
     // Alone, the writer and the committer keep both cores of a 2-core machine busy; with the
     // reader, three busy threads share two cores (see the module doc).
     RECORDER.ratio(
@@ -685,8 +688,8 @@ fn headline_on<B: Backend + 'static>(c: &mut Criterion, label: &str, s: &Arc<Sto
     );
     headline_p99(
         &format!("({label}), one writer applying puts in memory back to back: p99 put latency"),
-        &mut lat_alone,
-        &mut lat_reader,
+        lat_alone,
+        lat_reader,
         window_scans,
         window,
     );
