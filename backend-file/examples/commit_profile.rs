@@ -1,11 +1,13 @@
 //! A driver for profiling one workload of the file backend: `commits` durable commits of
-//! 1 000 puts each in keel's pattern (17-byte revision keys, 1 KiB values), with the median,
-//! 10th and 90th percentile commit time and the committing thread's CPU time per commit
-//! printed at the end.
+//! 1 000 puts each (`KEEL_PUTS` sets how many) in keel's pattern (17-byte revision keys,
+//! 1 KiB values), with the median, 10th and 90th percentile commit time and the committing
+//! thread's CPU time per commit printed at the end.
 //!
 //! `cargo run --release -p keel-backend-file --example commit_profile -- [commits] [dir]`,
-//! with `KEEL_PREPARE=off` or `KEEL_PREPARE=allocate` to change how space is prepared ahead;
-//! run it under `strace -c -f` or `perf record -g` to see where a commit goes.
+//! with `KEEL_PREPARE=off`, `KEEL_PREPARE=allocate` or `KEEL_PREPARE=zeros` to change how
+//! space is prepared ahead, and `KEEL_HOG=1` to keep a thread spinning on the CPU beside the
+//! commits (as a long scan does); run it under `strace -c -f` or `perf record -g` to see
+//! where a commit goes.
 
 use std::time::Instant;
 
@@ -20,8 +22,26 @@ fn main() {
     match std::env::var("KEEL_PREPARE").as_deref() {
         Ok("off") => options.prepare_ahead = false,
         Ok("allocate") => options.prepare_with = PrepareWith::Allocate,
+        Ok("zeros") => options.prepare_with = PrepareWith::Zeros,
         _ => {}
     }
+    let puts: u64 = std::env::var("KEEL_PUTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1000);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let hog = std::env::var("KEEL_HOG").is_ok_and(|v| v == "1").then(|| {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut x = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                for i in 0..10_000u64 {
+                    x = x.wrapping_mul(31).wrapping_add(i);
+                }
+                std::hint::black_box(x);
+            }
+        })
+    });
     let backend = FileBackend::open(&tmp, &options).expect("open");
     let bucket = Bucket::new("key");
     let value = vec![0x5au8; 1024];
@@ -29,7 +49,7 @@ fn main() {
     let mut cpu = 0.0;
     for rev in 1..=commits as u64 {
         let mut batch = WriteBatch::new();
-        for sub in 0..1000u64 {
+        for sub in 0..puts {
             let mut k = Vec::with_capacity(17);
             k.extend_from_slice(&rev.to_be_bytes());
             k.push(b'_');
@@ -54,6 +74,10 @@ fn main() {
         cpu * 1e3 / commits as f64
     );
     drop(backend);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    if let Some(h) = hog {
+        h.join().expect("hog");
+    }
     let _ = std::fs::remove_dir_all(&tmp);
 }
 

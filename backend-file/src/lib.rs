@@ -35,6 +35,7 @@ mod reclaim;
 mod recovery;
 mod restore;
 mod segment;
+mod slice;
 mod store;
 mod txn;
 mod verify;

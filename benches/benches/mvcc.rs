@@ -1409,6 +1409,17 @@ fn profile(what: &str) {
             let s = Arc::new(store(dir.path(), true, StoreOptions::default()));
             profile_clients(&s);
         }
+        #[cfg(feature = "backend-file")]
+        "profile-clients-file" => {
+            // The same on the file backend, opened as the headline opens it.
+            let backend = keel_backend_file::FileBackend::open(
+                dir.path(),
+                &keel_backend_file::FileOptions::default(),
+            )
+            .expect("open file backend");
+            let s = Arc::new(Store::open(backend, StoreOptions::default()).expect("open store"));
+            profile_clients(&s);
+        }
         other => panic!("unknown profile {other}"),
     }
     if !took.is_empty() {
