@@ -13,8 +13,11 @@
 //! expects after a segment's last frame.
 //!
 //! How far ahead: eight times the last frame, at least [`MIN_AHEAD`], at most [`MAX_AHEAD`], and
-//! never past the segment size. Zeros are written in steps of at most [`STEP`], each synced,
-//! so the writer's sync never waits behind a large one; an allocation is one call and a sync.
+//! never past the segment size. Once the writer's want passes the prepared end, the preparer
+//! prepares twice that far, so it works once per `ahead` bytes written, not once per commit.
+//! Zeros are written in steps of at most [`STEP`], each synced, so the writer's sync never
+//! waits behind a large one; an allocation is one call and a sync. While a restore runs,
+//! space is allocated whatever the configured way (see [`Preparer::set_restoring`]).
 //!
 //! The preparer and the writer never write the same bytes. The preparer writes only at or
 //! past `zeroed`, and only it advances `zeroed` while it works; the writer's fast path writes
@@ -114,6 +117,9 @@ pub(crate) struct Preparer {
     how: PrepareWith,
     /// Set once an allocation failed as unsupported.
     no_allocate: AtomicBool,
+    /// A restore runs: space is allocated, not zeroed, so that its direct writes never meet
+    /// zeros written through the page cache.
+    restoring: AtomicBool,
 }
 
 impl Preparer {
@@ -126,6 +132,7 @@ impl Preparer {
             segment_size,
             how,
             no_allocate: AtomicBool::new(false),
+            restoring: AtomicBool::new(false),
         })
     }
 
@@ -216,6 +223,20 @@ impl Preparer {
         self.cv.notify_all();
     }
 
+    /// A restore starts (`true`: space is allocated from now on, once a step of zeros under
+    /// way has ended) or has ended well (`false`: back to the configured way). A restore that
+    /// failed is not ended here: its direct writes may still be in flight, and the store is
+    /// poisoned anyway.
+    pub(crate) fn set_restoring(&self, on: bool) {
+        let mut s = self.state.lock();
+        self.restoring.store(on, Ordering::Relaxed);
+        if on {
+            while s.busy {
+                self.cv.wait(&mut s);
+            }
+        }
+    }
+
     /// A failed fast-path write: stop preparing the active segment (the store is poisoned).
     pub(crate) fn failed(&self) {
         self.state.lock().failed = true;
@@ -281,11 +302,12 @@ impl Preparer {
             && !s.appending
             && s.zeroed < s.want
         {
+            // Twice as far as asked, so preparation and its sync come once per `ahead` bytes
+            // written rather than once per commit; zeros go in steps of at most `STEP`.
+            let far = (s.want + s.ahead).min(self.segment_size.max(s.want));
             let to = match self.how() {
-                PrepareWith::Zeros => s.want.min(s.zeroed + STEP),
-                // Twice as far as asked, so allocations and their syncs come once per
-                // `ahead` bytes written rather than once per commit.
-                PrepareWith::Allocate => (s.want + s.ahead).min(self.segment_size.max(s.want)),
+                PrepareWith::Zeros => far.min(s.zeroed + STEP),
+                PrepareWith::Allocate => far,
             };
             let job = Job::Zero {
                 target: t.clone(),
@@ -365,6 +387,8 @@ impl Preparer {
     fn how(&self) -> PrepareWith {
         if self.no_allocate.load(Ordering::Relaxed) {
             PrepareWith::Zeros
+        } else if self.restoring.load(Ordering::Relaxed) {
+            PrepareWith::Allocate
         } else {
             self.how
         }

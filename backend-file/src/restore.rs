@@ -102,10 +102,12 @@ impl FileBackend {
             }
             *restoring = Some(std::thread::current().id());
         }
+        inner.prep.set_restoring(true);
         let result = self.load(observe, parse);
         *inner.restoring.lock() = None;
-        if let Err(e) = &result {
-            Inner::poison(&mut inner.writer.lock(), e);
+        match &result {
+            Ok(_) => inner.prep.set_restoring(false),
+            Err(e) => Inner::poison(&mut inner.writer.lock(), e),
         }
         result
     }

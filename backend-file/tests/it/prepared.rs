@@ -278,3 +278,54 @@ fn failed_preparation_is_not_a_failed_commit() {
         b.check_integrity().unwrap();
     }
 }
+
+/// Counts the syncs of segment files (not of prepared ones or of the directory).
+#[derive(Debug, Default)]
+struct CountSyncs {
+    syncs: std::sync::atomic::AtomicU64,
+}
+
+impl FaultHook for CountSyncs {
+    fn before_write(&self, _path: &Path, _offset: u64, _len: usize) -> WriteFault {
+        WriteFault::Proceed
+    }
+    fn before_sync(&self, path: &Path) -> std::io::Result<()> {
+        if path.extension().is_some_and(|e| e == "seg") {
+            self.syncs
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        Ok(())
+    }
+    fn before_truncate(&self, _path: &Path, _len: u64) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Zeros are written ahead once per prepared stretch, not once per commit: 300 commits of
+/// about 12 KiB (3.6 MiB, one segment) sync the segment once each and the preparer's steps
+/// add a few syncs (a step per commit added one sync per commit).
+#[test]
+fn zeros_are_prepared_in_stretches_not_per_commit() {
+    const COMMITS: u64 = 300;
+    let hook = Arc::new(CountSyncs::default());
+    let options = FileOptions {
+        segment_size: 64 << 20,
+        prepare_with: PrepareWith::Zeros,
+        fault_hook: Some(hook.clone()),
+        ..options()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let b = FileBackend::open(dir.path(), &options).unwrap();
+    for i in 0..COMMITS {
+        b.commit(&batch(i as u32)).unwrap();
+        // Lets the preparer keep up, as it does between durable commits on a disk.
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    drop(b);
+    let syncs = hook.syncs.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(syncs >= COMMITS, "{syncs} syncs for {COMMITS} commits");
+    assert!(
+        syncs <= COMMITS + COMMITS / 10,
+        "{syncs} syncs of the segment for {COMMITS} commits"
+    );
+}
