@@ -6,7 +6,7 @@
 use std::io;
 
 use crate::io::{WalFile, read_full_at};
-use crate::record::{HEADER_LEN, Header, Record, padded, record_len};
+use crate::record::{HEADER_LEN, Header, Record, RecordType, padded, record_len};
 
 /// The next thing in a segment.
 #[derive(Debug)]
@@ -210,40 +210,39 @@ impl<'f> SegmentReader<'f> {
             });
         }
         let payload = &self.buf[body..body + plen];
-        let record = match Record::decode(ty, payload) {
-            Record::NextEntry { data } => {
-                if !self.compact {
+        let record = if ty == RecordType::NextEntry {
+            // Resolved here, from the entry before it, without a decoded form of its own.
+            let next = self
+                .prev_entry
+                .and_then(|(i, t)| Some((i.checked_add(1)?, t)));
+            let (index, term) = match next {
+                Some(e) if self.compact => e,
+                _ => {
                     return Ok(Next::Misplaced {
                         offset,
-                        reason: "next entry record in a segment of a format version without them"
-                            .into(),
+                        reason: if self.compact {
+                            "next entry record without an entry record before it"
+                        } else {
+                            "next entry record in a segment of a format version without them"
+                        }
+                        .into(),
                     });
                 }
-                let Some((index, term)) = self
-                    .prev_entry
-                    .and_then(|(i, t)| Some((i.checked_add(1)?, t)))
-                else {
-                    return Ok(Next::Misplaced {
-                        offset,
-                        reason: "next entry record without an entry record before it".into(),
-                    });
-                };
-                self.prev_entry = Some((index, term));
-                Record::Entry {
-                    index,
-                    term,
-                    data,
-                    compact: true,
-                }
+            };
+            self.prev_entry = Some((index, term));
+            Record::Entry {
+                index,
+                term,
+                data: payload,
+                compact: true,
             }
-            r @ Record::Entry { index, term, .. } => {
-                self.prev_entry = Some((index, term));
-                r
-            }
-            r => {
-                self.prev_entry = None;
-                r
-            }
+        } else {
+            let r = Record::decode(ty, payload);
+            self.prev_entry = match r {
+                Record::Entry { index, term, .. } => Some((index, term)),
+                _ => None,
+            };
+            r
         };
         self.start += len;
         Ok(Next::Record {

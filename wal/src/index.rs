@@ -92,7 +92,13 @@ impl LogIndex {
     /// Records entry `index` at `loc`: an index at or below the last replaces that suffix;
     /// an index below the first held restarts the log there. Refuses a gap after the last
     /// (returns the last index).
+    #[inline(always)]
     pub(crate) fn push(&mut self, index: u64, loc: Loc) -> Result<(), u64> {
+        if index == self.last() + 1 {
+            // The common case, an entry after the last: nothing to truncate.
+            self.locs.push_back(loc);
+            return Ok(());
+        }
         if index > self.last() + 1 {
             return Err(self.last());
         }

@@ -227,11 +227,9 @@ pub(crate) enum Record<'a> {
         /// Written as a next entry record (index and term from the entry before).
         compact: bool,
     },
-    /// A next entry record as read: index and term not yet resolved (the segment reader
-    /// resolves them from the entry before it).
-    NextEntry {
-        data: &'a [u8],
-    },
+    /// A next entry record: its index and term follow from the entry before it, which the
+    /// segment reader knows (it hands out the resolved [`Record::Entry`] instead).
+    NextEntry,
     HardState(HardState),
     Snapshot(SnapshotMarker),
     Metadata(Metadata),
@@ -251,7 +249,7 @@ impl<'a> Record<'a> {
                 data: &p[ENTRY_PREFIX..],
                 compact: false,
             },
-            RecordType::NextEntry => Record::NextEntry { data: p },
+            RecordType::NextEntry => Record::NextEntry,
             RecordType::HardState => Record::HardState(HardState {
                 term: u64_at(p, 0),
                 vote: u64_at(p, 8),
@@ -418,7 +416,7 @@ mod tests {
                     data,
                     compact: false,
                 } => assert_eq!((index, term, data), (9, 4, &e.data[..])),
-                Record::NextEntry { data } => assert_eq!(data, &e.data[..]),
+                Record::NextEntry => assert_eq!(payload, &e.data[..]),
                 other => panic!("{other:?}"),
             }
             // The head for writing from the entry's own buffer frames the same bytes.

@@ -416,7 +416,7 @@ impl Wal {
                             Record::Seed { .. } => {
                                 return Err(corrupt(&path, offset, "seed record inside a segment"));
                             }
-                            Record::NextEntry { .. } => {
+                            Record::NextEntry => {
                                 // The reader resolves these into entries (or reports them
                                 // misplaced).
                                 return Err(corrupt(&path, offset, "unresolved next entry record"));
