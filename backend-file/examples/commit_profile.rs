@@ -4,7 +4,7 @@
 //! thread's CPU time per commit printed at the end.
 //!
 //! `cargo run --release -p keel-backend-file --example commit_profile -- [commits] [dir]`,
-//! with `KEEL_PREPARE=off`, `KEEL_PREPARE=allocate` or `KEEL_PREPARE=zeros` to change how
+//! with `KEEL_PREPARE=off`, `allocate`, `zeros` or `auto` (the default) to change how
 //! space is prepared ahead, and `KEEL_HOG=1` to keep a thread spinning on the CPU beside the
 //! commits (as a long scan does); run it under `strace -c -f` or `perf record -g` to see
 //! where a commit goes.
@@ -23,6 +23,7 @@ fn main() {
         Ok("off") => options.prepare_ahead = false,
         Ok("allocate") => options.prepare_with = PrepareWith::Allocate,
         Ok("zeros") => options.prepare_with = PrepareWith::Zeros,
+        Ok("auto") => options.prepare_with = PrepareWith::Auto,
         _ => {}
     }
     let puts: u64 = std::env::var("KEEL_PUTS")

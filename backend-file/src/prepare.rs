@@ -16,15 +16,16 @@
 //! never past the segment size. Once the writer's want passes the prepared end, the preparer
 //! prepares twice that far, so it works once per `ahead` bytes written, not once per commit.
 //! Zeros are written in steps of at most [`STEP`], each synced, so the writer's sync never
-//! waits behind a large one; an allocation is one call and a sync. While a restore runs,
-//! space is allocated whatever the configured way (see [`Preparer::set_restoring`]).
+//! waits behind a large one; an allocation is one call and a sync. With
+//! [`PrepareWith::Auto`](crate::PrepareWith::Auto) each step is zeros or an allocation after
+//! the size of the writer's last frame ([`SMALL_FRAME`]). While a restore runs, space is
+//! allocated whatever the configured way (see [`Preparer::set_restoring`]).
 //!
 //! The preparer and the writer never write the same bytes. The preparer writes only at or
 //! past `zeroed`, and only it advances `zeroed` while it works; the writer's fast path writes
 //! below `zeroed`, and its slow path keeps the preparer from starting a step until the frame
-//! is written. When zeros are written, the slow path first waits for the preparer's step in
-//! progress to end; an allocation never changes bytes already written, so with allocation it
-//! does not wait. If the file system turns allocation down, the step fails (preparation of
+//! is written. When the step in progress writes zeros, the slow path first waits for it to
+//! end; an allocation never changes bytes already written, so behind one it does not wait. If the file system turns allocation down, the step fails (preparation of
 //! that segment stops) and later segments are prepared with zeros.
 
 use std::fs::{File, OpenOptions};
@@ -47,6 +48,9 @@ pub(crate) const MIN_AHEAD: u64 = 1 << 20;
 pub(crate) const MAX_AHEAD: u64 = 32 << 20;
 /// Largest single write of zeros.
 pub(crate) const STEP: u64 = 1 << 20;
+/// With [`PrepareWith::Auto`], frames below this size go into zeros, larger ones into
+/// allocated space.
+pub(crate) const SMALL_FRAME: u64 = 64 << 10;
 
 static ZEROS: [u8; STEP as usize] = [0u8; STEP as usize];
 
@@ -87,8 +91,12 @@ struct State {
     want: u64,
     /// How far ahead the writer last asked for space.
     ahead: u64,
-    /// The preparer is writing zeros at `zeroed`.
+    /// The preparer is preparing space at `zeroed`.
     busy: bool,
+    /// ... by writing zeros.
+    busy_zeros: bool,
+    /// Length of the writer's last frame.
+    frame: u64,
     /// The writer is appending past `zeroed`.
     appending: bool,
     /// Preparation of the active segment stopped after an I/O error.
@@ -103,8 +111,17 @@ struct State {
 
 /// Work for the preparer thread.
 enum Job {
-    Zero { target: Target, from: u64, to: u64 },
-    Next { id: u32, len: u64 },
+    Zero {
+        target: Target,
+        from: u64,
+        to: u64,
+        how: PrepareWith,
+    },
+    Next {
+        id: u32,
+        len: u64,
+        how: PrepareWith,
+    },
 }
 
 /// The shared state of the writer and the preparer thread.
@@ -178,6 +195,7 @@ impl Preparer {
         let mut s = self.state.lock();
         let ahead = ((end - start) * 8).clamp(MIN_AHEAD, MAX_AHEAD);
         s.ahead = ahead;
+        s.frame = end - start;
         let cap = self.segment_size.max(s.zeroed);
         let want = (end + ahead).min(cap);
         let mut work = false;
@@ -200,11 +218,9 @@ impl Preparer {
         if end <= s.zeroed {
             return true;
         }
-        if self.how() == PrepareWith::Zeros {
-            // Zeros being written past `zeroed` must not land on the frame.
-            while s.busy {
-                self.cv.wait(&mut s);
-            }
+        // Zeros being written past `zeroed` must not land on the frame.
+        while s.busy && s.busy_zeros {
+            self.cv.wait(&mut s);
         }
         // No step starts until the frame is written.
         s.appending = true;
@@ -305,16 +321,19 @@ impl Preparer {
             // Twice as far as asked, so preparation and its sync come once per `ahead` bytes
             // written rather than once per commit; zeros go in steps of at most `STEP`.
             let far = (s.want + s.ahead).min(self.segment_size.max(s.want));
-            let to = match self.how() {
-                PrepareWith::Zeros => far.min(s.zeroed + STEP),
+            let how = self.how(s.frame);
+            let to = match how {
                 PrepareWith::Allocate => far,
+                _ => far.min(s.zeroed + STEP),
             };
             let job = Job::Zero {
                 target: t.clone(),
                 from: s.zeroed,
                 to,
+                how,
             };
             s.busy = true;
+            s.busy_zeros = how == PrepareWith::Zeros;
             return Some(job);
         }
         if let Some(id) = s.next_want
@@ -323,7 +342,11 @@ impl Preparer {
         {
             s.next_busy = true;
             let len = (HEADER_LEN as u64 + s.ahead).min(self.segment_size);
-            return Some(Job::Next { id, len });
+            return Some(Job::Next {
+                id,
+                len,
+                how: self.how(s.frame),
+            });
         }
         None
     }
@@ -343,8 +366,13 @@ impl Preparer {
                 }
             };
             match job {
-                Job::Zero { target, from, to } => {
-                    let result = self.zero(&target.file, &target.path, from, to);
+                Job::Zero {
+                    target,
+                    from,
+                    to,
+                    how,
+                } => {
+                    let result = self.zero(&target.file, &target.path, from, to, how);
                     let mut s = self.state.lock();
                     s.busy = false;
                     if s.active.as_ref().is_some_and(|a| a.id == target.id) {
@@ -358,8 +386,8 @@ impl Preparer {
                     }
                     self.cv.notify_all();
                 }
-                Job::Next { id, len } => {
-                    let result = self.prepare(id, len);
+                Job::Next { id, len, how } => {
+                    let result = self.prepare(id, len, how);
                     let mut s = self.state.lock();
                     s.next_busy = false;
                     match result {
@@ -376,27 +404,39 @@ impl Preparer {
         }
     }
 
-    /// How space is prepared now: allocation falls back to zeros for good once the file
-    /// system turns it down.
-    /// True when space ahead is prepared by writing zeros through the page cache, which must
-    /// not meet a direct write in flight on the same block.
+    /// True when space ahead may be prepared by writing zeros through the page cache, which
+    /// must not meet a direct write in flight on the same block.
     pub(crate) fn writes_zeros(&self) -> bool {
-        self.how() == PrepareWith::Zeros
+        self.how(0) == PrepareWith::Zeros
     }
 
-    fn how(&self) -> PrepareWith {
+    /// How space is prepared now, after frames of `frame` bytes: zeros or allocation (never
+    /// [`PrepareWith::Auto`]). A restore allocates; allocation falls back to zeros for good
+    /// once the file system turns it down.
+    fn how(&self, frame: u64) -> PrepareWith {
         if self.no_allocate.load(Ordering::Relaxed) {
             PrepareWith::Zeros
         } else if self.restoring.load(Ordering::Relaxed) {
             PrepareWith::Allocate
         } else {
-            self.how
+            match self.how {
+                PrepareWith::Auto if frame < SMALL_FRAME => PrepareWith::Zeros,
+                PrepareWith::Auto => PrepareWith::Allocate,
+                how => how,
+            }
         }
     }
 
     /// Prepares `[from, to)` of a file (zeros written, or blocks allocated) and syncs it.
-    fn zero(&self, file: &File, path: &Path, from: u64, to: u64) -> Result<(), BackendError> {
-        if self.how() == PrepareWith::Allocate && to > from {
+    fn zero(
+        &self,
+        file: &File,
+        path: &Path,
+        from: u64,
+        to: u64,
+        how: PrepareWith,
+    ) -> Result<(), BackendError> {
+        if how == PrepareWith::Allocate && to > from {
             match self.io.allocate(file, path, from, to - from) {
                 Ok(()) => return self.io.sync_data(file, path),
                 Err(e) => {
@@ -425,7 +465,7 @@ impl Preparer {
     }
 
     /// Creates `<id>.seg.tmp` with its header and zeros up to `len`, synced.
-    fn prepare(&self, id: u32, len: u64) -> Result<Prepared, BackendError> {
+    fn prepare(&self, id: u32, len: u64, how: PrepareWith) -> Result<Prepared, BackendError> {
         let path = self.dir.join(tmp_name(id));
         let file = OpenOptions::new()
             .read(true)
@@ -442,7 +482,7 @@ impl Preparer {
                 0,
                 &format::encode_header(SEGMENT_MAGIC, u64::from(id)),
             )
-            .and_then(|()| self.zero(&file, &path, HEADER_LEN as u64, len));
+            .and_then(|()| self.zero(&file, &path, HEADER_LEN as u64, len, how));
         match result {
             Ok(()) => Ok(Prepared {
                 id,
@@ -468,5 +508,42 @@ fn discard(p: Prepared) {
     drop(p.file);
     if let Err(e) = std::fs::remove_file(&p.path) {
         tracing::warn!(path = %p.path.display(), error = %e, "cannot remove a prepared segment");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn preparer(how: PrepareWith) -> Arc<Preparer> {
+        Preparer::new(Path::new("."), Io::new(None), 64 << 20, how)
+    }
+
+    #[test]
+    fn auto_zeroes_after_small_frames_and_allocates_after_large_ones() {
+        let p = preparer(PrepareWith::Auto);
+        assert_eq!(p.how(16 << 10), PrepareWith::Zeros);
+        assert_eq!(p.how(SMALL_FRAME - 1), PrepareWith::Zeros);
+        assert_eq!(p.how(SMALL_FRAME), PrepareWith::Allocate);
+        assert_eq!(p.how(1 << 20), PrepareWith::Allocate);
+        assert!(p.writes_zeros());
+        // A restore allocates, so that its direct writes meet no zeros written meanwhile.
+        p.set_restoring(true);
+        assert_eq!(p.how(16 << 10), PrepareWith::Allocate);
+        assert!(!p.writes_zeros());
+        p.set_restoring(false);
+        assert_eq!(p.how(16 << 10), PrepareWith::Zeros);
+        // Where allocation is refused, zeros whatever the frames.
+        p.no_allocate.store(true, Ordering::Relaxed);
+        assert_eq!(p.how(1 << 20), PrepareWith::Zeros);
+    }
+
+    #[test]
+    fn fixed_ways_ignore_the_frame_size() {
+        for how in [PrepareWith::Zeros, PrepareWith::Allocate] {
+            let p = preparer(how);
+            assert_eq!(p.how(1), how);
+            assert_eq!(p.how(8 << 20), how);
+        }
     }
 }

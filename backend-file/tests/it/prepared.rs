@@ -25,8 +25,8 @@ fn options() -> FileOptions {
 }
 
 /// The options with each way of preparing space.
-fn both() -> [FileOptions; 2] {
-    [PrepareWith::Allocate, PrepareWith::Zeros].map(|how| FileOptions {
+fn both() -> [FileOptions; 3] {
+    [PrepareWith::Allocate, PrepareWith::Zeros, PrepareWith::Auto].map(|how| FileOptions {
         prepare_with: how,
         ..options()
     })
@@ -306,11 +306,17 @@ impl FaultHook for CountSyncs {
 /// add a few syncs (a step per commit added one sync per commit).
 #[test]
 fn zeros_are_prepared_in_stretches_not_per_commit() {
+    for how in [PrepareWith::Zeros, PrepareWith::Auto] {
+        zeros_in_stretches(how);
+    }
+}
+
+fn zeros_in_stretches(how: PrepareWith) {
     const COMMITS: u64 = 300;
     let hook = Arc::new(CountSyncs::default());
     let options = FileOptions {
         segment_size: 64 << 20,
-        prepare_with: PrepareWith::Zeros,
+        prepare_with: how,
         fault_hook: Some(hook.clone()),
         ..options()
     };
@@ -326,6 +332,6 @@ fn zeros_are_prepared_in_stretches_not_per_commit() {
     assert!(syncs >= COMMITS, "{syncs} syncs for {COMMITS} commits");
     assert!(
         syncs <= COMMITS + COMMITS / 10,
-        "{syncs} syncs of the segment for {COMMITS} commits"
+        "{syncs} syncs of the segment for {COMMITS} commits ({how:?})"
     );
 }
