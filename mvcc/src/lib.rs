@@ -27,6 +27,7 @@ mod read;
 mod rebuild;
 mod request;
 pub mod revision;
+mod slice;
 mod store;
 mod txn;
 mod watch;

@@ -742,7 +742,10 @@ impl<B: Backend> Inner<B> {
             st.committing = Some(p.clone());
             (p, self.buffers_taken.fetch_add(1, Ordering::AcqRel) + 1)
         };
-        let committed = self.backend.commit_from(&*pending.changes.read());
+        // Every caller waiting for this buffer waits on the commit's syncs (see `slice`).
+        let committed = crate::slice::committing(self.options.commit_slice, || {
+            self.backend.commit_from(&*pending.changes.read())
+        });
         match committed {
             Ok(()) => {
                 self.state.lock().committing = None;
