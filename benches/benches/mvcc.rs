@@ -394,6 +394,41 @@ fn client_puts<B: Backend>(
     (start.elapsed(), per_client.into_iter().flatten().collect())
 }
 
+/// One criterion sample of a headline comparison: `half(with_reader, n)` runs `n` (half of
+/// `iters`) puts alone and `n` with the reader scanning every key back to back (started
+/// before that half and stopped after it), the two halves in alternating order from one
+/// sample to the next, so both meet the same machine; each returns the time it measured.
+/// Adds the scans finished and the time measured with the reader to `window`. Returns the
+/// two halves' time.
+fn alternate_halves<B: Backend + 'static>(
+    s: &Arc<Store<B>>,
+    scans: &Arc<AtomicU64>,
+    sample: u64,
+    iters: u64,
+    window: &mut (u64, Duration),
+    mut half: impl FnMut(bool, u64) -> Duration,
+) -> Duration {
+    let n = (iters / 2).max(1);
+    let first = sample.is_multiple_of(2);
+    let mut total = Duration::ZERO;
+    for with_reader in [first, !first] {
+        let stop = Arc::new(AtomicBool::new(false));
+        let reader = with_reader.then(|| spawn_scanner(s, &stop, scans));
+        let scans_before = scans.load(Ordering::Relaxed);
+        let took = half(with_reader, n);
+        if with_reader {
+            window.0 += scans.load(Ordering::Relaxed) - scans_before;
+            window.1 += took;
+        }
+        stop.store(true, Ordering::Release);
+        if let Some(r) = reader {
+            r.join().expect("reader");
+        }
+        total += took;
+    }
+    total
+}
+
 /// The headline as etcd measures it: closed-loop clients, each put durable before its
 /// client sends the next one (see [`client_puts`]), alone and with the reader scanning all
 /// keys back to back. Every criterion sample runs half its puts alone and half with the
@@ -415,33 +450,25 @@ fn headline_clients_on<B: Backend + 'static>(c: &mut Criterion, label: &str, s: 
     let with = format!("durable client puts with a long reader ({label})");
     let mut latencies = [Vec::new(), Vec::new()];
     let scans = Arc::new(AtomicU64::new(0));
-    let (mut window_scans, mut window) = (0, Duration::ZERO);
+    let mut window = (0, Duration::ZERO);
     let mut sample = 0u64;
     group.bench_function("alone and with a long reader, alternating", |b| {
         b.iter_custom(|iters| {
             sample += 1;
-            let half = (iters / 2).max(1);
-            let mut total = Duration::ZERO;
-            let first = sample.is_multiple_of(2);
-            for with_reader in [first, !first] {
-                let stop = Arc::new(AtomicBool::new(false));
-                let reader = with_reader.then(|| spawn_scanner(s, &stop, &scans));
-                let scans_before = scans.load(Ordering::Relaxed);
-                let (took, lat) = client_puts(s, half, &next, &value);
-                if with_reader {
-                    window += took;
-                    window_scans += scans.load(Ordering::Relaxed) - scans_before;
-                }
-                stop.store(true, Ordering::Release);
-                if let Some(r) = reader {
-                    r.join().expect("reader");
-                }
-                let name = if with_reader { &with } else { &alone };
-                RECORDER.record(name, took, half);
-                latencies[usize::from(with_reader)].extend(lat);
-                total += took;
-            }
-            total
+            alternate_halves(
+                s,
+                &scans,
+                sample,
+                iters,
+                &mut window,
+                |with_reader, half| {
+                    let (took, lat) = client_puts(s, half, &next, &value);
+                    let name = if with_reader { &with } else { &alone };
+                    RECORDER.record(name, took, half);
+                    latencies[usize::from(with_reader)].extend(lat);
+                    took
+                },
+            )
         })
     });
     group.finish();
@@ -459,7 +486,6 @@ fn headline_clients_on<B: Backend + 'static>(c: &mut Criterion, label: &str, s: 
         &format!("({label}): p99 durable put latency of {HEADLINE_CLIENTS} clients"),
         lat_alone,
         lat_reader,
-        window_scans,
         window,
     );
 }
@@ -470,8 +496,7 @@ fn headline_p99(
     what: &str,
     alone: &mut [Duration],
     with_reader: &mut [Duration],
-    window_scans: u64,
-    window: Duration,
+    (window_scans, window): (u64, Duration),
 ) {
     let (a, r) = (p99(alone), p99(with_reader));
     let ratio = r.as_secs_f64() / a.as_secs_f64().max(1e-9);
@@ -599,7 +624,7 @@ fn headline_on<B: Backend + 'static>(c: &mut Criterion, label: &str, s: &Arc<Sto
     let mut next = 0u64;
     let alone = format!("puts alone ({label})");
     let with = format!("puts with a long reader ({label})");
-    let (mut window_scans, mut window) = (0, Duration::ZERO);
+    let mut window = (0, Duration::ZERO);
     // Writer CPU in the timed loops, with and without the reader: equal figures mean the
     // reader costs the writer CPU time (cores), not waiting.
     let mut writer_ns = [0u64; 2];
@@ -607,49 +632,38 @@ fn headline_on<B: Backend + 'static>(c: &mut Criterion, label: &str, s: &Arc<Sto
     let mut threads: [std::collections::BTreeMap<String, u64>; 2] = Default::default();
     let me = std::thread::current().name().map(str::to_owned);
     let mut sample = 0u64;
-    // Every criterion sample runs half its puts alone and half with the reader (started
-    // before that half and running through it), the two halves in alternating order, as
-    // the durable clients' part does, so both meet the same machine.
     group.bench_function("alone and with a long reader, alternating", |b| {
         b.iter_custom(|iters| {
             sample += 1;
-            let half = (iters / 2).max(1);
-            let mut total = Duration::ZERO;
-            let first = sample.is_multiple_of(2);
-            for with_reader in [first, !first] {
-                let phase = usize::from(with_reader);
-                let stop = Arc::new(AtomicBool::new(false));
-                let reader = with_reader.then(|| spawn_scanner(s, &stop, &scans));
-                let scans_before = scans.load(Ordering::Relaxed);
-                let threads0 = threads_cpu();
-                let lat = &mut latencies[phase];
-                let ns0 = thread_ns();
-                let start = Instant::now();
-                for _ in 0..half {
-                    let t0 = Instant::now();
-                    s.put(&key(next.wrapping_mul(7919) % keys), &value, 0)
-                        .expect("put");
-                    lat.push(t0.elapsed());
-                    next += 1;
-                }
-                let took = start.elapsed();
-                writer_ns[phase] += thread_ns().saturating_sub(ns0);
-                if with_reader {
-                    window += took;
-                    window_scans += scans.load(Ordering::Relaxed) - scans_before;
-                }
-                for (name, ns) in threads_cpu() {
-                    let used = ns.saturating_sub(threads0.get(&name).copied().unwrap_or(0));
-                    *threads[phase].entry(name).or_insert(0) += used;
-                }
-                stop.store(true, Ordering::Release);
-                if let Some(r) = reader {
-                    r.join().expect("reader");
-                }
-                RECORDER.record(if with_reader { &with } else { &alone }, took, half);
-                total += took;
-            }
-            total
+            alternate_halves(
+                s,
+                &scans,
+                sample,
+                iters,
+                &mut window,
+                |with_reader, half| {
+                    let phase = usize::from(with_reader);
+                    let threads0 = threads_cpu();
+                    let lat = &mut latencies[phase];
+                    let ns0 = thread_ns();
+                    let start = Instant::now();
+                    for _ in 0..half {
+                        let t0 = Instant::now();
+                        s.put(&key(next.wrapping_mul(7919) % keys), &value, 0)
+                            .expect("put");
+                        lat.push(t0.elapsed());
+                        next += 1;
+                    }
+                    let took = start.elapsed();
+                    writer_ns[phase] += thread_ns().saturating_sub(ns0);
+                    for (name, ns) in threads_cpu() {
+                        let used = ns.saturating_sub(threads0.get(&name).copied().unwrap_or(0));
+                        *threads[phase].entry(name).or_insert(0) += used;
+                    }
+                    RECORDER.record(if with_reader { &with } else { &alone }, took, half);
+                    took
+                },
+            )
         })
     });
     group.finish();
@@ -666,7 +680,7 @@ fn headline_on<B: Backend + 'static>(c: &mut Criterion, label: &str, s: &Arc<Sto
         let mut line = cpu_split(&Default::default(), &used, puts[phase]);
         if phase == 1 {
             // Partial scans at both ends are not counted: an upper bound.
-            let read = (window_scans * keys).max(1) as f64;
+            let read = (window.0 * keys).max(1) as f64;
             line.push_str(&format!(
                 "; reader {:.2} us per key read",
                 reader_ns as f64 / 1e3 / read
@@ -690,7 +704,6 @@ fn headline_on<B: Backend + 'static>(c: &mut Criterion, label: &str, s: &Arc<Sto
         &format!("({label}), one writer applying puts in memory back to back: p99 put latency"),
         lat_alone,
         lat_reader,
-        window_scans,
         window,
     );
     println!(
