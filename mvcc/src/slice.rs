@@ -1,22 +1,23 @@
-//! A short scheduler slice for the thread that runs a backend commit.
+//! A short scheduler slice for the threads that run a backend commit or wait for one.
 //!
 //! A durable backend commit sleeps in its syncs (LMDB's commit has two: the pages, then the
-//! meta page), and every `force_commit` caller of that commit waits on it. When the disk
-//! answers, the committing thread needs a CPU at once. On a machine whose CPUs are all busy
-//! (a long scan on one core, clients on the other), Linux's fair scheduler (EEVDF) lets the
-//! running thread finish its slice first (by default 0.7 ms times 1 + log2 of the CPUs: 1.4 ms
-//! on two), so the commit, and every caller behind it, waits that long after each sync has
-//! ended. A thread that asks for a shorter slice (`sched_setattr` with `sched_runtime`, Linux
-//! 6.12 and later) gets an earlier deadline and, on waking, takes the CPU from a thread with
-//! a longer one; fairness is unchanged (the slice is when a thread runs, not how much).
+//! meta page), and every `force_commit` caller of that commit sleeps until it ends. When the
+//! disk answers, the committing thread needs a CPU at once, and so does each caller when the
+//! commit's end wakes it. On a machine whose CPUs are all busy (a long scan on one core,
+//! clients on the other), Linux's fair scheduler (EEVDF) lets the running thread finish its
+//! slice first (by default 0.7 ms times 1 + log2 of the CPUs: 1.4 ms on two), so the commit,
+//! and every caller behind it, waits that long after each sync has ended. A thread that asks
+//! for a shorter slice (`sched_setattr` with `sched_runtime`, Linux 6.12 and later) gets an
+//! earlier deadline and, on waking, takes the CPU from a thread with a longer one; fairness
+//! is unchanged (the slice is when a thread runs, not how much).
 //!
-//! [`committing`] runs a commit with the calling thread's slice set to
-//! [`StoreOptions::commit_slice`](crate::StoreOptions::commit_slice) and gives the thread its
-//! own slice back when the commit returns, so a caller's thread that commits on its own keeps
-//! its scheduling outside the commit. It touches only threads of the normal policy whose slice
-//! is longer, keeps their nice value and flags, and stops asking for good once the kernel
-//! refuses (an older kernel ignores the field: then nothing changes). Three system calls per
-//! backend commit.
+//! [`with_short_slice`] runs a commit, or a caller's wait for one, with the calling thread's
+//! slice set to [`StoreOptions::commit_slice`](crate::StoreOptions::commit_slice) and gives
+//! the thread its own slice back when it returns, so a caller's thread keeps its scheduling
+//! outside the store. It touches only threads of the normal policy whose slice is longer,
+//! keeps their nice value and flags, and stops asking for good once the kernel refuses (an
+//! older kernel ignores the field: then nothing changes). Three system calls per commit and
+//! per wait.
 
 use std::time::Duration;
 
@@ -24,19 +25,19 @@ use std::time::Duration;
 #[cfg(target_os = "linux")]
 static REFUSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// Runs `commit` with the calling thread's scheduler slice at most `slice` (zero: as it is),
-/// then gives the thread its own slice back.
+/// Runs `f` with the calling thread's scheduler slice at most `slice` (zero: as it is), then
+/// gives the thread its own slice back.
 #[cfg(target_os = "linux")]
-pub(crate) fn committing<R>(slice: Duration, commit: impl FnOnce() -> R) -> R {
+pub(crate) fn with_short_slice<R>(slice: Duration, f: impl FnOnce() -> R) -> R {
     use std::sync::atomic::Ordering;
 
     let want = u64::try_from(slice.as_nanos()).unwrap_or(u64::MAX);
     if want == 0 || REFUSED.load(Ordering::Relaxed) {
-        return commit();
+        return f();
     }
     let own = match uapi::sched_getattr(0, 0) {
         Ok(a) if a.sched_policy == uapi::c::SCHED_OTHER as u32 && a.sched_runtime > want => a,
-        _ => return commit(),
+        _ => return f(),
     };
     let mut short = own;
     // Only reset-on-fork is a flag of the thread's own; the others ask for changes.
@@ -45,20 +46,20 @@ pub(crate) fn committing<R>(slice: Duration, commit: impl FnOnce() -> R) -> R {
     if let Err(e) = uapi::sched_setattr(0, &short, 0) {
         REFUSED.store(true, Ordering::Relaxed);
         tracing::debug!(error = %e, "the kernel refuses a short scheduler slice for commits");
-        return commit();
+        return f();
     }
-    let out = commit();
+    let out = f();
     short.sched_runtime = own.sched_runtime;
     if let Err(e) = uapi::sched_setattr(0, &short, 0) {
-        tracing::warn!(error = %e, "cannot give the committing thread its scheduler slice back");
+        tracing::warn!(error = %e, "cannot give a thread its scheduler slice back after a commit");
     }
     out
 }
 
-/// Elsewhere than on Linux, runs `commit` as it is.
+/// Elsewhere than on Linux, runs `f` as it is.
 #[cfg(not(target_os = "linux"))]
-pub(crate) fn committing<R>(_slice: Duration, commit: impl FnOnce() -> R) -> R {
-    commit()
+pub(crate) fn with_short_slice<R>(_slice: Duration, f: impl FnOnce() -> R) -> R {
+    f()
 }
 
 #[cfg(all(test, target_os = "linux"))]
@@ -70,17 +71,17 @@ mod tests {
     }
 
     #[test]
-    fn the_slice_is_short_during_the_commit_and_comes_back_after() {
+    fn the_slice_is_short_inside_and_comes_back_after() {
         let Ok(before) = uapi::sched_getattr(0, 0) else {
             return; // No sched_getattr here: nothing to check.
         };
-        let seen = committing(Duration::from_micros(100), runtime);
+        let seen = with_short_slice(Duration::from_micros(100), runtime);
         let after = uapi::sched_getattr(0, 0).expect("sched_getattr worked before");
         assert_eq!(after.sched_runtime, before.sched_runtime);
         assert_eq!(after.sched_nice, before.sched_nice);
         assert_eq!(after.sched_policy, before.sched_policy);
         // A kernel with custom slices (6.12 and later) reports a normal thread's slice, longer
-        // than 100 µs by default, and the one set while the commit runs; an older one reports
+        // than 100 µs by default, and the one set while `f` runs; an older one reports
         // none and is left alone.
         let custom = before.sched_policy == uapi::c::SCHED_OTHER as u32
             && before.sched_runtime > 100_000
@@ -96,6 +97,6 @@ mod tests {
     #[test]
     fn zero_leaves_the_thread_alone() {
         let before = runtime();
-        assert_eq!(committing(Duration::ZERO, runtime), before);
+        assert_eq!(with_short_slice(Duration::ZERO, runtime), before);
     }
 }

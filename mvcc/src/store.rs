@@ -620,18 +620,22 @@ impl<B: Backend> Inner<B> {
         self.durable_waits
             .lock()
             .push((needed, std::thread::current()));
-        while self.buffers_durable.load(Ordering::Acquire) < needed {
-            if let Err(e) = self.check_poisoned() {
-                let me = std::thread::current().id();
-                self.durable_waits.lock().retain(|(_, t)| t.id() != me);
-                return Err(e);
+        // Woken by a commit's end, the caller takes a CPU at once (see `slice`), wakes the
+        // next callers made durable, and has its own slice back when it returns.
+        crate::slice::with_short_slice(self.options.commit_slice, || {
+            while self.buffers_durable.load(Ordering::Acquire) < needed {
+                if let Err(e) = self.check_poisoned() {
+                    let me = std::thread::current().id();
+                    self.durable_waits.lock().retain(|(_, t)| t.id() != me);
+                    return Err(e);
+                }
+                std::thread::park();
             }
-            std::thread::park();
-        }
-        // Leaves the list, and wakes the next callers made durable (see `wake_durable`).
-        let me = std::thread::current().id();
-        self.wake_durable_from(self.buffers_durable.load(Ordering::Acquire), Some(me));
-        Ok(())
+            // Leaves the list, and wakes the next callers made durable (see `wake_durable`).
+            let me = std::thread::current().id();
+            self.wake_durable_from(self.buffers_durable.load(Ordering::Acquire), Some(me));
+            Ok(())
+        })
     }
 
     /// Wakes the `force_commit` callers waiting for buffer `taken` or an older one, or all of
@@ -743,7 +747,7 @@ impl<B: Backend> Inner<B> {
             (p, self.buffers_taken.fetch_add(1, Ordering::AcqRel) + 1)
         };
         // Every caller waiting for this buffer waits on the commit's syncs (see `slice`).
-        let committed = crate::slice::committing(self.options.commit_slice, || {
+        let committed = crate::slice::with_short_slice(self.options.commit_slice, || {
             self.backend.commit_from(&*pending.changes.read())
         });
         match committed {
