@@ -43,10 +43,11 @@ pub struct StoreOptions {
     /// with nobody else waiting for the CPU returns at once. Off, long reads never yield.
     /// Default: true.
     pub yield_reads_to_writers: bool,
-    /// While a backend commit runs, the committing thread asks the Linux scheduler for a
-    /// time slice this short (Linux 6.12 and later; elsewhere nothing changes), and so does
-    /// a `force_commit` caller while it waits for a commit; each gets its own slice back
-    /// when the commit or the wait returns. When the disk answers one of the commit's syncs,
+    /// While a backend commit that `force_commit` callers wait for runs, the committing
+    /// thread asks the Linux scheduler for a time slice this short (Linux 6.12 and later;
+    /// elsewhere nothing changes), and so does each such caller while it waits; each gets
+    /// its own slice back when the commit or the wait returns (a background commit nobody
+    /// waits for keeps the thread's own). When the disk answers one of the commit's syncs,
     /// the commit takes a CPU from a busy thread (a long scan) at once instead of waiting
     /// behind it for a default slice, 1.4 ms on two CPUs, and so does each caller the
     /// commit's end wakes. Zero leaves the threads' scheduling alone. Default: 100 µs, the least the kernel takes. Range: zero, or

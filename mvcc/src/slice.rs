@@ -11,10 +11,12 @@
 //! earlier deadline and, on waking, takes the CPU from a thread with a longer one; fairness
 //! is unchanged (the slice is when a thread runs, not how much).
 //!
-//! [`with_short_slice`] runs a commit, or a caller's wait for one, with the calling thread's
-//! slice set to [`StoreOptions::commit_slice`](crate::StoreOptions::commit_slice) and gives
-//! the thread its own slice back when it returns, so a caller's thread keeps its scheduling
-//! outside the store. It touches only threads of the normal policy whose slice is longer,
+//! [`with_short_slice`] runs a commit that callers wait for, or a caller's wait for one,
+//! with the calling thread's slice set to
+//! [`StoreOptions::commit_slice`](crate::StoreOptions::commit_slice) and gives the thread its
+//! own slice back when it returns, so a caller's thread keeps its scheduling outside the
+//! store. A background commit nobody waits for keeps its thread's slice: it can be long, and
+//! short slices would only preempt the writers more often. It touches only threads of the normal policy whose slice is longer,
 //! keeps their nice value and flags, and stops asking for good once the kernel refuses (an
 //! older kernel ignores the field: then nothing changes). Three system calls per commit and
 //! per wait.

@@ -607,7 +607,7 @@ impl<B: Backend> Inner<B> {
                 guard: Some(guard),
                 ended: &self.commits_ended,
             };
-            return self.commit_locked(needed);
+            return self.commit_locked(needed, true);
         }
         if self.buffers_wanted.fetch_max(needed, Ordering::AcqRel) < needed
             && !self.commit_requested.swap(true, Ordering::AcqRel)
@@ -715,7 +715,7 @@ impl<B: Backend> Inner<B> {
                     guard: Some(guard),
                     ended: &self.commits_ended,
                 };
-                return self.commit_locked(needed);
+                return self.commit_locked(needed, false);
             }
             let mut count = self.commits_ended.0.lock();
             while *count == ended {
@@ -724,8 +724,9 @@ impl<B: Backend> Inner<B> {
         }
     }
 
-    /// [`commit_pending`](Inner::commit_pending) with the commit lock held.
-    fn commit_locked(&self, needed: u64) -> Result<(), MvccError> {
+    /// [`commit_pending`](Inner::commit_pending) with the commit lock held; `waited_on`: the
+    /// calling thread commits for a `force_commit` of its own.
+    fn commit_locked(&self, needed: u64, waited_on: bool) -> Result<(), MvccError> {
         self.check_poisoned()?;
         if self.buffers_durable.load(Ordering::Acquire) >= needed {
             return Ok(());
@@ -746,8 +747,15 @@ impl<B: Backend> Inner<B> {
             st.committing = Some(p.clone());
             (p, self.buffers_taken.fetch_add(1, Ordering::AcqRel) + 1)
         };
-        // Every caller waiting for this buffer waits on the commit's syncs (see `slice`).
-        let committed = crate::slice::with_short_slice(self.options.commit_slice, || {
+        // Callers waiting for this buffer wait on the commit's syncs: the commit asks for a
+        // CPU at once when each ends (see `slice`). A background commit nobody waits for
+        // keeps the thread's own slice: short ones would only cut into the writers' time.
+        let slice = if waited_on || self.durability_wanted() {
+            self.options.commit_slice
+        } else {
+            std::time::Duration::ZERO
+        };
+        let committed = crate::slice::with_short_slice(slice, || {
             self.backend.commit_from(&*pending.changes.read())
         });
         match committed {
