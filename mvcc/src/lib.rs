@@ -27,7 +27,7 @@ mod read;
 mod rebuild;
 mod request;
 pub mod revision;
-mod slice;
+pub mod slice;
 mod store;
 mod txn;
 mod watch;

@@ -16,7 +16,9 @@
 //! [`StoreOptions::commit_slice`](crate::StoreOptions::commit_slice) and gives the thread its
 //! own slice back when it returns, so a caller's thread keeps its scheduling outside the
 //! store. A background commit nobody waits for keeps its thread's slice: it can be long, and
-//! short slices would only preempt the writers more often. It touches only threads of the normal policy whose slice is longer,
+//! short slices would only preempt the writers more often.
+//!
+//! A backend may use [`with_short_slice`] too, around a sync that callers wait on. It touches only threads of the normal policy whose slice is longer,
 //! keeps their nice value and flags, and stops asking for good once the kernel refuses (an
 //! older kernel ignores the field: then nothing changes). Three system calls per commit and
 //! per wait.
@@ -30,7 +32,7 @@ static REFUSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::n
 /// Runs `f` with the calling thread's scheduler slice at most `slice` (zero: as it is), then
 /// gives the thread its own slice back.
 #[cfg(target_os = "linux")]
-pub(crate) fn with_short_slice<R>(slice: Duration, f: impl FnOnce() -> R) -> R {
+pub fn with_short_slice<R>(slice: Duration, f: impl FnOnce() -> R) -> R {
     use std::sync::atomic::Ordering;
 
     let want = u64::try_from(slice.as_nanos()).unwrap_or(u64::MAX);
@@ -60,7 +62,7 @@ pub(crate) fn with_short_slice<R>(slice: Duration, f: impl FnOnce() -> R) -> R {
 
 /// Elsewhere than on Linux, runs `f` as it is.
 #[cfg(not(target_os = "linux"))]
-pub(crate) fn with_short_slice<R>(_slice: Duration, f: impl FnOnce() -> R) -> R {
+pub fn with_short_slice<R>(_slice: Duration, f: impl FnOnce() -> R) -> R {
     f()
 }
 
