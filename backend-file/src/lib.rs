@@ -35,7 +35,6 @@ mod reclaim;
 mod recovery;
 mod restore;
 mod segment;
-mod slice;
 mod store;
 mod txn;
 mod verify;

@@ -67,7 +67,8 @@ pub struct FileOptions {
     /// Linux scheduler for a time slice this short (Linux 6.12 and later; older kernels
     /// ignore it), and gets its own back when the sync returns: when the disk answers, the
     /// commit takes a CPU from a busy thread (a long scan) at once instead of waiting behind
-    /// it for a default slice, 1.4 ms on two CPUs (see the `slice` module). Zero leaves the
+    /// it for a default slice, 1.4 ms on two CPUs (see [`keel_mvcc::slice`]). A
+    /// committer already running with a slice as short is left as it is. Zero leaves the
     /// thread's scheduling alone. Default: 100 µs, the least the kernel takes. Range: zero, or
     /// 100 µs to 100 ms.
     pub commit_sync_slice: Duration,

@@ -410,8 +410,8 @@ impl Inner {
                 .and_then(|()| self.io.write_at(&w.active.file, path, start, &w.buf))
                 .and_then(|()| {
                     // The commit's callers all wait for this sync: it asks for a CPU as
-                    // soon as the disk answers (see `slice`).
-                    crate::slice::waiting(self.options.commit_sync_slice, || {
+                    // soon as the disk answers (see `keel_mvcc::slice`).
+                    keel_mvcc::slice::with_short_slice(self.options.commit_sync_slice, || {
                         self.io.sync_data(&w.active.file, path)
                     })
                 })
