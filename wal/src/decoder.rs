@@ -1,12 +1,11 @@
 //! Reading records back: a streaming reader over one segment that verifies every record's
 //! checksum against the chain before handing it out, and bounds every length by the bytes
-//! left before reading or allocating. It also resolves next entry records (index and term
-//! from the entry record before them) into entries.
+//! left before reading or allocating.
 
 use std::io;
 
 use crate::io::{WalFile, read_full_at};
-use crate::record::{HEADER_LEN, Header, Record, RecordType, padded, record_len};
+use crate::record::{HEADER_LEN, Header, Record, padded, record_len};
 
 /// The next thing in a segment.
 #[derive(Debug)]
@@ -32,15 +31,6 @@ pub(crate) enum Next<'a> {
         /// What check failed.
         reason: String,
     },
-    /// A whole record (its checksum holds) that cannot be where it is: a next entry record
-    /// with no entry record before it, or in a segment of a version without them. Never a
-    /// torn write.
-    Misplaced {
-        /// Offset of the record's header.
-        offset: u64,
-        /// Why it cannot be there.
-        reason: String,
-    },
 }
 
 /// Reads the records of `[from, limit)` of a file in chunks of about `chunk` bytes.
@@ -52,10 +42,6 @@ pub(crate) struct SegmentReader<'f> {
     start: usize,
     end: usize,
     chunk: usize,
-    /// Index and term of the record before the next one, if that was an entry.
-    prev_entry: Option<(u64, u64)>,
-    /// Whether next entry records may appear (the segment's version has them).
-    compact: bool,
 }
 
 impl<'f> SegmentReader<'f> {
@@ -79,26 +65,7 @@ impl<'f> SegmentReader<'f> {
             start: 0,
             end: 0,
             chunk: chunk.max(4096),
-            prev_entry: None,
-            compact: true,
         }
-    }
-
-    /// Whether next entry records may appear (false for a segment of a version without
-    /// them, where one is [`Next::Misplaced`]). Default: true.
-    pub(crate) fn allow_compact(&mut self, allow: bool) {
-        self.compact = allow;
-    }
-
-    /// The entry before the first record read: `(index, term)` of the entry a next entry
-    /// record there follows (for reads that start inside a segment).
-    pub(crate) fn set_prev_entry(&mut self, prev: Option<(u64, u64)>) {
-        self.prev_entry = prev;
-    }
-
-    /// `(index, term)` of the last record read if it was an entry.
-    pub(crate) fn prev_entry(&self) -> Option<(u64, u64)> {
-        self.prev_entry
     }
 
     /// Gives the buffer back for reuse.
@@ -209,46 +176,12 @@ impl<'f> SegmentReader<'f> {
                 reason: "non-zero record padding".into(),
             });
         }
-        let payload = &self.buf[body..body + plen];
-        let record = if ty == RecordType::NextEntry {
-            // Resolved here, from the entry before it, without a decoded form of its own.
-            let next = self
-                .prev_entry
-                .and_then(|(i, t)| Some((i.checked_add(1)?, t)));
-            let (index, term) = match next {
-                Some(e) if self.compact => e,
-                _ => {
-                    return Ok(Next::Misplaced {
-                        offset,
-                        reason: if self.compact {
-                            "next entry record without an entry record before it"
-                        } else {
-                            "next entry record in a segment of a format version without them"
-                        }
-                        .into(),
-                    });
-                }
-            };
-            self.prev_entry = Some((index, term));
-            Record::Entry {
-                index,
-                term,
-                data: payload,
-                compact: true,
-            }
-        } else {
-            let r = Record::decode(ty, payload);
-            self.prev_entry = match r {
-                Record::Entry { index, term, .. } => Some((index, term)),
-                _ => None,
-            };
-            r
-        };
         self.start += len;
+        let payload = &self.buf[body..body + plen];
         Ok(Next::Record {
             offset,
             crc: header.crc,
-            record,
+            record: Record::decode(ty, payload),
         })
     }
 }

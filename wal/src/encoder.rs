@@ -16,13 +16,14 @@ use std::sync::Arc;
 
 use crate::io::{DIRECT_ALIGN, WalFile, read_full_at, write_all_at, write_all_vectored_at};
 use crate::record::{
-    self, Entry, HEADER_LEN, HardState, Metadata, SnapshotMarker, entry_head_len,
-    entry_payload_len, padded,
+    self, ENTRY_PREFIX, Entry, HEADER_LEN, HardState, Metadata, SnapshotMarker, padded,
 };
-use crate::segment::{COMPACT_VERSION, Writes};
+use crate::segment::Writes;
 
 /// Ends the records of every write: a record header of zeros.
 const END_MARK: [u8; 8] = [0; 8];
+/// Bytes of an entry record before its data.
+const HEAD: usize = HEADER_LEN + ENTRY_PREFIX;
 
 /// The segment being appended to.
 #[derive(Debug)]
@@ -57,12 +58,6 @@ pub(crate) struct SegmentWriter {
     pub direct: Option<Arc<dyn WalFile>>,
     /// Scratch for the direct writes `buf` cannot serve in place, aligned in place.
     pages: Vec<u8>,
-    /// Format version of the segment (its records are written in that version's format).
-    version: u32,
-    /// `(index, term)` an entry must have to be written as a next entry record: the index
-    /// after the last record's and its term when that is an entry and the segment's version
-    /// has next entry records; index 0 (never an entry's) otherwise.
-    follow: (u64, u64),
 }
 
 /// Memory the write buffer keeps once a direct write has used it: records up to about this
@@ -86,11 +81,6 @@ pub(crate) struct WriterStart {
     pub crc: u32,
     /// Size the segment was prepared with.
     pub size: u64,
-    /// Format version of the segment.
-    pub version: u32,
-    /// `(index, term)` of the segment's last record if it is an entry (`None` for a new
-    /// segment).
-    pub last_entry: Option<(u64, u64)>,
 }
 
 impl SegmentWriter {
@@ -110,26 +100,6 @@ impl SegmentWriter {
             side: Vec::new(),
             direct: start.direct,
             pages: Vec::new(),
-            follow: match start.last_entry {
-                Some((index, term)) if start.version >= COMPACT_VERSION => {
-                    (index.wrapping_add(1), term)
-                }
-                _ => (0, 0),
-            },
-            version: start.version,
-        }
-    }
-
-    /// Whether entry `e` goes out as a next entry record: it follows the last record, an
-    /// entry of the same term at the index before, in a segment of a version that has them.
-    fn compact(&self, e: &Entry) -> bool {
-        (e.index, e.term) == self.follow && e.index != 0
-    }
-
-    /// Notes that the last record encoded is entry `e`.
-    fn followed_by(&mut self, e: &Entry) {
-        if self.version >= COMPACT_VERSION {
-            self.follow = (e.index.wrapping_add(1), e.term);
         }
     }
 
@@ -269,34 +239,30 @@ impl SegmentWriter {
     /// Frames `entries` (and a hard state after them) and writes them at once, behind the
     /// buffered records and followed by an end marker (when it fits), in one vectored write
     /// (split at `IOV_MAX` buffers) that takes each entry's data straight from its own
-    /// buffer: only the bytes before each entry's data (24, or 8 for a next entry record)
-    /// and its padding are framed in a side buffer, and each crc is computed over the data
-    /// where it lies. `locs` receives each entry's (offset, crc seed, next entry record).
-    /// Not synced. On an error nothing changes but the file's contents past the written
-    /// records (the caller poisons the log).
+    /// buffer: only the 24 bytes before each entry's data and its padding are framed in a
+    /// side buffer, and each crc is computed over the data where it lies. `locs` receives
+    /// each entry's (offset, crc seed). Not synced. On an error nothing changes but the
+    /// file's contents past the written records (the caller poisons the log).
     pub(crate) fn write_entries(
         &mut self,
         entries: &[Entry],
         hs: Option<&HardState>,
-        locs: &mut Vec<(u64, u32, bool)>,
+        locs: &mut Vec<(u64, u32)>,
     ) -> io::Result<()> {
         let mut side = std::mem::take(&mut self.side);
         side.clear();
         locs.clear();
         let mut crc = self.crc;
         let mut at = self.end();
-        let follow = self.follow;
         // Per entry: the previous entry's padding, then this entry's header and prefix.
         let mut pad = 0;
         for e in entries {
             side.extend_from_slice(&END_MARK[..pad]);
-            let compact = self.compact(e);
-            let (head, next) = record::entry_head(e, compact, crc);
-            side.extend_from_slice(&head[..entry_head_len(compact)]);
-            locs.push((at, crc, compact));
-            self.followed_by(e);
+            let (head, next) = record::entry_head(e, crc);
+            side.extend_from_slice(&head);
+            locs.push((at, crc));
             crc = next;
-            let len = entry_payload_len(e.data.len(), compact);
+            let len = ENTRY_PREFIX + e.data.len();
             pad = padded(len) - len;
             at += (HEADER_LEN + padded(len)) as u64;
         }
@@ -304,7 +270,6 @@ impl SegmentWriter {
         side.extend_from_slice(&END_MARK[..pad]);
         if let Some(hs) = hs {
             crc = record::encode_hard_state(&mut side, hs, crc);
-            self.follow.0 = 0;
         }
         let end = at + (side.len() - tail - pad) as u64;
         if end + END_MARK.len() as u64 <= self.size {
@@ -316,22 +281,18 @@ impl SegmentWriter {
         }
         let mut from = 0;
         let mut pad = 0;
-        for (e, &(_, _, compact)) in entries.iter().zip(locs.iter()) {
-            let head = entry_head_len(compact);
-            iov.push(IoSlice::new(&side[from..from + pad + head]));
-            from += pad + head;
+        for e in entries {
+            iov.push(IoSlice::new(&side[from..from + pad + HEAD]));
+            from += pad + HEAD;
             iov.push(IoSlice::new(&e.data));
-            let len = entry_payload_len(e.data.len(), compact);
+            let len = ENTRY_PREFIX + e.data.len();
             pad = padded(len) - len;
         }
         iov.push(IoSlice::new(&side[from..]));
         let res = write_all_vectored_at(&*self.file, &mut iov, self.flushed);
         drop(iov);
         self.side = side;
-        if let Err(e) = res {
-            self.follow = follow;
-            return Err(e);
-        }
+        res?;
         self.flushed = end;
         self.buf.clear();
         self.lead = 0;
@@ -345,36 +306,29 @@ impl SegmentWriter {
         self.buf.reserve(bytes);
     }
 
-    /// Encodes an entry (as a next entry record when it can); returns (offset, crc seed
-    /// it was chained from, whether it is a next entry record).
-    pub(crate) fn entry(&mut self, e: &Entry) -> (u64, u32, bool) {
+    /// Encodes an entry; returns (offset, crc seed it was chained from).
+    pub(crate) fn entry(&mut self, e: &Entry) -> (u64, u32) {
         let at = self.end();
         let prev = self.crc;
-        let compact = self.compact(e);
-        self.crc = record::encode_entry(&mut self.buf, e, compact, prev);
-        self.followed_by(e);
-        (at, prev, compact)
+        self.crc = record::encode_entry(&mut self.buf, e, prev);
+        (at, prev)
     }
 
     pub(crate) fn seed(&mut self, prev_crc: u32, first_index: u64) {
-        let chain = crate::segment::chain_seed(self.seq, self.version);
+        let chain = crate::segment::chain_seed(self.seq);
         self.crc = record::encode_seed(&mut self.buf, chain, prev_crc, first_index);
-        self.follow.0 = 0;
     }
 
     pub(crate) fn hard_state(&mut self, hs: &HardState) {
         self.crc = record::encode_hard_state(&mut self.buf, hs, self.crc);
-        self.follow.0 = 0;
     }
 
     pub(crate) fn snapshot(&mut self, m: &SnapshotMarker) {
         self.crc = record::encode_snapshot(&mut self.buf, m, self.crc);
-        self.follow.0 = 0;
     }
 
     pub(crate) fn metadata(&mut self, m: &Metadata) {
         self.crc = record::encode_metadata(&mut self.buf, m, self.crc);
-        self.follow.0 = 0;
     }
 }
 

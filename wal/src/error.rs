@@ -62,16 +62,13 @@ pub enum WalError {
         reason: String,
     },
     /// A segment was written by an unknown format version.
-    #[error(
-        "WAL segment {path} has format version {found}, this build reads versions {oldest} to {expected}",
-        oldest = crate::segment::OLDEST_VERSION
-    )]
+    #[error("WAL segment {path} has format version {found}, this build reads version {expected}")]
     UnknownVersion {
         /// The segment file.
         path: PathBuf,
         /// Version found in the header.
         found: u32,
-        /// Version this build writes (the newest it reads).
+        /// Version this build writes and reads.
         expected: u32,
     },
     /// The options are invalid.

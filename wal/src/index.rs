@@ -15,47 +15,20 @@ pub(crate) struct Loc {
     pub seq: u64,
     /// Offset of the record header in the segment.
     pub offset: u64,
-    /// Bytes of entry data, with [`COMPACT`] set for a next entry record.
-    data: u32,
+    /// Payload length (entry prefix + data).
+    pub len: u32,
     /// Crc of the record before it (the chain seed to verify it).
     pub prev_crc: u32,
 }
 
-/// The bit of [`Loc::data`] that marks a next entry record (data is below 16 MiB).
-const COMPACT: u32 = 1 << 31;
-
 impl Loc {
-    /// Where an entry of `data_len` bytes of data, of term `term`, written as a next entry
-    /// record if `compact`, is.
-    pub(crate) fn new(
-        term: u64,
-        seq: u64,
-        offset: u64,
-        data_len: usize,
-        compact: bool,
-        prev_crc: u32,
-    ) -> Loc {
-        debug_assert!(data_len <= crate::record::MAX_PAYLOAD);
-        Loc {
-            term,
-            seq,
-            offset,
-            data: data_len as u32 | if compact { COMPACT } else { 0 },
-            prev_crc,
-        }
-    }
-    /// Whether the record is a next entry record.
-    pub(crate) fn compact(&self) -> bool {
-        self.data & COMPACT != 0
-    }
     /// Offset just past the record.
     pub(crate) fn end(&self) -> u64 {
-        let payload = crate::record::entry_payload_len(self.data_len() as usize, self.compact());
-        self.offset + crate::record::record_len(payload) as u64
+        self.offset + crate::record::record_len(self.len as usize) as u64
     }
     /// Bytes of entry data.
     pub(crate) fn data_len(&self) -> u64 {
-        u64::from(self.data & !COMPACT)
+        u64::from(self.len) - crate::record::ENTRY_PREFIX as u64
     }
 }
 
@@ -92,13 +65,7 @@ impl LogIndex {
     /// Records entry `index` at `loc`: an index at or below the last replaces that suffix;
     /// an index below the first held restarts the log there. Refuses a gap after the last
     /// (returns the last index).
-    #[inline(always)]
     pub(crate) fn push(&mut self, index: u64, loc: Loc) -> Result<(), u64> {
-        if index == self.last() + 1 {
-            // The common case, an entry after the last: nothing to truncate.
-            self.locs.push_back(loc);
-            return Ok(());
-        }
         if index > self.last() + 1 {
             return Err(self.last());
         }

@@ -24,7 +24,7 @@
 //!
 //! ```text
 //! 0   8  magic b"KEELWAL\0"
-//! 8   4  format version (u32) = 3 (2 is still read: no next entry records)
+//! 8   4  format version (u32) = 2
 //! 12  4  zero
 //! 16  8  seq (u64)
 //! 24  4  zero
@@ -53,17 +53,7 @@
 //! 3 hard state  term | vote | commit
 //! 4 snapshot    index | term
 //! 5 metadata    cluster_id | member_id
-//! 6 next entry  data...  (index = the previous record's index + 1, term = its term)
 //! ```
-//!
-//! A next entry record (version 3 on) saves an entry's 16 bytes of index and term: it may
-//! only directly follow an entry or next entry record of the same segment, and the writer
-//! uses it for each entry that directly follows an entry of its own term at the index
-//! before (within one append or across appends); any other entry is a full entry record.
-//! A next entry record anywhere else (after a seed or state record, or in a version-2
-//! segment) is a [`WalError::Corrupt`] naming the file and offset, never a torn write. A
-//! version-2 segment that is the last one at open is appended to in its own format; new
-//! segments are version 3.
 //!
 //! Every segment's records start with a seed record, whose own crc is seeded with the
 //! segment header's crc (bytes 28..32, which cover the sequence number) and whose payload
@@ -109,6 +99,6 @@ pub use error::WalError;
 pub use io::{DIRECT_ALIGN, FileSystem, RealFile, RealFs, WalFile};
 pub use options::WalOptions;
 pub use record::{Entry, HardState, MAX_PAYLOAD, Metadata, SnapshotMarker};
-pub use segment::{FORMAT_VERSION, OLDEST_VERSION, SEGMENT_HEADER_LEN};
+pub use segment::{FORMAT_VERSION, SEGMENT_HEADER_LEN};
 pub use stats::WalStats;
 pub use wal::{EntryRef, Wal};

@@ -20,15 +20,6 @@
 //! | 3    | hard state | term, vote, commit                                  |
 //! | 4    | snapshot   | index, term                                         |
 //! | 5    | metadata   | cluster_id, member_id                               |
-//! | 6    | next entry | data (the whole payload)                            |
-//!
-//! A next entry record is an entry whose index is the previous record's index + 1 and whose
-//! term is the previous record's term: it may only directly follow an entry or next entry
-//! record in the same segment (never a seed, state record or segment start), so its index
-//! and term follow from the records before it. The writer uses it for every entry that
-//! follows an entry of the same term at the index before it; any other entry (the first
-//! after a state record or in a segment, a term change, an entry replacing a suffix) is a
-//! full entry record. Segments of format version 2 hold no next entry records.
 //!
 //! Type 0 does not exist: a header of zeros is the end of the written part of a segment.
 //! Every write of records ends with such a header (8 zero bytes, overwritten by the next
@@ -95,7 +86,6 @@ pub(crate) enum RecordType {
     HardState = 3,
     Snapshot = 4,
     Metadata = 5,
-    NextEntry = 6,
 }
 
 impl RecordType {
@@ -106,7 +96,6 @@ impl RecordType {
             3 => RecordType::HardState,
             4 => RecordType::Snapshot,
             5 => RecordType::Metadata,
-            6 => RecordType::NextEntry,
             _ => return None,
         })
     }
@@ -118,7 +107,6 @@ impl RecordType {
             RecordType::Entry => len >= ENTRY_PREFIX,
             RecordType::HardState => len == 24,
             RecordType::Snapshot | RecordType::Metadata => len == 16,
-            RecordType::NextEntry => true,
         }
     }
 }
@@ -224,12 +212,7 @@ pub(crate) enum Record<'a> {
         index: u64,
         term: u64,
         data: &'a [u8],
-        /// Written as a next entry record (index and term from the entry before).
-        compact: bool,
     },
-    /// A next entry record: its index and term follow from the entry before it, which the
-    /// segment reader knows (it hands out the resolved [`Record::Entry`] instead).
-    NextEntry,
     HardState(HardState),
     Snapshot(SnapshotMarker),
     Metadata(Metadata),
@@ -247,9 +230,7 @@ impl<'a> Record<'a> {
                 index: u64_at(p, 0),
                 term: u64_at(p, 8),
                 data: &p[ENTRY_PREFIX..],
-                compact: false,
             },
-            RecordType::NextEntry => Record::NextEntry,
             RecordType::HardState => Record::HardState(HardState {
                 term: u64_at(p, 0),
                 vote: u64_at(p, 8),
@@ -267,36 +248,14 @@ impl<'a> Record<'a> {
     }
 }
 
-/// Bytes of an entry's record before its data: header and index/term prefix for a full
-/// entry record, the header alone for a next entry record.
-pub(crate) const fn entry_head_len(compact: bool) -> usize {
-    if compact {
-        HEADER_LEN
-    } else {
-        HEADER_LEN + ENTRY_PREFIX
-    }
-}
-
-/// Payload length of an entry's record.
-pub(crate) const fn entry_payload_len(data_len: usize, compact: bool) -> usize {
-    entry_head_len(compact) - HEADER_LEN + data_len
-}
-
-/// Encoders for each record kind; each returns the new chain crc. `compact` writes the entry
-/// as a next entry record (the caller checked it follows an entry of the same term at the
-/// index before).
-pub(crate) fn encode_entry(buf: &mut Vec<u8>, e: &Entry, compact: bool, prev: u32) -> u32 {
+/// Encoders for each record kind; each returns the new chain crc.
+pub(crate) fn encode_entry(buf: &mut Vec<u8>, e: &Entry, prev: u32) -> u32 {
     // `encode` for an entry, without its general parts: header and prefix framed in one
     // piece, then the data, the padding from zeros, and one crc pass over word and payload.
-    let len = entry_payload_len(e.data.len(), compact);
-    let head = entry_frame(e, compact);
+    let len = ENTRY_PREFIX + e.data.len();
+    let head = entry_frame(e);
     let start = buf.len();
-    // Two fixed-length copies rather than one of a variable length (a call to memcpy).
-    if compact {
-        buf.extend_from_slice(&head[..HEADER_LEN]);
-    } else {
-        buf.extend_from_slice(&head);
-    }
+    buf.extend_from_slice(&head);
     buf.extend_from_slice(&e.data);
     let mut h = crc32fast::Hasher::new_with_initial(prev);
     h.update(&buf[start + 4..]);
@@ -306,37 +265,24 @@ pub(crate) fn encode_entry(buf: &mut Vec<u8>, e: &Entry, compact: bool, prev: u3
     crc
 }
 
-/// The header (crc left zero) and prefix of an entry record: the bytes before its data, the
-/// first [`entry_head_len`] of the array (a next entry record has no prefix).
-fn entry_frame(e: &Entry, compact: bool) -> [u8; HEADER_LEN + ENTRY_PREFIX] {
-    let len = entry_payload_len(e.data.len(), compact);
+/// The header (crc left zero) and prefix of an entry record: the bytes before its data.
+fn entry_frame(e: &Entry) -> [u8; HEADER_LEN + ENTRY_PREFIX] {
+    let len = ENTRY_PREFIX + e.data.len();
     debug_assert!(len <= MAX_PAYLOAD);
-    let ty = if compact {
-        RecordType::NextEntry
-    } else {
-        RecordType::Entry
-    };
-    let word = ((ty as u32) << 24) | len as u32;
+    let word = ((RecordType::Entry as u32) << 24) | len as u32;
     let mut h = [0u8; HEADER_LEN + ENTRY_PREFIX];
     h[4..8].copy_from_slice(&word.to_le_bytes());
-    if !compact {
-        h[8..16].copy_from_slice(&e.index.to_le_bytes());
-        h[16..24].copy_from_slice(&e.term.to_le_bytes());
-    }
+    h[8..16].copy_from_slice(&e.index.to_le_bytes());
+    h[16..24].copy_from_slice(&e.term.to_le_bytes());
     h
 }
 
-/// The bytes of an entry record before its data (the first [`entry_head_len`] of the
-/// array) and its crc, chained from `prev`: for writing the data straight from the entry's
-/// own buffer.
-pub(crate) fn entry_head(
-    e: &Entry,
-    compact: bool,
-    prev: u32,
-) -> ([u8; HEADER_LEN + ENTRY_PREFIX], u32) {
-    let mut h = entry_frame(e, compact);
+/// The header and prefix of an entry record (the bytes before its data) and its crc,
+/// chained from `prev`: for writing the data straight from the entry's own buffer.
+pub(crate) fn entry_head(e: &Entry, prev: u32) -> ([u8; HEADER_LEN + ENTRY_PREFIX], u32) {
+    let mut h = entry_frame(e);
     let mut c = crc32fast::Hasher::new_with_initial(prev);
-    c.update(&h[4..entry_head_len(compact)]);
+    c.update(&h[4..]);
     c.update(&e.data);
     let crc = c.finalize();
     h[..4].copy_from_slice(&crc.to_le_bytes());
@@ -373,59 +319,4 @@ pub(crate) fn encode_metadata(buf: &mut Vec<u8>, m: &Metadata, prev: u32) -> u32
     p[..8].copy_from_slice(&m.cluster_id.to_le_bytes());
     p[8..].copy_from_slice(&m.member_id.to_le_bytes());
     encode(buf, RecordType::Metadata, &[&p], prev)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn entry() -> Entry {
-        Entry {
-            index: 9,
-            term: 4,
-            data: b"abcdefghijk".to_vec(),
-        }
-    }
-
-    #[test]
-    fn entry_records_full_and_next() {
-        let e = entry();
-        for compact in [false, true] {
-            let mut buf = Vec::new();
-            let crc = encode_entry(&mut buf, &e, compact, 77);
-            let plen = entry_payload_len(e.data.len(), compact);
-            assert_eq!(plen, if compact { 11 } else { 27 });
-            assert_eq!(buf.len(), record_len(plen));
-            let h = Header::parse(&buf);
-            let ty = if compact {
-                RecordType::NextEntry
-            } else {
-                RecordType::Entry
-            };
-            assert_eq!(h.checked_type(), Ok(ty));
-            assert_eq!(h.payload_len(), plen);
-            assert_eq!(h.crc, crc);
-            assert!(h.verify(77, &buf[4..HEADER_LEN + plen]));
-            assert!(!h.verify(78, &buf[4..HEADER_LEN + plen]));
-            assert!(buf[HEADER_LEN + plen..].iter().all(|&b| b == 0));
-            let payload = &buf[HEADER_LEN..HEADER_LEN + plen];
-            match Record::decode(ty, payload) {
-                Record::Entry {
-                    index,
-                    term,
-                    data,
-                    compact: false,
-                } => assert_eq!((index, term, data), (9, 4, &e.data[..])),
-                Record::NextEntry => assert_eq!(payload, &e.data[..]),
-                other => panic!("{other:?}"),
-            }
-            // The head for writing from the entry's own buffer frames the same bytes.
-            let (head, hcrc) = entry_head(&e, compact, 77);
-            assert_eq!(hcrc, crc);
-            assert_eq!(
-                head[..entry_head_len(compact)],
-                buf[..entry_head_len(compact)]
-            );
-        }
-    }
 }

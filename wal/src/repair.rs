@@ -4,10 +4,7 @@
 //! A copy of the damaged segment is kept as `<name>.broken` (numbered `.broken.N` if that
 //! exists) before anything is changed; then the bytes from the first bad record to the end
 //! of the file are zeroed (keeping the file's allocation), and the file and directory are
-//! synced. Strict mode never gets here: open reports the damage instead. Nor does a whole
-//! record that cannot be where it is (a next entry record with no entry record before it,
-//! or in a version-2 segment): its checksum holds, so no torn write explains it, and open
-//! reports it as corruption.
+//! synced. Strict mode never gets here: open reports the damage instead.
 
 use std::io;
 use std::path::{Path, PathBuf};

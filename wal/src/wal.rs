@@ -52,8 +52,8 @@ use crate::record::{
 };
 use crate::repair;
 use crate::segment::{
-    self, COMPACT_VERSION, FORMAT_VERSION, Free, HeaderError, Prepared, SEGMENT_HEADER_LEN, Writes,
-    parse_free_name, parse_segment_name,
+    self, FORMAT_VERSION, Free, HeaderError, Prepared, SEGMENT_HEADER_LEN, Writes, parse_free_name,
+    parse_segment_name,
 };
 use crate::stats::WalStats;
 
@@ -196,10 +196,6 @@ struct LastSegment {
     end: u64,
     /// Whether its seed record was found.
     seeded: bool,
-    /// Its format version.
-    version: u32,
-    /// `(index, term)` of its last record if that is an entry.
-    last_entry: Option<(u64, u64)>,
 }
 
 /// State rebuilt by scanning the segments at open.
@@ -313,9 +309,9 @@ impl Wal {
             let mut h = [0u8; SEGMENT_HEADER_LEN as usize];
             let got =
                 read_full_at(&*file, &mut h, 0).map_err(|e| WalError::io("read", &path, e))?;
-            let version = match segment::decode_header(&h[..got]) {
-                Ok((s, v)) if s == seq => v,
-                Ok((s, _)) => {
+            match segment::decode_header(&h[..got]) {
+                Ok(s) if s == seq => {}
+                Ok(s) => {
                     return Err(corrupt(
                         &path,
                         0,
@@ -344,7 +340,7 @@ impl Wal {
                     }
                     break;
                 }
-            };
+            }
             let len = file.len().map_err(|e| WalError::io("stat", &path, e))?;
             let mut reader = SegmentReader::with_buffer(
                 &*file,
@@ -353,13 +349,12 @@ impl Wal {
                 options.read_buffer,
                 std::mem::take(&mut scratch),
             );
-            reader.allow_compact(version >= COMPACT_VERSION);
             let mut seeded = false;
             let end = loop {
                 let prev = if seeded {
                     st.crc
                 } else {
-                    segment::chain_seed(seq, version)
+                    segment::chain_seed(seq)
                 };
                 let next = reader
                     .next(prev)
@@ -416,18 +411,14 @@ impl Wal {
                             Record::Seed { .. } => {
                                 return Err(corrupt(&path, offset, "seed record inside a segment"));
                             }
-                            Record::NextEntry => {
-                                // The reader resolves these into entries (or reports them
-                                // misplaced).
-                                return Err(corrupt(&path, offset, "unresolved next entry record"));
-                            }
-                            Record::Entry {
-                                index,
-                                term,
-                                data,
-                                compact,
-                            } => {
-                                let loc = Loc::new(term, seq, offset, data.len(), compact, prev);
+                            Record::Entry { index, term, data } => {
+                                let loc = Loc {
+                                    term,
+                                    seq,
+                                    offset,
+                                    len: (ENTRY_PREFIX + data.len()) as u32,
+                                    prev_crc: prev,
+                                };
                                 if let Err(last) = st.index.push(index, loc) {
                                     return Err(corrupt(
                                         &path,
@@ -445,10 +436,6 @@ impl Wal {
                         }
                     }
                     Next::End { offset } => break offset,
-                    Next::Misplaced { offset, reason } => {
-                        // Whole (its checksum holds), so no torn write: always an error.
-                        return Err(corrupt(&path, offset, reason));
-                    }
                     Next::Bad { offset, reason } => {
                         if !is_last || options.strict {
                             return Err(corrupt(&path, offset, reason));
@@ -461,7 +448,6 @@ impl Wal {
                     }
                 }
             };
-            let last_entry = reader.prev_entry();
             scratch = reader.into_buffer();
             if !seeded && i == 0 {
                 st.index = LogIndex::new(first);
@@ -479,8 +465,6 @@ impl Wal {
                 file,
                 end,
                 seeded,
-                version,
-                last_entry,
             });
         }
 
@@ -492,8 +476,6 @@ impl Wal {
                 file,
                 end,
                 seeded,
-                version,
-                last_entry,
             }) => {
                 let flen = file.len().map_err(|e| WalError::io("stat", &path, e))?;
                 let direct = direct_handle(&*fs, &options, &path);
@@ -505,8 +487,6 @@ impl Wal {
                     end,
                     crc: st.crc,
                     size: flen.max(size),
-                    version,
-                    last_entry,
                 };
                 (SegmentWriter::new(start), seeded)
             }
@@ -542,8 +522,6 @@ impl Wal {
                     end: SEGMENT_HEADER_LEN,
                     crc: 0,
                     size,
-                    version: FORMAT_VERSION,
-                    last_entry: None,
                 };
                 (SegmentWriter::new(start), false)
             }
@@ -772,8 +750,6 @@ impl Wal {
             end: SEGMENT_HEADER_LEN,
             crc: 0,
             size: self.options.segment_size,
-            version: FORMAT_VERSION,
-            last_entry: None,
         });
         g.writer.seed(prev, first);
         write_state(g);
@@ -840,18 +816,16 @@ impl Wal {
                     return Err(err);
                 }
                 g.stats.direct_writes += 1;
-                for (e, (offset, prev_crc, compact)) in entries.iter().zip(locs) {
+                for (e, (offset, prev_crc)) in entries.iter().zip(locs) {
                     // Checked above: consecutive and not past last + 1.
-                    let loc = Loc::new(e.term, seq, offset, e.data.len(), compact, prev_crc);
-                    let _ = g.index.push(e.index, loc);
+                    let _ = g.index.push(e.index, entry_loc(e, seq, offset, prev_crc));
                 }
             } else {
                 g.writer.reserve(bytes as usize);
                 for e in entries {
-                    let (offset, prev_crc, compact) = g.writer.entry(e);
+                    let (offset, prev_crc) = g.writer.entry(e);
                     // Checked above: consecutive and not past last + 1.
-                    let loc = Loc::new(e.term, seq, offset, e.data.len(), compact, prev_crc);
-                    let _ = g.index.push(e.index, loc);
+                    let _ = g.index.push(e.index, entry_loc(e, seq, offset, prev_crc));
                 }
                 if let Some(hs) = hs {
                     g.writer.hard_state(hs);
@@ -1326,10 +1300,6 @@ impl Wal {
             let to = run[run.len() - 1].end();
             let chunk = ((to - from) as usize).min(self.options.read_buffer);
             let mut reader = SegmentReader::new(&**file, from, to, chunk);
-            // A next entry record at the run's start follows the entry before it, of its
-            // own term (as replay at open checked).
-            let index0 = lo + start as u64;
-            reader.set_prev_entry(index0.checked_sub(1).map(|i| (i, run[0].term)));
             let mut prev = run[0].prev_crc;
             let mut want = 0usize;
             while want < run.len() {
@@ -1353,9 +1323,7 @@ impl Wal {
                                 index: x,
                                 term,
                                 data,
-                                compact,
                             } if offset == run[want].offset
-                                && compact == run[want].compact()
                                 && x == index
                                 && term == run[want].term =>
                             {
@@ -1379,9 +1347,7 @@ impl Wal {
                     Next::End { offset } => {
                         return Err(corrupt(path, offset, "record expected, found zeros"));
                     }
-                    Next::Bad { offset, reason } | Next::Misplaced { offset, reason } => {
-                        return Err(corrupt(path, offset, reason));
-                    }
+                    Next::Bad { offset, reason } => return Err(corrupt(path, offset, reason)),
                 }
             }
         }
@@ -1513,6 +1479,18 @@ fn check_poison(g: &Inner) -> Result<(), WalError> {
     }
 }
 
+/// Where entry `e`'s record, written at `offset` of segment `seq` after a record whose crc is
+/// `prev_crc`, is.
+fn entry_loc(e: &Entry, seq: u64, offset: u64, prev_crc: u32) -> Loc {
+    Loc {
+        term: e.term,
+        seq,
+        offset,
+        len: (ENTRY_PREFIX + e.data.len()) as u32,
+        prev_crc,
+    }
+}
+
 /// The active segment's handle for direct writes, when they are on and the file system
 /// takes them.
 fn direct_handle(
@@ -1574,9 +1552,7 @@ fn adopt(fs: &dyn FileSystem, path: &Path, seq: u64, size: u64) -> Option<Prepar
         return None;
     }
     let mut h = [0u8; SEGMENT_HEADER_LEN as usize];
-    if read_full_at(&*file, &mut h, 0).ok()? != h.len()
-        || segment::decode_header(&h) != Ok((seq, FORMAT_VERSION))
-    {
+    if read_full_at(&*file, &mut h, 0).ok()? != h.len() || segment::decode_header(&h) != Ok(seq) {
         return None;
     }
     // No record may follow the header yet: an end marker (zeros) must.

@@ -1,7 +1,6 @@
 //! Integration tests of keel-wal, one module per theme.
 
 mod basic;
-mod compact;
 mod corruption;
 mod crash;
 mod direct;

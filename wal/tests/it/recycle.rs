@@ -13,9 +13,8 @@ use keel_wal::{Entry, Wal, WalError, WalOptions};
 
 use crate::util::{FaultFs, entries, files, segments, small};
 
-/// Fixed-size entries of one term (200 bytes of data: a segment's first is a 224-byte entry
-/// record, the rest 208-byte next entry records), so record boundaries fall at the same
-/// offsets in every segment.
+/// Fixed-size entries (200 bytes of data: 224-byte records), so record boundaries fall at
+/// the same offsets in every segment.
 fn fixed(lo: u64, hi: u64) -> Vec<Entry> {
     (lo..hi)
         .map(|i| Entry {
@@ -28,7 +27,7 @@ fn fixed(lo: u64, hi: u64) -> Vec<Entry> {
 
 /// Offset just past `n` entries of [`fixed`] size after a segment's header and seed record.
 fn end_after(n: u64) -> u64 {
-    32 + 24 + if n == 0 { 0 } else { 224 + (n - 1) * 208 }
+    32 + 24 + n * 224
 }
 
 /// Appends [`fixed`] entries from `next` one at a time until the active segment, which holds
@@ -167,8 +166,8 @@ fn records_of_a_recycled_files_earlier_life_are_never_returned() {
     let word = u32::from_le_bytes(old[end + 4..end + 8].try_into().unwrap());
     assert_eq!(
         word >> 24,
-        6,
-        "an old next entry record starts at the end offset"
+        2,
+        "an old entry record starts at the end offset"
     );
 
     // Intact: a clean reopen serves exactly the new entries and repairs nothing.
