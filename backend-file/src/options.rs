@@ -2,7 +2,6 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::Duration;
 
 use keel_mvcc::BackendError;
 
@@ -63,15 +62,6 @@ pub struct FileOptions {
     /// of which waits for a CPU on a busy machine, and no kernel worker in the commit's path;
     /// large frames are not written twice).
     pub prepare_with: PrepareWith,
-    /// While a durable commit waits for its `fdatasync`, the committing thread asks the
-    /// Linux scheduler for a time slice this short (Linux 6.12 and later; older kernels
-    /// ignore it), and gets its own back when the sync returns: when the disk answers, the
-    /// commit takes a CPU from a busy thread (a long scan) at once instead of waiting behind
-    /// it for a default slice, 1.4 ms on two CPUs (see [`keel_mvcc::slice`]). A
-    /// committer already running with a slice as short is left as it is. Zero leaves the
-    /// thread's scheduling alone. Default: 100 µs, the least the kernel takes. Range: zero, or
-    /// 100 µs to 100 ms.
-    pub commit_sync_slice: Duration,
     /// Fault injection for tests: every write and sync of the store goes through this hook.
     /// Default: none.
     pub fault_hook: Option<Arc<dyn FaultHook>>,
@@ -87,7 +77,6 @@ impl Default for FileOptions {
             reclaim_step_bytes: 2 << 20,
             prepare_ahead: true,
             prepare_with: PrepareWith::Auto,
-            commit_sync_slice: Duration::from_micros(100),
             fault_hook: None,
         }
     }
@@ -103,7 +92,6 @@ impl fmt::Debug for FileOptions {
             .field("reclaim_step_bytes", &self.reclaim_step_bytes)
             .field("prepare_ahead", &self.prepare_ahead)
             .field("prepare_with", &self.prepare_with)
-            .field("commit_sync_slice", &self.commit_sync_slice)
             .field("fault_hook", &self.fault_hook.is_some())
             .finish()
     }
@@ -122,15 +110,6 @@ impl FileOptions {
             return Err(BackendError::InvalidOption(format!(
                 "reclaim_garbage_ratio {} is outside 0.05..=100",
                 self.reclaim_garbage_ratio
-            )));
-        }
-        if !self.commit_sync_slice.is_zero()
-            && !(Duration::from_micros(100)..=Duration::from_millis(100))
-                .contains(&self.commit_sync_slice)
-        {
-            return Err(BackendError::InvalidOption(format!(
-                "commit_sync_slice {:?} is neither zero nor within 100 µs..=100 ms",
-                self.commit_sync_slice
             )));
         }
         if self.reclaim_step_bytes < 4096 {

@@ -408,13 +408,7 @@ impl Inner {
             };
             direct_done
                 .and_then(|()| self.io.write_at(&w.active.file, path, start, &w.buf))
-                .and_then(|()| {
-                    // The commit's callers all wait for this sync: it asks for a CPU as
-                    // soon as the disk answers (see `keel_mvcc::slice`).
-                    keel_mvcc::slice::with_short_slice(self.options.commit_sync_slice, || {
-                        self.io.sync_data(&w.active.file, path)
-                    })
-                })
+                .and_then(|()| self.io.sync_data(&w.active.file, path))
         } else {
             let written = self.write_unsynced(w, start, fast);
             w.puts = None;

@@ -27,7 +27,6 @@ mod read;
 mod rebuild;
 mod request;
 pub mod revision;
-pub mod slice;
 mod store;
 mod txn;
 mod watch;

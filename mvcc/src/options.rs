@@ -43,16 +43,6 @@ pub struct StoreOptions {
     /// with nobody else waiting for the CPU returns at once. Off, long reads never yield.
     /// Default: true.
     pub yield_reads_to_writers: bool,
-    /// While a backend commit that `force_commit` callers wait for runs, the committing
-    /// thread asks the Linux scheduler for a time slice this short (Linux 6.12 and later;
-    /// elsewhere nothing changes), and so does each such caller while it waits; each gets
-    /// its own slice back when the commit or the wait returns (a background commit nobody
-    /// waits for keeps the thread's own). When the disk answers one of the commit's syncs,
-    /// the commit takes a CPU from a busy thread (a long scan) at once instead of waiting
-    /// behind it for a default slice, 1.4 ms on two CPUs, and so does each caller the
-    /// commit's end wakes. Zero leaves the threads' scheduling alone. Default: 100 µs, the least the kernel takes. Range: zero, or
-    /// 100 µs to 100 ms.
-    pub commit_slice: Duration,
 }
 
 impl Default for StoreOptions {
@@ -68,7 +58,6 @@ impl Default for StoreOptions {
             watch_sync_interval: Duration::from_millis(100),
             watch_sync_batch: 1_000,
             yield_reads_to_writers: true,
-            commit_slice: Duration::from_micros(100),
         }
     }
 }
@@ -105,12 +94,6 @@ impl StoreOptions {
         }
         if self.watch_sync_batch == 0 {
             return bad("watch_sync_batch", "must be at least 1");
-        }
-        if !self.commit_slice.is_zero()
-            && !(Duration::from_micros(100)..=Duration::from_millis(100))
-                .contains(&self.commit_slice)
-        {
-            return bad("commit_slice", "must be zero or within 100 µs..=100 ms");
         }
         Ok(())
     }

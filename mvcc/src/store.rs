@@ -607,7 +607,7 @@ impl<B: Backend> Inner<B> {
                 guard: Some(guard),
                 ended: &self.commits_ended,
             };
-            return self.commit_locked(needed, true);
+            return self.commit_locked(needed);
         }
         if self.buffers_wanted.fetch_max(needed, Ordering::AcqRel) < needed
             && !self.commit_requested.swap(true, Ordering::AcqRel)
@@ -620,22 +620,18 @@ impl<B: Backend> Inner<B> {
         self.durable_waits
             .lock()
             .push((needed, std::thread::current()));
-        // Woken by a commit's end, the caller takes a CPU at once (see `slice`), wakes the
-        // next callers made durable, and has its own slice back when it returns.
-        crate::slice::with_short_slice(self.options.commit_slice, || {
-            while self.buffers_durable.load(Ordering::Acquire) < needed {
-                if let Err(e) = self.check_poisoned() {
-                    let me = std::thread::current().id();
-                    self.durable_waits.lock().retain(|(_, t)| t.id() != me);
-                    return Err(e);
-                }
-                std::thread::park();
+        while self.buffers_durable.load(Ordering::Acquire) < needed {
+            if let Err(e) = self.check_poisoned() {
+                let me = std::thread::current().id();
+                self.durable_waits.lock().retain(|(_, t)| t.id() != me);
+                return Err(e);
             }
-            // Leaves the list, and wakes the next callers made durable (see `wake_durable`).
-            let me = std::thread::current().id();
-            self.wake_durable_from(self.buffers_durable.load(Ordering::Acquire), Some(me));
-            Ok(())
-        })
+            std::thread::park();
+        }
+        // Leaves the list, and wakes the next callers made durable (see `wake_durable`).
+        let me = std::thread::current().id();
+        self.wake_durable_from(self.buffers_durable.load(Ordering::Acquire), Some(me));
+        Ok(())
     }
 
     /// Wakes the `force_commit` callers waiting for buffer `taken` or an older one, or all of
@@ -715,7 +711,7 @@ impl<B: Backend> Inner<B> {
                     guard: Some(guard),
                     ended: &self.commits_ended,
                 };
-                return self.commit_locked(needed, false);
+                return self.commit_locked(needed);
             }
             let mut count = self.commits_ended.0.lock();
             while *count == ended {
@@ -724,9 +720,8 @@ impl<B: Backend> Inner<B> {
         }
     }
 
-    /// [`commit_pending`](Inner::commit_pending) with the commit lock held; `waited_on`: the
-    /// calling thread commits for a `force_commit` of its own.
-    fn commit_locked(&self, needed: u64, waited_on: bool) -> Result<(), MvccError> {
+    /// [`commit_pending`](Inner::commit_pending) with the commit lock held.
+    fn commit_locked(&self, needed: u64) -> Result<(), MvccError> {
         self.check_poisoned()?;
         if self.buffers_durable.load(Ordering::Acquire) >= needed {
             return Ok(());
@@ -747,17 +742,7 @@ impl<B: Backend> Inner<B> {
             st.committing = Some(p.clone());
             (p, self.buffers_taken.fetch_add(1, Ordering::AcqRel) + 1)
         };
-        // Callers waiting for this buffer wait on the commit's syncs: the commit asks for a
-        // CPU at once when each ends (see `slice`). A background commit nobody waits for
-        // keeps the thread's own slice: short ones would only cut into the writers' time.
-        let slice = if waited_on || self.durability_wanted() {
-            self.options.commit_slice
-        } else {
-            std::time::Duration::ZERO
-        };
-        let committed = crate::slice::with_short_slice(slice, || {
-            self.backend.commit_from(&*pending.changes.read())
-        });
+        let committed = self.backend.commit_from(&*pending.changes.read());
         match committed {
             Ok(()) => {
                 self.state.lock().committing = None;
