@@ -38,9 +38,10 @@ pub struct StoreOptions {
     /// with more watchers than this reads as many revisions as it has watchers. Default: 1 000.
     pub watch_sync_batch: usize,
     /// Long reads (ranges, watch catch-up) give their CPU up between chunks of 64 keys while
-    /// a write transaction waits for the writer mutex or holds it, so that on a machine with
-    /// fewer cores than busy threads a scan does not keep a core the writers need; a yield
-    /// with nobody else waiting for the CPU returns at once. Off, long reads never yield.
+    /// a write transaction waits for the writer mutex or holds it, or while callers of
+    /// `force_commit` wait for a commit, so that on a machine with fewer cores than busy
+    /// threads a scan does not keep a core the writers and the committer need; a yield with
+    /// nobody else waiting for the CPU returns at once. Off, long reads never yield.
     /// Default: true.
     pub yield_reads_to_writers: bool,
 }

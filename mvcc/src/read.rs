@@ -18,11 +18,13 @@
 //!
 //! A long read gives way to writers: between chunks (of the key index, and every
 //! [`INDEX_CHUNK`](crate::store::INDEX_CHUNK) records read from the backend) it yields its CPU
-//! while a write transaction is waiting for the writer mutex or holds it. On a machine with
-//! fewer cores than busy threads, a back-to-back scan otherwise keeps a core that writers
-//! waiting to run need: each handoff of the writer mutex waits for the next writer to get a
-//! CPU, and the writers queue behind one another. A yield with nobody else waiting for this
-//! CPU returns at once. [`StoreOptions::yield_reads_to_writers`](crate::StoreOptions) turns
+//! while a write transaction is waiting for the writer mutex or holds it, or while callers of
+//! `force_commit` wait for a commit. On a machine with fewer cores than busy threads, a
+//! back-to-back scan otherwise keeps a core that writers waiting to run need: each handoff
+//! of the writer mutex waits for the next writer to get a CPU, and the writers queue behind
+//! one another; the end of each commit wakes the committer and the callers it made durable
+//! at once, and the ones that wait for a CPU miss the next commit. A yield with nobody else
+//! waiting for this CPU returns at once. [`StoreOptions::yield_reads_to_writers`](crate::StoreOptions) turns
 //! this off.
 
 use std::cell::RefCell;
@@ -404,13 +406,16 @@ fn sort_misses(misses: &mut Vec<(Revision, usize)>) {
     *misses = src;
 }
 
-/// Lets waiting write transactions run: a long read calls this between chunks, and gives the
-/// CPU up when a writer is waiting for the writer mutex or holds it (unless
+/// Lets waiting writes run: a long read calls this between chunks, and gives the CPU up when
+/// a writer is waiting for the writer mutex or holds it, or when callers of
+/// [`Store::force_commit`](crate::Store::force_commit) wait for a commit (each commit's end
+/// wakes the committer and those callers at once, and their next writes follow), unless
 /// [`StoreOptions::yield_reads_to_writers`](crate::StoreOptions::yield_reads_to_writers) is
-/// off).
+/// off.
 pub(crate) fn yield_to_writers<B: Backend>(inner: &Inner<B>) {
     if inner.options.yield_reads_to_writers
-        && inner.writers.load(std::sync::atomic::Ordering::Relaxed) > 0
+        && (inner.writers.load(std::sync::atomic::Ordering::Relaxed) > 0
+            || inner.durability_wanted())
     {
         std::thread::yield_now();
     }

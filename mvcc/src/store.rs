@@ -685,7 +685,7 @@ impl<B: Backend> Inner<B> {
     }
 
     /// `force_commit` callers wait for a buffer not yet durable.
-    fn durability_wanted(&self) -> bool {
+    pub(crate) fn durability_wanted(&self) -> bool {
         self.buffers_wanted.load(Ordering::Acquire) > self.buffers_durable.load(Ordering::Acquire)
     }
 
