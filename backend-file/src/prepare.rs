@@ -25,8 +25,9 @@
 //! past `zeroed`, and only it advances `zeroed` while it works; the writer's fast path writes
 //! below `zeroed`, and its slow path keeps the preparer from starting a step until the frame
 //! is written. When the step in progress writes zeros, the slow path first waits for it to
-//! end; an allocation never changes bytes already written, so behind one it does not wait. If the file system turns allocation down, the step fails (preparation of
-//! that segment stops) and later segments are prepared with zeros.
+//! end; an allocation never changes bytes already written, so behind one it does not wait.
+//! If the file system turns allocation down, the step fails (preparation of that segment
+//! stops) and later segments are prepared with zeros.
 
 use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
@@ -91,10 +92,8 @@ struct State {
     want: u64,
     /// How far ahead the writer last asked for space.
     ahead: u64,
-    /// The preparer is preparing space at `zeroed`.
-    busy: bool,
-    /// ... by writing zeros.
-    busy_zeros: bool,
+    /// The preparer is preparing space at `zeroed`, this way (zeros or allocation).
+    busy: Option<PrepareWith>,
     /// Length of the writer's last frame.
     frame: u64,
     /// The writer is appending past `zeroed`.
@@ -168,7 +167,7 @@ impl Preparer {
             let mut s = self.state.lock();
             s.stop = true;
             self.cv.notify_all();
-            while s.busy || s.next_busy {
+            while s.busy.is_some() || s.next_busy {
                 self.cv.wait(&mut s);
             }
             s.next.take()
@@ -201,7 +200,7 @@ impl Preparer {
         let mut work = false;
         if want > s.want {
             s.want = want;
-            work = want > s.zeroed && !s.busy;
+            work = want > s.zeroed && s.busy.is_none();
         }
         if end + ahead >= self.segment_size
             && let Some(t) = &s.active
@@ -219,7 +218,7 @@ impl Preparer {
             return true;
         }
         // Zeros being written past `zeroed` must not land on the frame.
-        while s.busy && s.busy_zeros {
+        while s.busy == Some(PrepareWith::Zeros) {
             self.cv.wait(&mut s);
         }
         // No step starts until the frame is written.
@@ -247,7 +246,7 @@ impl Preparer {
         let mut s = self.state.lock();
         self.restoring.store(on, Ordering::Relaxed);
         if on {
-            while s.busy {
+            while s.busy.is_some() {
                 self.cv.wait(&mut s);
             }
         }
@@ -289,7 +288,7 @@ impl Preparer {
     pub(crate) fn trim(&self, end: u64) {
         let (target, next) = {
             let mut s = self.state.lock();
-            while s.busy || s.next_busy {
+            while s.busy.is_some() || s.next_busy {
                 self.cv.wait(&mut s);
             }
             s.next_want = None;
@@ -332,8 +331,7 @@ impl Preparer {
                 to,
                 how,
             };
-            s.busy = true;
-            s.busy_zeros = how == PrepareWith::Zeros;
+            s.busy = Some(how);
             return Some(job);
         }
         if let Some(id) = s.next_want
@@ -374,7 +372,7 @@ impl Preparer {
                 } => {
                     let result = self.zero(&target.file, &target.path, from, to, how);
                     let mut s = self.state.lock();
-                    s.busy = false;
+                    s.busy = None;
                     if s.active.as_ref().is_some_and(|a| a.id == target.id) {
                         match result {
                             Ok(()) => s.zeroed = s.zeroed.max(to),
