@@ -42,7 +42,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
-use criterion::{Criterion, Throughput};
+use criterion::measurement::WallTime;
+use criterion::{BenchmarkGroup, Criterion, Throughput};
 use keel_backend_lmdb::LmdbBackend;
 use keel_benches::{Better, Recorder};
 use keel_mvcc::{Backend, RangeRequest, Store, StoreOptions, StreamItem, WatchRequest};
@@ -394,39 +395,44 @@ fn client_puts<B: Backend>(
     (start.elapsed(), per_client.into_iter().flatten().collect())
 }
 
-/// One criterion sample of a headline comparison: `half(with_reader, n)` runs `n` (half of
-/// `iters`) puts alone and `n` with the reader scanning every key back to back (started
-/// before that half and stopped after it), the two halves in alternating order from one
-/// sample to the next, so both meet the same machine; each returns the time it measured.
-/// Adds the scans finished and the time measured with the reader to `window`. Returns the
-/// two halves' time.
-fn alternate_halves<B: Backend + 'static>(
+/// A headline comparison as one criterion benchmark in `group`: each sample's `half(with_reader,
+/// n)` runs `n` (half of criterion's iterations) puts alone and `n` with the reader scanning
+/// every key back to back (started before that half and stopped after it), the two halves in
+/// alternating order from one sample to the next, so both meet the same machine; each returns
+/// the time it measured. Adds the scans finished and the time measured with the reader to
+/// `window`.
+fn bench_alternating<B: Backend + 'static>(
+    group: &mut BenchmarkGroup<'_, WallTime>,
     s: &Arc<Store<B>>,
     scans: &Arc<AtomicU64>,
-    sample: u64,
-    iters: u64,
     window: &mut (u64, Duration),
     mut half: impl FnMut(bool, u64) -> Duration,
-) -> Duration {
-    let n = (iters / 2).max(1);
-    let first = sample.is_multiple_of(2);
-    let mut total = Duration::ZERO;
-    for with_reader in [first, !first] {
-        let stop = Arc::new(AtomicBool::new(false));
-        let reader = with_reader.then(|| spawn_scanner(s, &stop, scans));
-        let scans_before = scans.load(Ordering::Relaxed);
-        let took = half(with_reader, n);
-        if with_reader {
-            window.0 += scans.load(Ordering::Relaxed) - scans_before;
-            window.1 += took;
-        }
-        stop.store(true, Ordering::Release);
-        if let Some(r) = reader {
-            r.join().expect("reader");
-        }
-        total += took;
-    }
-    total
+) {
+    let mut sample = 0u64;
+    group.bench_function("alone and with a long reader, alternating", |b| {
+        b.iter_custom(|iters| {
+            sample += 1;
+            let n = (iters / 2).max(1);
+            let first = sample.is_multiple_of(2);
+            let mut total = Duration::ZERO;
+            for with_reader in [first, !first] {
+                let stop = Arc::new(AtomicBool::new(false));
+                let reader = with_reader.then(|| spawn_scanner(s, &stop, scans));
+                let scans_before = scans.load(Ordering::Relaxed);
+                let took = half(with_reader, n);
+                if with_reader {
+                    window.0 += scans.load(Ordering::Relaxed) - scans_before;
+                    window.1 += took;
+                }
+                stop.store(true, Ordering::Release);
+                if let Some(r) = reader {
+                    r.join().expect("reader");
+                }
+                total += took;
+            }
+            total
+        })
+    });
 }
 
 /// The headline as etcd measures it: closed-loop clients, each put durable before its
@@ -451,25 +457,12 @@ fn headline_clients_on<B: Backend + 'static>(c: &mut Criterion, label: &str, s: 
     let mut latencies = [Vec::new(), Vec::new()];
     let scans = Arc::new(AtomicU64::new(0));
     let mut window = (0, Duration::ZERO);
-    let mut sample = 0u64;
-    group.bench_function("alone and with a long reader, alternating", |b| {
-        b.iter_custom(|iters| {
-            sample += 1;
-            alternate_halves(
-                s,
-                &scans,
-                sample,
-                iters,
-                &mut window,
-                |with_reader, half| {
-                    let (took, lat) = client_puts(s, half, &next, &value);
-                    let name = if with_reader { &with } else { &alone };
-                    RECORDER.record(name, took, half);
-                    latencies[usize::from(with_reader)].extend(lat);
-                    took
-                },
-            )
-        })
+    bench_alternating(&mut group, s, &scans, &mut window, |with_reader, half| {
+        let (took, lat) = client_puts(s, half, &next, &value);
+        let name = if with_reader { &with } else { &alone };
+        RECORDER.record(name, took, half);
+        latencies[usize::from(with_reader)].extend(lat);
+        took
     });
     group.finish();
     RECORDER.ratio(
@@ -631,40 +624,27 @@ fn headline_on<B: Backend + 'static>(c: &mut Criterion, label: &str, s: &Arc<Sto
     // Every other thread's CPU, summed over each phase's halves.
     let mut threads: [std::collections::BTreeMap<String, u64>; 2] = Default::default();
     let me = std::thread::current().name().map(str::to_owned);
-    let mut sample = 0u64;
-    group.bench_function("alone and with a long reader, alternating", |b| {
-        b.iter_custom(|iters| {
-            sample += 1;
-            alternate_halves(
-                s,
-                &scans,
-                sample,
-                iters,
-                &mut window,
-                |with_reader, half| {
-                    let phase = usize::from(with_reader);
-                    let threads0 = threads_cpu();
-                    let lat = &mut latencies[phase];
-                    let ns0 = thread_ns();
-                    let start = Instant::now();
-                    for _ in 0..half {
-                        let t0 = Instant::now();
-                        s.put(&key(next.wrapping_mul(7919) % keys), &value, 0)
-                            .expect("put");
-                        lat.push(t0.elapsed());
-                        next += 1;
-                    }
-                    let took = start.elapsed();
-                    writer_ns[phase] += thread_ns().saturating_sub(ns0);
-                    for (name, ns) in threads_cpu() {
-                        let used = ns.saturating_sub(threads0.get(&name).copied().unwrap_or(0));
-                        *threads[phase].entry(name).or_insert(0) += used;
-                    }
-                    RECORDER.record(if with_reader { &with } else { &alone }, took, half);
-                    took
-                },
-            )
-        })
+    bench_alternating(&mut group, s, &scans, &mut window, |with_reader, half| {
+        let phase = usize::from(with_reader);
+        let threads0 = threads_cpu();
+        let lat = &mut latencies[phase];
+        let ns0 = thread_ns();
+        let start = Instant::now();
+        for _ in 0..half {
+            let t0 = Instant::now();
+            s.put(&key(next.wrapping_mul(7919) % keys), &value, 0)
+                .expect("put");
+            lat.push(t0.elapsed());
+            next += 1;
+        }
+        let took = start.elapsed();
+        writer_ns[phase] += thread_ns().saturating_sub(ns0);
+        for (name, ns) in threads_cpu() {
+            let used = ns.saturating_sub(threads0.get(&name).copied().unwrap_or(0));
+            *threads[phase].entry(name).or_insert(0) += used;
+        }
+        RECORDER.record(if with_reader { &with } else { &alone }, took, half);
+        took
     });
     group.finish();
     let puts = latencies.each_ref().map(|l| l.len().max(1) as f64);

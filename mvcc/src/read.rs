@@ -24,8 +24,8 @@
 //! of the writer mutex waits for the next writer to get a CPU, and the writers queue behind
 //! one another; the end of each commit wakes the committer and the callers it made durable
 //! at once, and the ones that wait for a CPU miss the next commit. A yield with nobody else
-//! waiting for this CPU returns at once. [`StoreOptions::yield_reads_to_writers`](crate::StoreOptions) turns
-//! this off.
+//! waiting for this CPU returns at once.
+//! [`StoreOptions::yield_reads_to_writers`](crate::StoreOptions) turns this off.
 
 use std::cell::RefCell;
 use std::sync::Arc;
