@@ -22,6 +22,7 @@ mod error;
 mod key_index;
 mod kv;
 mod options;
+mod pace;
 mod pending;
 mod read;
 mod rebuild;

@@ -37,13 +37,19 @@ pub struct StoreOptions {
     /// Revisions one catch-up round reads at least, for every watcher behind at once; a round
     /// with more watchers than this reads as many revisions as it has watchers. Default: 1 000.
     pub watch_sync_batch: usize,
-    /// Long reads (ranges, watch catch-up) give their CPU up between chunks of 64 keys while
-    /// a write transaction waits for the writer mutex or holds it, or while callers of
-    /// `force_commit` wait for a commit, so that on a machine with fewer cores than busy
-    /// threads a scan does not keep a core the writers and the committer need; a yield with
-    /// nobody else waiting for the CPU returns at once. Off, long reads never yield.
-    /// Default: true.
+    /// Long reads (ranges through a view, watch catch-up) give way to writes between chunks
+    /// of 64 keys: they yield their CPU while a write transaction waits for the writer mutex
+    /// or holds it, or while callers of `force_commit` wait for a commit, and they keep to
+    /// [`long_read_cpu_percent`](Self::long_read_cpu_percent) while writes flow. So on a
+    /// machine with fewer cores than busy threads a scan does not take the CPU the writers
+    /// and the committer need. Off, long reads never yield nor sleep. Default: true.
     pub yield_reads_to_writers: bool,
+    /// The most of its elapsed time a long read spends running while writes flow (a write
+    /// transaction began since its last pause or is open, or a backend commit runs), in
+    /// percent: between chunks it sleeps for the rest. 100 never sleeps. A scan beside busy
+    /// writers takes up to 100 / this times as long; it runs at full speed while no writes
+    /// flow. Between 1 and 100. Default: 25.
+    pub long_read_cpu_percent: u32,
 }
 
 impl Default for StoreOptions {
@@ -59,6 +65,7 @@ impl Default for StoreOptions {
             watch_sync_interval: Duration::from_millis(100),
             watch_sync_batch: 1_000,
             yield_reads_to_writers: true,
+            long_read_cpu_percent: 25,
         }
     }
 }
@@ -92,6 +99,9 @@ impl StoreOptions {
         }
         if self.watch_sync_interval.is_zero() {
             return bad("watch_sync_interval", "must be greater than zero");
+        }
+        if !(1..=100).contains(&self.long_read_cpu_percent) {
+            return bad("long_read_cpu_percent", "must be between 1 and 100");
         }
         if self.watch_sync_batch == 0 {
             return bad("watch_sync_batch", "must be at least 1");

@@ -16,19 +16,19 @@
 //! view *pins* its revision while it lives (`Inner::pin_view`), and the compactor does not
 //! delete history of a compaction above the oldest pinned revision until that view is gone.
 //!
-//! A long read gives way to writers: between chunks (of the key index, and every
-//! [`INDEX_CHUNK`](crate::store::INDEX_CHUNK) records read from the backend) it yields its CPU
-//! while a write transaction is waiting for the writer mutex or holds it, or while callers of
-//! `force_commit` wait for a commit. On a machine with fewer cores than busy threads, a
-//! back-to-back scan otherwise keeps a core that writers waiting to run need: each handoff
-//! of the writer mutex waits for the next writer to get a CPU, and the writers queue behind
-//! one another; the end of each commit wakes the committer and the callers it made durable
-//! at once, and the ones that wait for a CPU miss the next commit. A yield with nobody else
-//! waiting for this CPU returns at once.
-//! [`StoreOptions::yield_reads_to_writers`](crate::StoreOptions) turns this off.
+//! A view opens its backend read transaction when it first reads the backend, not when it
+//! opens: any transaction opened after the view took its buffers holds what it needs, for
+//! the same reasons.
+//!
+//! A long read through a view gives way to writes: between chunks (of the key index, and
+//! every [`INDEX_CHUNK`](crate::store::INDEX_CHUNK) records read from the backend) it pauses
+//! as `pace` says, and when it sleeps it first lets go of its backend read transaction and
+//! moves to a fresh one after. A write transaction's own reads hold the writer mutex and
+//! never pause.
 
 use std::cell::RefCell;
 use std::sync::Arc;
+use std::time::Duration;
 
 use parking_lot::Mutex;
 
@@ -36,6 +36,7 @@ use crate::backend::{Backend, ReadTxn};
 use crate::error::MvccError;
 use crate::key_index::KeyAt;
 use crate::kv::{KeyValue, decode_record};
+use crate::pace::Pacer;
 use crate::pending::{Changes, Pending};
 use crate::request::{Bound, RangeRequest, RangeResponse, bound, check_range};
 use crate::revision::{REV_KEY_LEN, Revision};
@@ -59,8 +60,9 @@ pub struct ReadView<B: Backend> {
     pub(crate) revision: u64,
     pub(crate) current: Arc<Pending>,
     pub(crate) committing: Option<Arc<Pending>>,
-    /// The freshest backend read transaction this view has opened.
-    txn: Mutex<Arc<B::ReadTxn>>,
+    /// The freshest backend read transaction this view has opened; `None` before its first
+    /// backend read and while a paced read sleeps.
+    txn: Mutex<Option<Arc<B::ReadTxn>>>,
 }
 
 impl<B: Backend> ReadView<B> {
@@ -70,20 +72,14 @@ impl<B: Backend> ReadView<B> {
             (st.revision, st.current.clone(), st.committing.clone())
         };
         inner.pin_view(revision);
-        // Opened after the buffers were taken: anything that left them since is in the backend.
-        let txn = match inner.backend.read_txn() {
-            Ok(txn) => txn,
-            Err(e) => {
-                inner.unpin_view(revision);
-                return Err(e.into());
-            }
-        };
+        // Its backend read transaction, opened after the buffers were taken, holds anything
+        // that left them since.
         Ok(ReadView {
             inner: inner.clone(),
             revision,
             current,
             committing,
-            txn: Mutex::new(Arc::new(txn)),
+            txn: Mutex::new(None),
         })
     }
 
@@ -103,21 +99,23 @@ impl<B: Backend> ReadView<B> {
             current: &self.current,
             committing: self.committing.as_deref(),
             txn: RefCell::new(self.txn.lock().clone()),
-            refresh: Some(self),
+            view: self,
+            pacer: staged.is_none().then(|| Pacer::new(&*self.inner)),
         }
     }
 }
 
 impl<B: Backend> Refresh<B::ReadTxn> for ReadView<B> {
     fn fresh_txn(&self) -> Result<Arc<B::ReadTxn>, MvccError> {
-        let txn = Arc::new(self.inner.backend.read_txn()?);
         // The view's older transaction ends once no running read holds it.
-        *self.txn.lock() = txn.clone();
+        *self.txn.lock() = None;
+        let txn = Arc::new(self.inner.backend.read_txn()?);
+        *self.txn.lock() = Some(txn.clone());
         Ok(txn)
     }
 
-    fn pause(&self) {
-        yield_to_writers(&self.inner);
+    fn release_txn(&self) {
+        *self.txn.lock() = None;
     }
 }
 
@@ -127,11 +125,12 @@ impl<B: Backend> Drop for ReadView<B> {
     }
 }
 
-/// Opens a fresh backend read transaction for a running read (see the module docs).
+/// A view's backend read transaction, as its reads open and drop it (see the module docs).
 pub(crate) trait Refresh<T> {
+    /// Opens a fresh backend read transaction and makes it the view's.
     fn fresh_txn(&self) -> Result<Arc<T>, MvccError>;
-    /// Between chunks of a long read: see [`yield_to_writers`].
-    fn pause(&self);
+    /// Drops the view's backend read transaction: the next read opens a fresh one.
+    fn release_txn(&self);
 }
 
 /// Where a reader finds records: a write transaction's own changes, the pending buffers, the
@@ -140,14 +139,56 @@ pub(crate) struct Sources<'a, T: ReadTxn> {
     pub staged: Option<&'a Changes>,
     pub current: &'a Pending,
     pub committing: Option<&'a Pending>,
-    /// The freshest backend read transaction: replaced (and the older one released) when a
-    /// long read moves to a fresh one, so nothing keeps the first one alive to the end.
-    pub txn: RefCell<Arc<T>>,
-    /// Where fresh read transactions come from; `None` reads from `txn` only.
-    pub refresh: Option<&'a dyn Refresh<T>>,
+    /// The freshest backend read transaction, opened at the first backend read: replaced
+    /// (and the older one released) when a long read moves to a fresh one, so nothing keeps
+    /// the first one alive to the end, and dropped while a paced read sleeps.
+    txn: RefCell<Option<Arc<T>>>,
+    /// The view read through: where fresh read transactions come from.
+    view: &'a dyn Refresh<T>,
+    /// Paces a long read between chunks; `None` never pauses (a write transaction's reads).
+    pacer: Option<Pacer<'a>>,
 }
 
 impl<T: ReadTxn> Sources<'_, T> {
+    /// The backend read transaction to read from: the freshest one, or a new one.
+    fn txn(&self) -> Result<Arc<T>, MvccError> {
+        if let Some(txn) = &*self.txn.borrow() {
+            return Ok(txn.clone());
+        }
+        self.fresh_txn()
+    }
+
+    /// Moves to a fresh backend read transaction.
+    fn fresh_txn(&self) -> Result<Arc<T>, MvccError> {
+        *self.txn.borrow_mut() = None;
+        let txn = self.view.fresh_txn()?;
+        *self.txn.borrow_mut() = Some(txn.clone());
+        Ok(txn)
+    }
+
+    /// Between chunks of a long read: the sleep due, if any (see `pace`).
+    fn due(&self) -> Option<Duration> {
+        self.pacer.as_ref().and_then(Pacer::due)
+    }
+
+    /// Takes a sleep [`due`](Self::due) returned, holding no backend read transaction (the
+    /// caller holds none either); the next backend read opens a fresh one.
+    fn sleep(&self, owed: Duration) {
+        *self.txn.borrow_mut() = None;
+        self.view.release_txn();
+        if let Some(pacer) = &self.pacer {
+            pacer.sleep(owed);
+        }
+    }
+
+    /// Between chunks of a long read that holds no backend read transaction of its own:
+    /// pauses as `pace` says.
+    pub fn pause(&self) {
+        if let Some(owed) = self.due() {
+            self.sleep(owed);
+        }
+    }
+
     /// The records at `revs` (puts, in any order) as key-values, in the same order.
     pub fn fetch(
         &self,
@@ -250,30 +291,32 @@ impl<T: ReadTxn> Sources<'_, T> {
         if n == 0 {
             return Ok(());
         }
-        let mut txn = self.txn.borrow().clone();
+        let mut txn = Some(self.txn()?);
         let mut read = 0usize;
         let mut m = 0;
         while m < n {
-            if read >= REFRESH_RECORDS
-                && let Some(refresh) = self.refresh
-            {
-                txn = refresh.fresh_txn()?;
-                *self.txn.borrow_mut() = txn.clone();
-                read = 0;
-            }
+            let held = match txn.take() {
+                Some(held) if read < REFRESH_RECORDS => held,
+                _ => {
+                    read = 0;
+                    self.fresh_txn()?
+                }
+            };
             let (mut want, mut slot) = miss(m);
             let start = want.to_bytes();
             let mut skipped = 0;
-            let mut iter = txn.range(&KEY_BUCKET, &start, None)?;
+            let mut due = None;
+            let mut iter = held.range(&KEY_BUCKET, &start, None)?;
             loop {
-                if read >= REFRESH_RECORDS && self.refresh.is_some() {
+                if read >= REFRESH_RECORDS {
                     break;
                 }
                 read += 1;
-                if read.is_multiple_of(INDEX_CHUNK)
-                    && let Some(refresh) = self.refresh
-                {
-                    refresh.pause();
+                if read.is_multiple_of(INDEX_CHUNK) {
+                    due = self.due();
+                    if due.is_some() {
+                        break;
+                    }
                 }
                 let Some(item) = iter.next() else {
                     return Err(missing(want, compacted));
@@ -299,6 +342,15 @@ impl<T: ReadTxn> Sources<'_, T> {
                     _ => return Err(missing(want, compacted)),
                 }
             }
+            drop(iter);
+            match due {
+                // The next round opens a fresh transaction.
+                Some(owed) => {
+                    drop(held);
+                    self.sleep(owed);
+                }
+                None => txn = Some(held),
+            }
         }
         Ok(())
     }
@@ -314,7 +366,7 @@ impl<T: ReadTxn> Sources<'_, T> {
     ) -> Result<(), MvccError> {
         let end = Revision::new(to.saturating_add(1), 0).to_bytes();
         let mut last: Option<Revision> = None;
-        let txn = self.txn.borrow().clone();
+        let txn = self.txn()?;
         for item in txn.range(&KEY_BUCKET, &from.to_bytes(), Some(&end[..]))? {
             let (k, v) = item?;
             let Some((rev, tomb)) = Revision::from_key(k) else {
@@ -406,21 +458,6 @@ fn sort_misses(misses: &mut Vec<(Revision, usize)>) {
     *misses = src;
 }
 
-/// Lets waiting writes run: a long read calls this between chunks, and gives the CPU up when
-/// a writer is waiting for the writer mutex or holds it, or when callers of
-/// [`Store::force_commit`](crate::Store::force_commit) wait for a commit (each commit's end
-/// wakes the committer and those callers at once, and their next writes follow), unless
-/// [`StoreOptions::yield_reads_to_writers`](crate::StoreOptions::yield_reads_to_writers) is
-/// off.
-pub(crate) fn yield_to_writers<B: Backend>(inner: &Inner<B>) {
-    if inner.options.yield_reads_to_writers
-        && (inner.writers.load(std::sync::atomic::Ordering::Relaxed) > 0
-            || inner.durability_wanted())
-    {
-        std::thread::yield_now();
-    }
-}
-
 fn missing(rev: Revision, compacted: &impl Fn() -> u64) -> MvccError {
     let c = compacted();
     if rev.main <= c {
@@ -479,7 +516,7 @@ pub(crate) fn range<B: Backend>(
     };
     let mut keys: Vec<Vec<u8>> = Vec::new();
     let mut revs: Vec<Revision> = Vec::new();
-    let count = scan_live(inner, &req.key, &b, rev, |key, at| {
+    let count = scan_live(inner, &req.key, &b, rev, &|| src.pause(), |key, at| {
         if !req.count_only && keys.len() < limit {
             keys.push(key.to_vec());
             revs.push(at.modified);
@@ -512,12 +549,14 @@ pub(crate) fn range<B: Backend>(
 }
 
 /// Calls `f(key, state)` for every key of `[start, bound)` live at `rev`, in key order, holding
-/// the index lock one chunk at a time; returns how many there were.
+/// the index lock one chunk at a time and calling `pause` between chunks; returns how many
+/// there were.
 pub(crate) fn scan_live<B: Backend>(
     inner: &Inner<B>,
     start: &[u8],
     b: &Bound<'_>,
     rev: u64,
+    pause: &dyn Fn(),
     mut f: impl FnMut(&[u8], KeyAt),
 ) -> Result<usize, MvccError> {
     let mut count = 0;
@@ -550,7 +589,7 @@ pub(crate) fn scan_live<B: Backend>(
             return Ok(count);
         }
         drop(idx);
-        yield_to_writers(inner);
+        pause();
         // The buffers swap: `after` is read by the next chunk's scan, `last` written.
         let buf = after.get_or_insert_default();
         std::mem::swap(buf, &mut last);

@@ -137,6 +137,9 @@ pub(crate) struct Inner<B: Backend> {
     /// Write transactions begun and not yet ended (waiting for the writer mutex or holding
     /// it): long reads yield the CPU to them between chunks (see `read`).
     pub writers: std::sync::atomic::AtomicUsize,
+    /// Write transactions begun since open: a long read that sees it move knows writes flow
+    /// (see `pace`).
+    pub write_txns: AtomicU64,
 }
 
 /// A revisioned key-value store over a [`Backend`]. `Send + Sync`; share it with an `Arc`.
@@ -165,6 +168,24 @@ fn meta_u64(txn: &impl ReadTxn, key: &'static [u8]) -> Result<u64, MvccError> {
             key: String::from_utf8_lossy(key).into_owned(),
             reason: format!("expected 8 bytes, found {}", v.len()),
         }),
+    }
+}
+
+impl<B: Backend> crate::pace::Activity for Inner<B> {
+    fn options(&self) -> &StoreOptions {
+        &self.options
+    }
+
+    fn writes_waiting(&self) -> bool {
+        self.writers.load(Ordering::Relaxed) > 0 || self.durability_wanted()
+    }
+
+    fn write_txns(&self) -> u64 {
+        self.write_txns.load(Ordering::Relaxed)
+    }
+
+    fn committing(&self) -> bool {
+        self.commit_lock.is_locked()
     }
 }
 
@@ -279,6 +300,7 @@ impl<B: Backend> Store<B> {
             opened_leases: Mutex::new(Some((revision, leases))),
             opened_leases_held: AtomicBool::new(true),
             writers: std::sync::atomic::AtomicUsize::new(0),
+            write_txns: AtomicU64::new(0),
         });
         if let Some(job) = job {
             tracing::info!(revision = job.revision, "resuming interrupted compaction");

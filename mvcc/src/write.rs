@@ -43,6 +43,7 @@ pub struct WriteTxn<'a, B: Backend> {
 impl<'a, B: Backend> WriteTxn<'a, B> {
     pub(crate) fn begin(inner: &'a Arc<Inner<B>>) -> WriteTxn<'a, B> {
         inner.writers.fetch_add(1, Ordering::Relaxed);
+        inner.write_txns.fetch_add(1, Ordering::Relaxed);
         let guard = inner.write_lock.lock();
         let base = guard.revision;
         WriteTxn {
@@ -217,7 +218,7 @@ impl<'a, B: Backend> WriteTxn<'a, B> {
         self.check_size(key.len() + end.map_or(0, <[u8]>::len))?;
         let at = self.base + 1;
         let mut victims = Vec::new();
-        scan_live(self.inner, key, &bound(end), at, |k, state| {
+        scan_live(self.inner, key, &bound(end), at, &|| {}, |k, state| {
             victims.push((k.to_vec(), state.modified));
         })?;
         let prev_kvs = if want_prev {

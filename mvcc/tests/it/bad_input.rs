@@ -190,6 +190,14 @@ fn options_are_validated() {
     };
     let e = keel_mvcc::Store::open(backend, bad).err().expect("refused");
     assert!(e.to_string().contains("batch_limit"), "{e}");
+    for percent in [0, 101] {
+        let bad = StoreOptions {
+            long_read_cpu_percent: percent,
+            ..StoreOptions::default()
+        };
+        let e = bad.validate().expect_err("refused");
+        assert!(e.to_string().contains("long_read_cpu_percent"), "{e}");
+    }
     // The refused open released the backend.
     let s = open_at(&path, StoreOptions::default());
     assert_eq!(s.current_revision(), 0);

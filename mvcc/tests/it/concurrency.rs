@@ -220,6 +220,85 @@ fn long_scans_do_not_block_writes() {
     assert!(worst < Duration::from_millis(500), "a put waited {worst:?}");
 }
 
+/// While writes flow, a long read keeps its running time within about
+/// `long_read_cpu_percent` of its elapsed time: it sleeps between chunks. With no writes it
+/// runs without sleeping.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_long_read_keeps_to_its_cpu_share_while_writes_flow() {
+    const KEYS: usize = 20_000;
+    let (_d, path) = fresh_path();
+    let s = Arc::new(open_at(
+        &path,
+        StoreOptions {
+            long_read_cpu_percent: 20,
+            ..commits_on_demand()
+        },
+    ));
+    let mut t = s.write();
+    for i in 0..KEYS {
+        t.put(format!("key{i:06}").as_bytes(), &[7; 100], 0)
+            .unwrap();
+    }
+    t.commit().unwrap();
+    s.force_commit().unwrap();
+    // This thread's time on a CPU and its voluntary context switches (a sleep is one).
+    let thread_stats = || {
+        let sched = std::fs::read_to_string("/proc/thread-self/schedstat").unwrap();
+        let on_cpu: u64 = sched.split_whitespace().next().unwrap().parse().unwrap();
+        let status = std::fs::read_to_string("/proc/thread-self/status").unwrap();
+        let switches: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        (Duration::from_nanos(on_cpu), switches)
+    };
+    let scan = || {
+        let (cpu0, switches0) = thread_stats();
+        let t0 = Instant::now();
+        let view = s.read().unwrap();
+        let r = view.range(&RangeRequest::prefix(b"key".to_vec())).unwrap();
+        assert_eq!(r.kvs.len(), KEYS);
+        let elapsed = t0.elapsed();
+        let (cpu1, switches1) = thread_stats();
+        (elapsed, cpu1 - cpu0, switches1 - switches0)
+    };
+    // A few switches come from locks shared with the store's background threads; a paced
+    // read sleeps hundreds of times.
+    let (_, _, quiet_switches) = scan();
+    assert!(
+        quiet_switches <= 20,
+        "a read with no writes flowing switched out {quiet_switches} times"
+    );
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (s, stop) = (s.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut i = 0;
+            while !stop.load(Ordering::Acquire) {
+                s.put(format!("key{:06}", i % KEYS).as_bytes(), b"new", 0)
+                    .unwrap();
+                i += 1;
+            }
+        })
+    };
+    let (elapsed, cpu, switches) = scan();
+    stop.store(true, Ordering::Release);
+    writer.join().unwrap();
+    assert!(
+        switches >= 100,
+        "a read beside a busy writer slept {switches} times"
+    );
+    assert!(
+        cpu.as_secs_f64() <= 0.45 * elapsed.as_secs_f64(),
+        "a read beside a busy writer ran {cpu:?} of {elapsed:?} (20% asked)"
+    );
+}
+
 /// A backend slower than the writers: writes wait for running commits instead of piling up
 /// in memory, and keep going while the committer works.
 #[test]
