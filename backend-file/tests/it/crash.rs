@@ -1,7 +1,8 @@
 //! Real crashes: a child process commits batches (rolling segments, reclaiming and
-//! defragmenting as it goes, preparing space ahead by allocation or by zeros in alternate
-//! rounds) and is killed with SIGKILL at a random moment; after reopen
-//! every acknowledged batch is there, no batch is partial, and the integrity check passes.
+//! defragmenting as it goes, preparing space ahead by allocation, by zeros or by both as the
+//! frames' sizes say, in turn from one round to the next; every 17th batch's frame is larger
+//! than 64 KiB) and is killed with SIGKILL at a random moment; after reopen every
+//! acknowledged batch is there, no batch is partial, and the integrity check passes.
 //!
 //! 60 rounds by default; `KEEL_CRASH_ROUNDS=1000 cargo test -p keel-backend-file --test it
 //! crash::sigkill -- --nocapture` for a long run. The child is this test binary itself,
@@ -19,7 +20,7 @@ use rand::{Rng, SeedableRng};
 use crate::support::{B, META_B};
 
 const DIR_ENV: &str = "KEEL_FILE_CRASH_DIR";
-/// How the child prepares space ahead: rounds alternate between allocation and zeros.
+/// How the child prepares space ahead: rounds take allocation, zeros and both in turn.
 const PREPARE_ENV: &str = "KEEL_FILE_CRASH_PREPARE";
 /// Batches kept alive: batch `i` deletes the keys of batch `i - KEEP`.
 const KEEP: u64 = 5;
@@ -38,9 +39,16 @@ fn key(i: u64, j: u64) -> Vec<u8> {
     format!("d{i:08}-{j:02}").into_bytes()
 }
 
+/// Batch `i`'s `j`th value: 180 to 379 bytes, and 7 000 in every 17th batch (a frame over
+/// the 64 KiB above which `PrepareWith::Auto` allocates instead of writing zeros).
 fn value(i: u64, j: u64) -> Vec<u8> {
     let mut v = format!("{i}:{j}:").into_bytes();
-    v.resize(180 + (i as usize * 7 + j as usize) % 200, (i + j) as u8);
+    let len = if i.is_multiple_of(17) {
+        7_000
+    } else {
+        180 + (i as usize * 7 + j as usize) % 200
+    };
+    v.resize(len, (i + j) as u8);
     v
 }
 
@@ -60,6 +68,7 @@ fn child_writer() {
     };
     let how = match std::env::var(PREPARE_ENV).as_deref() {
         Ok("zeros") => PrepareWith::Zeros,
+        Ok("auto") => PrepareWith::Auto,
         _ => PrepareWith::Allocate,
     };
     let options = FileOptions {
@@ -147,7 +156,7 @@ fn sigkill() {
             .env(DIR_ENV, dir.path())
             .env(
                 PREPARE_ENV,
-                if round % 2 == 0 { "allocate" } else { "zeros" },
+                ["allocate", "zeros", "auto"][round as usize % 3],
             )
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
