@@ -17,8 +17,9 @@
 //!   (default batching, the backend committing in the background): alone, that writer and
 //!   the committer keep most of a 2-core machine's two cores busy, so a reader taking its
 //!   fair share of the CPUs would cost the writer a third of its rate; the store's default
-//!   pacing of long reads (`StoreOptions::long_read_cpu_percent`) keeps the reader to a
-//!   quarter of a CPU while writes flow, and the reader's share is printed. Both
+//!   pacing of long reads (`StoreOptions::long_read_cpu_percent`) keeps the reader to
+//!   15% of its time on a CPU while writes flow and no CPU is idle, and the reader's share
+//!   is printed. Both
 //!   parts run each criterion sample's puts half alone and half with the reader, the halves
 //!   in alternating order, so both meet the same machine. A REPORT line follows with the
 //!   machine's own figure: raw heed's put throughput with a raw full-scan reader against raw

@@ -40,6 +40,7 @@ pub use backend::{
 pub use error::MvccError;
 pub use kv::{KeyValue, LeaseId};
 pub use options::StoreOptions;
+pub use pace::ReadPacing;
 pub use read::ReadView;
 pub use rebuild::{IndexBuilder, IndexThread};
 pub use request::{

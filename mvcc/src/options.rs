@@ -40,15 +40,19 @@ pub struct StoreOptions {
     /// Long reads (ranges through a view, watch catch-up) give way to writes between chunks
     /// of 64 keys: they yield their CPU while a write transaction waits for the writer mutex
     /// or holds it, or while callers of `force_commit` wait for a commit, and they keep to
-    /// [`long_read_cpu_percent`](Self::long_read_cpu_percent) while writes flow. So on a
-    /// machine with fewer cores than busy threads a scan does not take the CPU the writers
-    /// and the committer need. Off, long reads never yield nor sleep. Default: true.
+    /// [`long_read_cpu_percent`](Self::long_read_cpu_percent) while writes flow on busy
+    /// CPUs. So on a machine with fewer cores than busy threads a scan does not take the CPU
+    /// the writers and the committer need. Off, long reads never yield nor sleep. Default: true.
     pub yield_reads_to_writers: bool,
-    /// The most of its elapsed time a long read spends running while writes flow (a write
-    /// transaction began since its last pause or is open, or a backend commit runs), in
-    /// percent: between chunks it sleeps for the rest. 100 never sleeps. A scan beside busy
-    /// writers takes up to 100 / this times as long; it runs at full speed while no writes
-    /// flow. Between 1 and 100. Default: 25.
+    /// The most of its elapsed time a long read spends on a CPU while writes flow (a write
+    /// transaction began in the last 10 ms or is open, or a backend commit runs) and the
+    /// machine has no CPU to spare (fewer than one idle CPU, sampled for 10 ms every 200 ms),
+    /// in percent: between chunks it sleeps for the rest. 100 never sleeps. A scan beside
+    /// busy writers on busy CPUs takes up to 100 / this times as long; with no writes
+    /// flowing, or a CPU to spare, it runs at full speed. [`Store::read_pacing`] counts the
+    /// sleeps. Between 1 and 100. Default: 15.
+    ///
+    /// [`Store::read_pacing`]: crate::Store::read_pacing
     pub long_read_cpu_percent: u32,
 }
 
@@ -65,7 +69,7 @@ impl Default for StoreOptions {
             watch_sync_interval: Duration::from_millis(100),
             watch_sync_batch: 1_000,
             yield_reads_to_writers: true,
-            long_read_cpu_percent: 25,
+            long_read_cpu_percent: 15,
         }
     }
 }

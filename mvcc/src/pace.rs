@@ -5,11 +5,11 @@
 //! pause:
 //! - while a write transaction waits for the writer mutex or holds it, or callers of
 //!   `force_commit` wait for a commit, it yields its CPU;
-//! - while writes flow (a write transaction began since the last pause or is open, or a
-//!   backend commit runs), it also sleeps, long enough that its running time stays within
-//!   [`StoreOptions::long_read_cpu_percent`] of its elapsed time. It holds no backend read
-//!   transaction while it sleeps (see `read`), so a backend whose readers pin space (LMDB)
-//!   is not made to grow by a read that goes slowly.
+//! - while writes flow (a write transaction began in the last [`WRITES_FLOW_FOR`] or is
+//!   open, or a backend commit runs) and the CPUs are oversubscribed, it also sleeps, long enough that
+//!   its time on a CPU stays within [`StoreOptions::long_read_cpu_percent`] of its elapsed
+//!   time. It holds no backend read transaction while it sleeps (see `read`), so a backend
+//!   whose readers pin space (LMDB) is not made to grow by a read that goes slowly.
 //!
 //! Why the sleep: the operating system shares CPUs fairly among runnable threads. On a
 //! machine with fewer cores than busy threads, a scan running back to back beside a writer
@@ -18,21 +18,89 @@
 //! what keeps long reads from slowing writes: the scan finishes later instead, and runs at
 //! full speed again as soon as writes stop.
 //!
-//! Sleeps shorter than [`MIN_SLEEP`] are not taken one by one: what each chunk owes adds up
-//! until it reaches [`MIN_SLEEP`], and an oversleep counts against what is owed next.
+//! Oversubscribed means no CPU to spare: while writes flow, a read runs unpaced for a probe
+//! of [`PROBE`], sampling the machine's runnable threads (Linux's `/proc/loadavg`, the read
+//! itself among them) every [`PROBE_EVERY`]. Less than one idle CPU on average, of those
+//! this process may use, makes the read pace itself for the next [`RECHECK`]; more lets it
+//! run at full speed as long, after which it probes again. So a machine with a CPU to spare
+//! for the writers never slows a scan. (The reading thread's own wait for a CPU is no such sign: the scheduler may as
+//! well keep the scan on its CPU and make the writer and the committer share the other.)
+//!
+//! A paced read's time on a CPU comes from `/proc/thread-self/schedstat`, read once per
+//! [`CHECK_EVERY`] at most. Where these cannot be read, a read paces whenever writes flow
+//! and counts its elapsed time as time on a CPU.
 
 use std::cell::Cell;
 use std::time::{Duration, Instant};
 
 use crate::options::StoreOptions;
 
+/// How long after a write transaction began a read still counts writes as flowing.
+pub(crate) const WRITES_FLOW_FOR: Duration = Duration::from_millis(10);
+
 /// The shortest sleep a paced read takes: a sleep costs a system call and a wake-up of some
 /// tens of microseconds, and each wake-up may preempt a writer.
 pub(crate) const MIN_SLEEP: Duration = Duration::from_micros(500);
 
-/// The most sleep a paced read owes at once: a chunk that took long (its thread waited for a
-/// CPU, or for the backend) does not stall the read for longer.
-pub(crate) const MAX_OWED: Duration = Duration::from_millis(20);
+/// The longest sleep a paced read takes at once.
+pub(crate) const MAX_SLEEP: Duration = Duration::from_millis(20);
+
+/// How often, at most, a paced read reads its time on a CPU to see whether a sleep is due.
+pub(crate) const CHECK_EVERY: Duration = Duration::from_micros(500);
+
+/// How long a read runs unpaced, while writes flow, to find whether the CPUs are
+/// oversubscribed.
+pub(crate) const PROBE: Duration = Duration::from_millis(10);
+
+/// How often a probe samples the machine's runnable threads.
+pub(crate) const PROBE_EVERY: Duration = Duration::from_millis(1);
+
+/// How long a probe's verdict holds: a paced read spends at most [`PROBE`] of every
+/// [`RECHECK`] unpaced.
+pub(crate) const RECHECK: Duration = Duration::from_millis(200);
+
+/// The calling thread's time on a CPU, if the system says.
+pub(crate) fn thread_on_cpu() -> Option<Duration> {
+    let stat = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
+    let on_cpu = stat.split_whitespace().next()?.parse().ok()?;
+    Some(Duration::from_nanos(on_cpu))
+}
+
+/// The CPUs this process may use less the machine's runnable threads, now (below zero when
+/// threads wait for a CPU), if the system says.
+pub(crate) fn idle_cpus() -> Option<f64> {
+    let load = std::fs::read_to_string("/proc/loadavg").ok()?;
+    let (running, _) = load.split_whitespace().nth(3)?.split_once('/')?;
+    let running: f64 = running.parse().ok()?;
+    let cpus = std::thread::available_parallelism().ok()?.get();
+    Some(cpus as f64 - running)
+}
+
+/// How a pacer reads the system: see [`thread_on_cpu`] and [`idle_cpus`].
+#[derive(Clone, Copy)]
+pub(crate) struct Probes {
+    pub on_cpu: fn() -> Option<Duration>,
+    pub idle_cpus: fn() -> Option<f64>,
+}
+
+/// The system's own.
+pub(crate) const SYSTEM: Probes = Probes {
+    on_cpu: thread_on_cpu,
+    idle_cpus,
+};
+
+/// Whether reads pace themselves (see the module docs): the store keeps the last verdict,
+/// so a read that begins while it holds needs no probe of its own.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Verdict {
+    /// Probing since the first instant, with the sum and count of the samples of idle CPUs
+    /// so far, the last one taken at the second instant.
+    Probing(Instant, f64, u32, Instant),
+    /// Pacing until the instant.
+    Pace(Instant),
+    /// Running at full speed until the instant.
+    Run(Instant),
+}
 
 /// What a paced read watches of its store.
 pub(crate) trait Activity {
@@ -45,77 +113,165 @@ pub(crate) trait Activity {
     fn write_txns(&self) -> u64;
     /// A backend commit is running.
     fn committing(&self) -> bool;
+    /// A paced read slept for `d`.
+    fn slept(&self, d: Duration);
+    /// The store's pacing verdict, if any (see [`Verdict`]).
+    fn verdict(&self) -> Option<Verdict>;
+    /// Sets the store's pacing verdict.
+    fn set_verdict(&self, verdict: Verdict);
+}
+
+/// How much long reads have given way to writes since the store opened (see
+/// [`Store::read_pacing`](crate::Store::read_pacing)).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReadPacing {
+    /// Sleeps long reads took between chunks.
+    pub sleeps: u64,
+    /// Their total length.
+    pub slept: Duration,
 }
 
 /// The pacing state of one long read (see the module docs).
 pub(crate) struct Pacer<'a> {
     store: &'a dyn Activity,
-    /// When the read began or last paused.
-    last: Cell<Instant>,
+    /// Reads the system.
+    probes: Probes,
     /// Write transactions begun, as of the last pause.
     writes: Cell<u64>,
-    /// Sleep owed and not yet taken, in nanoseconds; below zero, what the last sleep took
-    /// beyond what was owed.
-    owed: Cell<i64>,
+    /// When the read last saw that count move.
+    wrote_at: Cell<Option<Instant>>,
+    /// While pacing: when the read last began to run (the pacing began, or a sleep ended),
+    /// with its time on a CPU then, if known.
+    running: Cell<Option<(Instant, Option<Duration>)>>,
+    /// While pacing: no look at the time on a CPU before this.
+    next_check: Cell<Option<Instant>>,
+    /// The time on a CPU at the last look, if known.
+    on_cpu: Cell<Option<Duration>>,
 }
 
 impl<'a> Pacer<'a> {
     /// The state of a read of `store` that begins now.
     pub(crate) fn new(store: &'a dyn Activity) -> Pacer<'a> {
+        Pacer::with_probes(store, SYSTEM)
+    }
+
+    /// [`new`](Self::new), reading the system with `probes`.
+    pub(crate) fn with_probes(store: &'a dyn Activity, probes: Probes) -> Pacer<'a> {
         Pacer {
             store,
-            last: Cell::new(Instant::now()),
+            probes,
             writes: Cell::new(store.write_txns()),
-            owed: Cell::new(0),
+            wrote_at: Cell::new(None),
+            running: Cell::new(None),
+            next_check: Cell::new(None),
+            on_cpu: Cell::new(None),
         }
     }
 
     /// Between two chunks of the read: yields the CPU if writers wait, and returns the sleep
     /// now due, if any; the caller lets go of what it holds and calls [`sleep`](Self::sleep).
-    /// Neither yields nor sleeps with
-    /// [`StoreOptions::yield_reads_to_writers`] off.
+    /// Neither yields nor sleeps with [`StoreOptions::yield_reads_to_writers`] off.
     pub(crate) fn due(&self) -> Option<Duration> {
         let options = self.store.options();
         if !options.yield_reads_to_writers {
             return None;
         }
+        let now = Instant::now();
         let waiting = self.store.writes_waiting();
         let writes = self.store.write_txns();
-        let flowing = waiting || self.writes.replace(writes) != writes || self.store.committing();
-        let now = Instant::now();
-        let ran = now - self.last.replace(now);
+        if self.writes.replace(writes) != writes {
+            self.wrote_at.set(Some(now));
+        }
+        let flowing = waiting
+            || self
+                .wrote_at
+                .get()
+                .is_some_and(|at| now - at < WRITES_FLOW_FOR)
+            || self.store.committing();
         let percent = options.long_read_cpu_percent;
-        if flowing && percent < 100 {
-            let due = nanos(ran * (100 - percent) / percent);
-            let owed = self.owed.get().saturating_add(due).min(nanos(MAX_OWED));
-            self.owed.set(owed);
-            if owed >= nanos(MIN_SLEEP) {
-                return Some(Duration::from_nanos(owed.unsigned_abs()));
+        let due = if flowing && percent < 100 {
+            if self.contended(now) {
+                self.owed(now, percent)
+            } else {
+                self.running.set(None);
+                None
             }
         } else {
-            self.owed.set(0);
-        }
-        if waiting {
+            self.running.set(None);
+            None
+        };
+        if due.is_none() && waiting {
             std::thread::yield_now();
         }
-        None
+        due
     }
 
-    /// Sleeps for `owed` (from [`due`](Self::due)), and counts an oversleep against what is
-    /// owed next.
+    /// While pacing: the sleep that keeps the read's time on a CPU within `percent` of its
+    /// elapsed time since it last began to run, once it reaches [`MIN_SLEEP`].
+    fn owed(&self, now: Instant, percent: u32) -> Option<Duration> {
+        let Some((since, on_cpu_then)) = self.running.get() else {
+            self.begin_running(now, (self.probes.on_cpu)());
+            return None;
+        };
+        if self.next_check.get().is_some_and(|at| now < at) {
+            return None;
+        }
+        self.next_check.set(Some(now + CHECK_EVERY));
+        let elapsed = now - since;
+        let on_cpu_now = (self.probes.on_cpu)();
+        self.on_cpu.set(on_cpu_now);
+        let on_cpu = match (on_cpu_then, on_cpu_now) {
+            (Some(then), Some(now)) => now.saturating_sub(then),
+            _ => elapsed,
+        };
+        let owed = (on_cpu * 100 / percent).saturating_sub(elapsed);
+        (owed >= MIN_SLEEP).then(|| owed.min(MAX_SLEEP))
+    }
+
+    /// Whether the CPUs are oversubscribed, as the last probe found; starts or ends a probe
+    /// at `now` when due.
+    fn contended(&self, now: Instant) -> bool {
+        let sample = || (self.probes.idle_cpus)();
+        let probe = || match sample() {
+            Some(first) => Verdict::Probing(now, first, 1, now),
+            None => Verdict::Pace(now + RECHECK),
+        };
+        let verdict = match self.store.verdict() {
+            None => probe(),
+            Some(Verdict::Probing(since, sum, n, last)) if now - last >= PROBE_EVERY => {
+                match sample() {
+                    Some(s) if now - since >= PROBE => {
+                        if (sum + s) / f64::from(n + 1) < 1.0 {
+                            Verdict::Pace(now + RECHECK)
+                        } else {
+                            Verdict::Run(now + RECHECK)
+                        }
+                    }
+                    Some(s) => Verdict::Probing(since, sum + s, n + 1, now),
+                    None => Verdict::Pace(now + RECHECK),
+                }
+            }
+            Some(Verdict::Pace(until) | Verdict::Run(until)) if now >= until => probe(),
+            Some(verdict) => verdict,
+        };
+        self.store.set_verdict(verdict);
+        matches!(verdict, Verdict::Pace(_))
+    }
+
+    /// Sleeps for `owed` (from [`due`](Self::due)); the read begins to run again after it
+    /// (a sleep takes no time on a CPU to speak of).
     pub(crate) fn sleep(&self, owed: Duration) {
         let start = Instant::now();
         std::thread::sleep(owed);
         let woke = Instant::now();
-        let left = self.owed.get() - nanos(woke - start);
-        self.owed.set(left.max(-nanos(MAX_OWED)));
-        self.last.set(woke);
+        self.store.slept(woke - start);
+        self.begin_running(woke, self.on_cpu.get());
     }
-}
 
-/// `d` in nanoseconds, saturating.
-fn nanos(d: Duration) -> i64 {
-    i64::try_from(d.as_nanos()).unwrap_or(i64::MAX)
+    fn begin_running(&self, now: Instant, on_cpu: Option<Duration>) {
+        self.running.set(Some((now, on_cpu)));
+        self.next_check.set(Some(now + CHECK_EVERY));
+    }
 }
 
 #[cfg(test)]
@@ -129,6 +285,7 @@ mod tests {
         waiting: bool,
         writes: Cell<u64>,
         committing: bool,
+        verdict: Cell<Option<Verdict>>,
     }
 
     impl Activity for Fake {
@@ -144,6 +301,13 @@ mod tests {
         fn committing(&self) -> bool {
             self.committing
         }
+        fn slept(&self, _: Duration) {}
+        fn verdict(&self) -> Option<Verdict> {
+            self.verdict.get()
+        }
+        fn set_verdict(&self, verdict: Verdict) {
+            self.verdict.set(Some(verdict));
+        }
     }
 
     fn fake(percent: u32) -> Fake {
@@ -155,11 +319,32 @@ mod tests {
             waiting: false,
             writes: Cell::new(0),
             committing: false,
+            verdict: Cell::new(None),
         }
     }
 
-    /// Runs "a chunk" of `d` and pauses.
-    fn chunk(p: &Pacer<'_>, d: Duration) -> Option<Duration> {
+    /// Nothing can be read: a read paces whenever writes flow, and counts its elapsed time
+    /// as time on a CPU.
+    const UNKNOWN: Probes = Probes {
+        on_cpu: || None,
+        idle_cpus: || None,
+    };
+
+    /// CPUs to spare.
+    const IDLE_CPUS: Probes = Probes {
+        on_cpu: || None,
+        idle_cpus: || Some(3.0),
+    };
+
+    /// No CPU to spare.
+    const BUSY_CPUS: Probes = Probes {
+        on_cpu: || None,
+        idle_cpus: || Some(0.0),
+    };
+
+    /// Runs "a chunk" of `d` with a write landing in it, and pauses.
+    fn chunk(store: &Fake, p: &Pacer<'_>, d: Duration) -> Option<Duration> {
+        store.writes.set(store.writes.get() + 1);
         std::thread::sleep(d);
         p.due()
     }
@@ -167,24 +352,26 @@ mod tests {
     #[test]
     fn a_read_with_no_writes_flowing_never_sleeps() {
         let store = fake(25);
-        let p = Pacer::new(&store);
+        let p = Pacer::with_probes(&store, UNKNOWN);
         for _ in 0..3 {
-            assert_eq!(chunk(&p, Duration::from_millis(2)), None);
+            std::thread::sleep(Duration::from_millis(2));
+            assert_eq!(p.due(), None);
         }
     }
 
     #[test]
     fn a_read_owes_what_keeps_it_to_its_share_while_writes_flow() {
         let store = fake(25);
-        let p = Pacer::new(&store);
-        store.writes.set(1);
-        // 2 ms of reading at 25% owe 6 ms of sleep (capped at MAX_OWED).
-        let owed = chunk(&p, Duration::from_millis(2)).expect("a sleep is due");
+        let p = Pacer::with_probes(&store, UNKNOWN);
+        // Pacing begins at the first pause that sees writes flow.
+        assert_eq!(chunk(&store, &p, Duration::ZERO), None);
+        // 2 ms of reading at 25% owe 6 ms of sleep.
+        let owed = chunk(&store, &p, Duration::from_millis(2)).expect("a sleep is due");
         assert!(owed >= Duration::from_millis(6), "{owed:?}");
-        assert!(owed <= MAX_OWED, "{owed:?}");
-        // The sleep pays it off; with no new write the next chunk owes nothing.
+        assert!(owed <= MAX_SLEEP, "{owed:?}");
+        // The sleep pays it off; a short chunk after it owes less than a sleep.
         p.sleep(owed);
-        assert_eq!(chunk(&p, Duration::from_millis(2)), None);
+        assert_eq!(chunk(&store, &p, Duration::ZERO), None);
     }
 
     #[test]
@@ -195,27 +382,28 @@ mod tests {
                 committing,
                 ..fake(50)
             };
-            let p = Pacer::new(&store);
-            assert!(chunk(&p, Duration::from_millis(1)).is_some());
+            let p = Pacer::with_probes(&store, UNKNOWN);
+            assert_eq!(p.due(), None);
+            std::thread::sleep(Duration::from_millis(2));
+            assert!(p.due().is_some());
         }
     }
 
     #[test]
     fn short_chunks_add_up_before_a_sleep() {
         let store = fake(50);
-        let p = Pacer::new(&store);
+        let p = Pacer::with_probes(&store, UNKNOWN);
         let mut chunks = 0;
         loop {
-            store.writes.set(store.writes.get() + 1);
             chunks += 1;
-            if let Some(owed) = chunk(&p, Duration::from_micros(100)) {
+            if let Some(owed) = chunk(&store, &p, Duration::from_micros(100)) {
                 assert!(owed >= MIN_SLEEP, "{owed:?}");
                 break;
             }
             assert!(chunks < 100, "no sleep came due");
         }
         // 100 µs chunks at 50% owe 100 µs each: several of them make one sleep.
-        assert!(chunks > 1, "a sleep after one chunk of 100 us");
+        assert!(chunks > 2, "a sleep after {chunks} chunks of 100 us");
     }
 
     #[test]
@@ -230,9 +418,27 @@ mod tests {
             ..fake(10)
         };
         for store in [&full, &off] {
-            let p = Pacer::new(store);
-            store.writes.set(store.writes.get() + 1);
-            assert_eq!(chunk(&p, Duration::from_millis(2)), None);
+            let p = Pacer::with_probes(store, UNKNOWN);
+            for _ in 0..3 {
+                assert_eq!(chunk(store, &p, Duration::from_millis(2)), None);
+            }
+        }
+    }
+
+    #[test]
+    fn a_read_paces_only_once_a_probe_finds_it_waiting_for_a_cpu() {
+        for (probes, paces) in [(IDLE_CPUS, false), (BUSY_CPUS, true)] {
+            let store = fake(25);
+            let p = Pacer::with_probes(&store, probes);
+            // Writes flow throughout; the first chunks run unpaced while the probe lasts.
+            let mut slept = false;
+            for _ in 0..10 {
+                if let Some(owed) = chunk(&store, &p, PROBE / 4) {
+                    slept = true;
+                    p.sleep(owed.min(Duration::from_millis(1)));
+                }
+            }
+            assert_eq!(slept, paces);
         }
     }
 }

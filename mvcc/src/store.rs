@@ -140,6 +140,11 @@ pub(crate) struct Inner<B: Backend> {
     /// Write transactions begun since open: a long read that sees it move knows writes flow
     /// (see `pace`).
     pub write_txns: AtomicU64,
+    /// Sleeps paced long reads took, and their total length in nanoseconds.
+    pub read_sleeps: AtomicU64,
+    pub read_slept_ns: AtomicU64,
+    /// Whether long reads pace themselves, as the last probe found (see `pace`).
+    pub pace_verdict: Mutex<Option<crate::pace::Verdict>>,
 }
 
 /// A revisioned key-value store over a [`Backend`]. `Send + Sync`; share it with an `Arc`.
@@ -186,6 +191,20 @@ impl<B: Backend> crate::pace::Activity for Inner<B> {
 
     fn committing(&self) -> bool {
         self.commit_lock.is_locked()
+    }
+
+    fn slept(&self, d: std::time::Duration) {
+        self.read_sleeps.fetch_add(1, Ordering::Relaxed);
+        let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        self.read_slept_ns.fetch_add(ns, Ordering::Relaxed);
+    }
+
+    fn verdict(&self) -> Option<crate::pace::Verdict> {
+        *self.pace_verdict.lock()
+    }
+
+    fn set_verdict(&self, verdict: crate::pace::Verdict) {
+        *self.pace_verdict.lock() = Some(verdict);
     }
 }
 
@@ -301,6 +320,9 @@ impl<B: Backend> Store<B> {
             opened_leases_held: AtomicBool::new(true),
             writers: std::sync::atomic::AtomicUsize::new(0),
             write_txns: AtomicU64::new(0),
+            read_sleeps: AtomicU64::new(0),
+            read_slept_ns: AtomicU64::new(0),
+            pace_verdict: Mutex::new(None),
         });
         if let Some(job) = job {
             tracing::info!(revision = job.revision, "resuming interrupted compaction");
@@ -448,6 +470,18 @@ impl<B: Backend> Store<B> {
     /// Number of registered watchers.
     pub fn watcher_count(&self) -> usize {
         self.inner.watch.count()
+    }
+
+    /// How much long reads have given way to writes since the store opened: the sleeps they
+    /// took between chunks while writes flowed on oversubscribed CPUs (see
+    /// [`StoreOptions::long_read_cpu_percent`]).
+    pub fn read_pacing(&self) -> crate::ReadPacing {
+        crate::ReadPacing {
+            sleeps: self.inner.read_sleeps.load(Ordering::Relaxed),
+            slept: std::time::Duration::from_nanos(
+                self.inner.read_slept_ns.load(Ordering::Relaxed),
+            ),
+        }
     }
 
     /// The compaction point (0 if never compacted).
