@@ -6,10 +6,10 @@
 //! - while a write transaction waits for the writer mutex or holds it, or callers of
 //!   `force_commit` wait for a commit, it yields its CPU;
 //! - while writes flow (a write transaction began in the last [`WRITES_FLOW_FOR`] or is
-//!   open, or a backend commit runs) and the CPUs are oversubscribed, it also sleeps, long enough that
-//!   its time on a CPU stays within [`StoreOptions::long_read_cpu_percent`] of its elapsed
-//!   time. It holds no backend read transaction while it sleeps (see `read`), so a backend
-//!   whose readers pin space (LMDB) is not made to grow by a read that goes slowly.
+//!   open, or a backend commit runs) and the CPUs are oversubscribed, it also sleeps, long
+//!   enough that its time on a CPU stays within [`StoreOptions::long_read_cpu_percent`] of
+//!   its elapsed time. It holds no backend read transaction while it sleeps (see `read`), so
+//!   a backend whose readers pin space (LMDB) is not made to grow by a read that goes slowly.
 //!
 //! Why the sleep: the operating system shares CPUs fairly among runnable threads. On a
 //! machine with fewer cores than busy threads, a scan running back to back beside a writer
@@ -23,8 +23,9 @@
 //! itself among them) every [`PROBE_EVERY`]. Less than one idle CPU on average, of those
 //! this process may use, makes the read pace itself for the next [`RECHECK`]; more lets it
 //! run at full speed as long, after which it probes again. So a machine with a CPU to spare
-//! for the writers never slows a scan. (The reading thread's own wait for a CPU is no such sign: the scheduler may as
-//! well keep the scan on its CPU and make the writer and the committer share the other.)
+//! for the writers never slows a scan. (The reading thread's own wait for a CPU is no such
+//! sign: the scheduler may as well keep the scan on its CPU and make the writer and the
+//! committer share the other.)
 //!
 //! A paced read's time on a CPU comes from `/proc/thread-self/schedstat`, read once per
 //! [`CHECK_EVERY`] at most. Where these cannot be read, a read paces whenever writes flow
@@ -189,13 +190,8 @@ impl<'a> Pacer<'a> {
                 .is_some_and(|at| now - at < WRITES_FLOW_FOR)
             || self.store.committing();
         let percent = options.long_read_cpu_percent;
-        let due = if flowing && percent < 100 {
-            if self.contended(now) {
-                self.owed(now, percent)
-            } else {
-                self.running.set(None);
-                None
-            }
+        let due = if flowing && percent < 100 && self.contended(now) {
+            self.owed(now, percent)
         } else {
             self.running.set(None);
             None
@@ -236,7 +232,8 @@ impl<'a> Pacer<'a> {
             Some(first) => Verdict::Probing(now, first, 1, now),
             None => Verdict::Pace(now + RECHECK),
         };
-        let verdict = match self.store.verdict() {
+        let held = self.store.verdict();
+        let verdict = match held {
             None => probe(),
             Some(Verdict::Probing(since, sum, n, last)) if now - last >= PROBE_EVERY => {
                 match sample() {
@@ -254,7 +251,9 @@ impl<'a> Pacer<'a> {
             Some(Verdict::Pace(until) | Verdict::Run(until)) if now >= until => probe(),
             Some(verdict) => verdict,
         };
-        self.store.set_verdict(verdict);
+        if held != Some(verdict) {
+            self.store.set_verdict(verdict);
+        }
         matches!(verdict, Verdict::Pace(_))
     }
 

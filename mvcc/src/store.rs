@@ -140,8 +140,9 @@ pub(crate) struct Inner<B: Backend> {
     /// Write transactions begun since open: a long read that sees it move knows writes flow
     /// (see `pace`).
     pub write_txns: AtomicU64,
-    /// Sleeps paced long reads took, and their total length in nanoseconds.
+    /// Sleeps paced long reads took (see `pace`).
     pub read_sleeps: AtomicU64,
+    /// Their total length, in nanoseconds.
     pub read_slept_ns: AtomicU64,
     /// Whether long reads pace themselves, as the last probe found (see `pace`).
     pub pace_verdict: Mutex<Option<crate::pace::Verdict>>,
