@@ -1460,6 +1460,7 @@ fn main() {
         return;
     }
     // `KEEL_MVCC_BENCH_ONLY=fanout` (or `index`, `criterion`, `headline`, `range`) runs one part;
+    // `put` runs only the put comparison's interleaved REPORT;
     // `profile-put`, `profile-raw-put` and `profile-range` run a fixed amount of one workload
     // for an instruction counter (`valgrind --tool=callgrind`); `profile-clients` measures
     // where the durable clients' time goes, alone and with the reader (see `profile_clients`).
@@ -1476,6 +1477,9 @@ fn main() {
         }
         headline(&mut c);
         c.final_summary();
+    }
+    if only == "put" {
+        put_interleaved();
     }
     if only == "range" {
         let mut c = Criterion::default().configure_from_args();

@@ -41,9 +41,10 @@
 //! last 4 bytes    crc             u32  CRC-32 (IEEE) of every byte before it
 //! ```
 
-use std::sync::{Arc, LazyLock};
+use std::sync::LazyLock;
 
 use crate::error::MvccError;
+use crate::pending::{RecordAt, Records};
 use crate::revision::Revision;
 
 /// A lease identifier; `0` means "no lease" (etcd).
@@ -165,17 +166,18 @@ fn header_2(
     put_varint(buf, n, key_len as u64)
 }
 
-/// Encodes one change from its parts (a tombstone has an empty value and zero create
-/// revision and version) in the current format, in one shared allocation: watchers receive
-/// the record itself, not a copy.
+/// Appends the record of one change, encoded from its parts (a tombstone has an empty value
+/// and zero create revision and version) in the current format, to `records`; returns where
+/// it lies.
 pub(crate) fn encode_parts(
+    records: &mut Records,
     key: &[u8],
     value: &[u8],
     create_revision: u64,
     mod_revision: u64,
     version: u64,
     lease: LeaseId,
-) -> Arc<[u8]> {
+) -> RecordAt {
     let mut head = [0u8; MAX_HEADER_2];
     let h = header_2(
         &mut head,
@@ -185,17 +187,14 @@ pub(crate) fn encode_parts(
         version,
         lease,
     );
-    let len = h + key.len() + value.len() + CRC;
-    // A fresh `Arc` is unique, so `get_mut` always succeeds and the bytes are filled in place.
-    let mut rec: Arc<[u8]> = std::iter::repeat_n(0u8, len).collect();
-    if let Some(out) = Arc::get_mut(&mut rec) {
-        let (body, crc) = out.split_at_mut(len - CRC);
-        body[..h].copy_from_slice(&head[..h]);
-        body[h..h + key.len()].copy_from_slice(key);
-        body[h + key.len()..].copy_from_slice(value);
-        crc.copy_from_slice(&crc32(body).to_be_bytes());
-    }
-    rec
+    records.append(h + key.len() + value.len() + CRC, |out| {
+        let start = out.len();
+        out.extend_from_slice(&head[..h]);
+        out.extend_from_slice(key);
+        out.extend_from_slice(value);
+        let crc = crc32(&out[start..]);
+        out.extend_from_slice(&crc.to_be_bytes());
+    })
 }
 
 /// Feeds `h` the record stored under `rev` as format 1 encodes it, whatever format it was
@@ -468,15 +467,17 @@ mod tests {
     }
 
     fn encode(kv: &KeyValue) -> Vec<u8> {
-        encode_parts(
+        let mut records = Records::default();
+        let at = encode_parts(
+            &mut records,
             &kv.key,
             &kv.value,
             kv.create_revision,
             kv.mod_revision,
             kv.version,
             kv.lease,
-        )
-        .to_vec()
+        );
+        records.get(at).to_vec()
     }
 
     /// Changes whose fields cover one-byte and ten-byte varints, negative and extreme

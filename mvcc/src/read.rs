@@ -37,7 +37,7 @@ use crate::error::MvccError;
 use crate::key_index::KeyAt;
 use crate::kv::{KeyValue, decode_record};
 use crate::pace::Pacer;
-use crate::pending::{Changes, Pending};
+use crate::pending::{Changes, Pending, RecordAt, Records};
 use crate::request::{Bound, RangeRequest, RangeResponse, bound, check_range};
 use crate::revision::{REV_KEY_LEN, Revision};
 use crate::store::{INDEX_CHUNK, Inner, KEY_BUCKET};
@@ -254,8 +254,8 @@ impl<T: ReadTxn> Sources<'_, T> {
         }
         let mut misses: Vec<(Revision, usize)> = Vec::new();
         for (i, &rev) in revs.iter().enumerate() {
-            if let Some(p) = staged.and_then(|s| s.find(rev)) {
-                build(i, rev, &p.record)?;
+            if let Some(record) = staged.and_then(|s| s.find(rev)) {
+                build(i, rev, record)?;
                 continue;
             }
             let mut found = false;
@@ -264,8 +264,8 @@ impl<T: ReadTxn> Sources<'_, T> {
                     continue;
                 }
                 let changes = p.changes.read();
-                if let Some(c) = changes.find(rev) {
-                    build(i, rev, &c.record)?;
+                if let Some(record) = changes.find(rev) {
+                    build(i, rev, record)?;
                     found = true;
                     break;
                 }
@@ -384,23 +384,24 @@ impl<T: ReadTxn> Sources<'_, T> {
             .into_iter()
             .chain(std::iter::once(self.current));
         for p in buffers {
-            // The changes in range are taken out (their records are shared, not copied) and
-            // `f` runs with the buffer unlocked: `f` may read the store, and a second read
-            // lock of the same buffer would wait behind a writer queued for it, which holds
-            // the store's state lock that this thread's reads also need.
-            let changes: Vec<(Revision, bool, Arc<[u8]>)> = {
+            // The changes in range are copied out and `f` runs with the buffer unlocked: `f`
+            // may read the store, and a second read lock of the same buffer would wait behind
+            // a writer queued for it, which holds the store's state lock that this thread's
+            // reads also need.
+            let mut records = Records::default();
+            let changes: Vec<(Revision, bool, RecordAt)> = {
                 let changes = p.changes.read();
                 let lo = changes.revs.partition_point(|c| c.rev < from);
                 changes.revs[lo..]
                     .iter()
                     .take_while(|c| c.rev.main <= to)
                     .filter(|c| last.is_none_or(|l| c.rev > l))
-                    .map(|c| (c.rev, c.tombstone, c.record.clone()))
+                    .map(|c| (c.rev, c.tombstone, records.push(changes.record(c))))
                     .collect()
             };
             for (rev, tombstone, record) in changes {
                 last = Some(rev);
-                if !f(rev, tombstone, &rev.to_key(tombstone), &record)? {
+                if !f(rev, tombstone, &rev.to_key(tombstone), records.get(record))? {
                     return Ok(());
                 }
             }

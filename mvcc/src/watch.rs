@@ -623,9 +623,9 @@ impl WatchHub {
 
     /// Queues the events of `revision` for the notifier thread; called by the committing
     /// writer, in revision order, with the buffer its changes went to (`buf.revs[start..]`,
-    /// one entry of `prev_revs` each). The writer neither matches nor sends: it queues its
-    /// changes' records (no allocation for a one-change revision) and wakes the notifier
-    /// only if it is parked. Only when the notifier is a whole queue behind does the writer
+    /// one entry of `prev_revs` each). The writer neither matches nor sends: it queues a
+    /// copy of its changes' records (one allocation each, none for the list of a one-change
+    /// revision) and wakes the notifier only if it is parked. Only when the notifier is a whole queue behind does the writer
     /// dispatch the queue itself, in order; it never waits for a watcher.
     pub fn notify<B: Backend>(
         &self,
@@ -640,7 +640,7 @@ impl WatchHub {
             let end = (start + prev_revs.len()).min(changes.revs.len());
             let revs = &changes.revs[start.min(end)..end];
             let queued = |p: &crate::pending::PendingRev, prev: Option<Revision>| Queued {
-                record: p.record.clone(),
+                record: Arc::from(changes.record(p)),
                 tombstone: p.tombstone,
                 prev,
             };

@@ -149,14 +149,23 @@ impl<'a, B: Backend> WriteTxn<'a, B> {
             Some(p) => (p.created, p.version + 1),
             None => (rev.main, 1),
         };
-        let record = encode_parts(key, value, create_revision, rev.main, version, lease);
+        let staged = &mut self.scratch.staged;
+        let record = encode_parts(
+            &mut staged.records,
+            key,
+            value,
+            create_revision,
+            rev.main,
+            version,
+            lease,
+        );
         self.next_sub += 1;
-        self.scratch.staged.revs.push(PendingRev {
+        staged.revs.push(PendingRev {
             rev,
             tombstone: false,
             record,
         });
-        self.scratch.staged.writes += 1;
+        staged.writes += 1;
         self.scratch.prev_revs.push(prev.map(|p| p.modified));
         Ok(PutResponse {
             revision: rev.main,
@@ -234,12 +243,14 @@ impl<'a, B: Backend> WriteTxn<'a, B> {
                 let rev = Revision::new(at, self.next_sub);
                 idx.keys.tombstone(k, rev);
                 self.next_sub += 1;
-                self.scratch.staged.revs.push(PendingRev {
+                let staged = &mut self.scratch.staged;
+                let record = encode_parts(&mut staged.records, k, &[], 0, at, 0, 0);
+                staged.revs.push(PendingRev {
                     rev,
                     tombstone: true,
-                    record: encode_parts(k, &[], 0, at, 0, 0),
+                    record,
                 });
-                self.scratch.staged.writes += 1;
+                staged.writes += 1;
                 self.scratch.prev_revs.push(Some(*prev));
             }
         }
@@ -376,8 +387,9 @@ impl<B: Backend> Drop for WriteTxn<'_, B> {
             let mut emptied = Vec::new();
             {
                 let idx = self.inner.index.read();
-                for p in self.scratch.staged.revs.iter().rev() {
-                    if let Ok(rec) = decode_record(p.rev, &p.record)
+                let staged = &self.scratch.staged;
+                for p in staged.revs.iter().rev() {
+                    if let Ok(rec) = decode_record(p.rev, staged.record(p))
                         && idx.keys.rollback(rec.key, p.rev)
                     {
                         emptied.push(rec.key);
@@ -423,6 +435,7 @@ impl WriteScratch {
     fn clear(&mut self) {
         let s = &mut self.staged;
         s.revs.clear();
+        s.records.clear();
         if !s.aux.is_empty() {
             s.aux.clear();
         }
