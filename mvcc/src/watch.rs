@@ -537,33 +537,28 @@ const DISPATCH_BATCH: usize = 256;
 /// Committed revisions queued for the notifier before the writer dispatches them itself.
 const DISPATCH_QUEUE: usize = 16_384;
 
-/// One change of a queued revision: its record (shared with the write buffer) and the
-/// key's revision before it.
-struct Queued {
-    record: Arc<[u8]>,
-    tombstone: bool,
-    prev: Option<Revision>,
+/// Per change of a queued revision, the key's revision before it: one inline, as a put has.
+enum QueuedPrevs {
+    One(Option<Revision>),
+    Many(Box<[Option<Revision>]>),
 }
 
-/// The changes of a queued revision: one inline, as a put has.
-enum QueuedChanges {
-    One(Queued),
-    Many(Box<[Queued]>),
-}
-
-impl QueuedChanges {
-    fn as_slice(&self) -> &[Queued] {
+impl QueuedPrevs {
+    fn as_slice(&self) -> &[Option<Revision>] {
         match self {
-            QueuedChanges::One(q) => std::slice::from_ref(q),
-            QueuedChanges::Many(qs) => qs,
+            QueuedPrevs::One(p) => std::slice::from_ref(p),
+            QueuedPrevs::Many(ps) => ps,
         }
     }
 }
 
-/// A committed revision waiting for the notifier.
+/// A committed revision waiting for the notifier: its changes are `buf`'s from `start` on,
+/// one per entry of `prevs` (a buffer's changes never move, and it lives as long as this).
 struct Dispatch {
     revision: u64,
-    changes: QueuedChanges,
+    buf: Arc<Pending>,
+    start: usize,
+    prevs: QueuedPrevs,
 }
 
 /// The store's registry of watchers.
@@ -623,38 +618,28 @@ impl WatchHub {
 
     /// Queues the events of `revision` for the notifier thread; called by the committing
     /// writer, in revision order, with the buffer its changes went to (`buf.revs[start..]`,
-    /// one entry of `prev_revs` each). The writer neither matches nor sends: it queues a
-    /// copy of its changes' records (one allocation each, none for the list of a one-change
-    /// revision) and wakes the notifier only if it is parked. Only when the notifier is a whole queue behind does the writer
-    /// dispatch the queue itself, in order; it never waits for a watcher.
+    /// one entry of `prev_revs` each). The writer neither matches nor sends nor copies: it
+    /// queues a reference to the buffer and wakes the notifier only if it is parked. Only
+    /// when the notifier is a whole queue behind does the writer dispatch the queue itself,
+    /// in order; it never waits for a watcher.
     pub fn notify<B: Backend>(
         &self,
         inner: &Arc<Inner<B>>,
         revision: u64,
-        buf: &Pending,
+        buf: Arc<Pending>,
         start: usize,
         prev_revs: &[Option<Revision>],
     ) {
-        let changes = {
-            let changes = buf.changes.read();
-            let end = (start + prev_revs.len()).min(changes.revs.len());
-            let revs = &changes.revs[start.min(end)..end];
-            let queued = |p: &crate::pending::PendingRev, prev: Option<Revision>| Queued {
-                record: Arc::from(changes.record(p)),
-                tombstone: p.tombstone,
-                prev,
-            };
-            match revs {
-                [one] => QueuedChanges::One(queued(one, prev_revs.first().copied().flatten())),
-                many => QueuedChanges::Many(
-                    many.iter()
-                        .zip(prev_revs)
-                        .map(|(p, prev)| queued(p, *prev))
-                        .collect(),
-                ),
-            }
+        let prevs = match prev_revs {
+            [one] => QueuedPrevs::One(*one),
+            many => QueuedPrevs::Many(many.into()),
         };
-        let d = Dispatch { revision, changes };
+        let d = Dispatch {
+            revision,
+            buf,
+            start,
+            prevs,
+        };
         {
             let mut queue = self.queue.lock();
             if queue.len() < DISPATCH_QUEUE {
@@ -699,16 +684,31 @@ impl WatchHub {
     }
 
     /// Hands the events of one queued revision to synced watchers. Never blocks on a
-    /// watcher. A change no watcher matches costs one key lookup; matched changes are
-    /// shared, not copied.
+    /// watcher. A change no watcher matches costs one key lookup; a matched change's record
+    /// is copied out of the write buffer once and shared by every delivery.
+    ///
+    /// The buffer is read-locked only to match and copy: resolving previous pairs opens a
+    /// read view, which takes the store's state lock, and a writer holding that lock may
+    /// wait for the buffer's write lock.
     fn dispatch_one<B: Backend>(&self, inner: &Arc<Inner<B>>, st: &mut HubState, d: Dispatch) {
-        let Dispatch { revision, changes } = d;
+        let Dispatch {
+            revision,
+            buf,
+            start,
+            prevs,
+        } = d;
         st.last_notified = st.last_notified.max(revision);
+        let prevs = prevs.as_slice();
         let mut matches = std::mem::take(&mut st.scratch);
         matches.clear();
         let mut any_prev = false;
-        for (i, p) in changes.as_slice().iter().enumerate() {
-            let Some(key) = record_key(&p.record) else {
+        let changes = buf.changes.read();
+        let revs = changes
+            .revs
+            .get(start..start + prevs.len())
+            .unwrap_or_default();
+        for (i, p) in revs.iter().enumerate() {
+            let Some(key) = record_key(changes.record(p)) else {
                 continue;
             };
             let watchers = &st.watchers;
@@ -726,11 +726,14 @@ impl WatchHub {
             st.scratch = matches;
             return;
         }
-        let rev_changes = match changes {
+        let rev_changes = match revs {
             // One change, watchers not asking for its previous pair: share the record alone.
-            QueuedChanges::One(q) if !any_prev => Shared::One(q.record),
-            changes => {
-                let revs = changes.as_slice();
+            [one] if !any_prev => {
+                let record = Arc::from(changes.record(one));
+                drop(changes);
+                Shared::One(record)
+            }
+            _ => {
                 if matches.len() > 1 {
                     matches.sort_unstable();
                 }
@@ -750,22 +753,28 @@ impl WatchHub {
                         false
                     }
                 });
-                let mut view: Option<Option<ReadView<B>>> = None;
-                let changes: Vec<Change> = used
+                let copied: Vec<(Change, Option<Revision>)> = used
                     .iter()
                     .map(|&(i, want_prev)| {
                         let p = &revs[i as usize];
-                        let prev = if want_prev {
-                            let v = view.get_or_insert_with(|| ReadView::open(inner).ok());
-                            resolve_prev(inner, v.as_ref(), p.prev).map(Arc::new)
-                        } else {
-                            None
-                        };
-                        Change {
+                        let change = Change {
                             tombstone: p.tombstone,
-                            record: p.record.clone(),
-                            prev,
+                            record: Arc::from(changes.record(p)),
+                            prev: None,
+                        };
+                        (change, prevs[i as usize].filter(|_| want_prev))
+                    })
+                    .collect();
+                drop(changes);
+                let mut view: Option<Option<ReadView<B>>> = None;
+                let changes: Vec<Change> = copied
+                    .into_iter()
+                    .map(|(mut change, prev)| {
+                        if prev.is_some() {
+                            let v = view.get_or_insert_with(|| ReadView::open(inner).ok());
+                            change.prev = resolve_prev(inner, v.as_ref(), prev).map(Arc::new);
                         }
+                        change
                     })
                     .collect();
                 for m in matches.iter_mut() {

@@ -354,7 +354,7 @@ impl<'a, B: Backend> WriteTxn<'a, B> {
         if let Some(buf) = buf {
             self.inner
                 .watch
-                .notify(self.inner, revision, &buf, start, &self.scratch.prev_revs);
+                .notify(self.inner, revision, buf, start, &self.scratch.prev_revs);
         }
         let limit = self.inner.options.batch_limit;
         if pending_writes >= limit {
