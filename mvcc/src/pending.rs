@@ -8,9 +8,12 @@
 //! not matter which copy a value is read from. Deletions are tombstones appended like any
 //! other change, so a pending delete is never hidden by an older committed value.
 //!
-//! A buffer keeps its records' bytes in [`Records`]: chunks of 64 KiB, filled back to back,
-//! so a thousand changes cost a handful of allocations, not one each, and the commit that
-//! ends a buffer frees them in as few calls. Watchers get a copy of the records they are sent.
+//! A buffer keeps its records' bytes in [`Records`]: chunks filled back to back, growing from
+//! 1 KiB to 64 KiB, so a thousand changes cost a handful of allocations, not one each, and
+//! the last holder of a buffer frees them in as few calls; a buffer of one small change stays
+//! small. A record over 64 KiB has an allocation of its own, which a transaction's commit
+//! moves into the shared buffer instead of copying it. Watchers get a copy of the records
+//! they are sent.
 
 use std::collections::BTreeMap;
 
@@ -29,7 +32,8 @@ pub(crate) struct PendingRev {
     pub record: RecordAt,
 }
 
-/// Where a record lies in a [`Records`].
+/// Where a record lies in a [`Records`]: in `chunks[chunk]` from `start`, or, for a record
+/// over [`Records::CHUNK`] bytes, in `big[chunk]`.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct RecordAt {
     chunk: usize,
@@ -37,33 +41,49 @@ pub(crate) struct RecordAt {
     len: usize,
 }
 
-/// Record bytes, appended in chunks of [`Records::CHUNK`] bytes; a record longer than that
-/// has a chunk of its own.
+/// Record bytes: records of up to [`Records::CHUNK`] bytes appended in chunks that double
+/// from [`Records::FIRST_CHUNK`] to [`Records::CHUNK`] bytes, longer ones each in an
+/// allocation of their own.
 #[derive(Debug, Default)]
 pub(crate) struct Records {
     chunks: Vec<Vec<u8>>,
+    big: Vec<Vec<u8>>,
 }
 
 impl Records {
-    /// Bytes of an ordinary chunk.
+    /// Bytes of a full-size chunk, and the longest record kept in one.
     const CHUNK: usize = 64 << 10;
+    /// Bytes of a buffer's first chunk.
+    const FIRST_CHUNK: usize = 1 << 10;
 
     /// The record at `at`.
     #[inline]
     pub fn get(&self, at: RecordAt) -> &[u8] {
-        &self.chunks[at.chunk][at.start..at.start + at.len]
+        if at.len > Self::CHUNK {
+            &self.big[at.chunk]
+        } else {
+            &self.chunks[at.chunk][at.start..at.start + at.len]
+        }
     }
 
     /// Appends a record of `len` bytes, which `write` appends to the vector it is given
     /// (and nothing else); returns where the record lies.
     #[inline]
     pub fn append(&mut self, len: usize, write: impl FnOnce(&mut Vec<u8>)) -> RecordAt {
+        if len > Self::CHUNK {
+            let mut bytes = Vec::with_capacity(len);
+            write(&mut bytes);
+            debug_assert_eq!(bytes.len(), len, "a record's length as announced");
+            return self.push_big(bytes);
+        }
+        let last = self.chunks.last().map_or(0, Vec::capacity);
         if self
             .chunks
             .last()
             .is_none_or(|c| c.capacity() - c.len() < len)
         {
-            self.chunks.push(Vec::with_capacity(len.max(Self::CHUNK)));
+            let size = (last * 2).clamp(Self::FIRST_CHUNK, Self::CHUNK).max(len);
+            self.chunks.push(Vec::with_capacity(size));
         }
         let chunk = self.chunks.len() - 1;
         let bytes = &mut self.chunks[chunk];
@@ -77,18 +97,41 @@ impl Records {
         }
     }
 
+    fn push_big(&mut self, bytes: Vec<u8>) -> RecordAt {
+        let len = bytes.len();
+        self.big.push(bytes);
+        RecordAt {
+            chunk: self.big.len() - 1,
+            start: 0,
+            len,
+        }
+    }
+
     /// Appends a copy of `record`.
     #[inline]
     pub fn push(&mut self, record: &[u8]) -> RecordAt {
         self.append(record.len(), |out| out.extend_from_slice(record))
     }
 
-    /// Forgets every record, keeping an ordinary first chunk's allocation for the next ones.
+    /// Appends the record at `at` in `from`: a copy, or, for a record with an allocation of
+    /// its own, that allocation, taken from `from` (which must then be cleared before it is
+    /// read again).
+    #[inline]
+    fn take_from(&mut self, from: &mut Records, at: RecordAt) -> RecordAt {
+        if at.len > Self::CHUNK {
+            self.push_big(std::mem::take(&mut from.big[at.chunk]))
+        } else {
+            self.push(from.get(at))
+        }
+    }
+
+    /// Forgets every record, keeping the largest chunk's allocation for the next ones.
     pub fn clear(&mut self) {
-        self.chunks.truncate(1);
-        match self.chunks.first_mut() {
-            Some(first) if first.capacity() <= Self::CHUNK => first.clear(),
-            _ => self.chunks.clear(),
+        self.big.clear();
+        if let Some(largest) = (0..self.chunks.len()).max_by_key(|&i| self.chunks[i].capacity()) {
+            self.chunks.swap(0, largest);
+            self.chunks.truncate(1);
+            self.chunks[0].clear();
         }
     }
 }
@@ -130,13 +173,14 @@ impl Changes {
         self.aux.get(bucket)?.get(key).map(|v| v.as_deref())
     }
 
-    /// Moves everything of `other` (newer) into `self`, leaving `other` empty with its
-    /// allocations.
+    /// Moves everything of `other` (newer) into `self`, leaving `other` empty with some of
+    /// its allocations for reuse: records are copied, but those with an allocation of their
+    /// own are moved.
     pub fn absorb_from(&mut self, other: &mut Changes) {
         let first = self.revs.len();
         self.revs.append(&mut other.revs);
         for p in &mut self.revs[first..] {
-            p.record = self.records.push(other.records.get(p.record));
+            p.record = self.records.take_from(&mut other.records, p.record);
         }
         other.records.clear();
         if !other.aux.is_empty() {
@@ -217,8 +261,8 @@ mod tests {
     use super::*;
 
     /// Records of every size, across chunk ends and larger than a chunk, read back as
-    /// written, before and after a copy into another buffer; a cleared buffer keeps an
-    /// ordinary first chunk and nothing else.
+    /// written, before and after a copy into another buffer; chunks grow from the first
+    /// one's size; a cleared buffer keeps its largest chunk and nothing else.
     #[test]
     fn records_read_back_as_written_across_chunks() {
         let record = |i: usize| -> Vec<u8> {
@@ -230,8 +274,18 @@ mod tests {
             (0..len).map(|b| (b ^ i) as u8).collect()
         };
         let mut records = Records::default();
+        let first = records.push(b"small");
+        assert_eq!(records.chunks[0].capacity(), Records::FIRST_CHUNK);
         let at: Vec<RecordAt> = (0..200).map(|i| records.push(&record(i))).collect();
-        assert!(records.chunks.len() > 20, "{} chunks", records.chunks.len());
+        assert!(records.chunks.len() > 10, "{} chunks", records.chunks.len());
+        assert_eq!(records.big.len(), 200 / 7 + 1);
+        assert!(
+            records
+                .chunks
+                .iter()
+                .all(|c| c.capacity() <= Records::CHUNK)
+        );
+        assert_eq!(records.get(first), b"small");
         for (i, at) in at.iter().enumerate() {
             assert_eq!(records.get(*at), record(i).as_slice(), "record {i}");
         }
@@ -243,20 +297,18 @@ mod tests {
 
         records.clear();
         assert_eq!(records.chunks.len(), 1);
+        assert!(records.big.is_empty());
         assert!(records.chunks[0].is_empty());
+        assert_eq!(records.chunks[0].capacity(), Records::CHUNK);
         let at = records.push(b"again");
         assert_eq!(records.get(at), b"again");
-        // A first chunk of a record larger than a chunk is not kept.
-        let mut big = Records::default();
-        big.push(&record(3));
-        big.clear();
-        assert!(big.chunks.is_empty());
     }
 
-    /// A buffer absorbing another's changes copies their records, and leaves the other
-    /// empty, ready for reuse.
+    /// A buffer absorbing another's changes copies their records, moves those with an
+    /// allocation of their own, and leaves the other empty, ready for reuse.
     #[test]
-    fn absorbing_copies_records() {
+    fn absorbing_copies_small_records_and_moves_big_ones() {
+        let big = vec![9u8; Records::CHUNK + 1];
         let mut into = Changes::default();
         let mut from = Changes::default();
         for (changes, main) in [(&mut into, 1), (&mut from, 2)] {
@@ -271,11 +323,22 @@ mod tests {
                 changes.writes += 1;
             }
         }
+        let record = from.records.push(&big);
+        let big_at = from.records.get(record).as_ptr();
+        from.revs.push(PendingRev {
+            rev: Revision::new(2, 3),
+            tombstone: false,
+            record,
+        });
+        from.writes += 1;
         into.absorb_from(&mut from);
-        assert!(from.is_empty() && from.revs.is_empty());
-        assert_eq!(into.writes, 6);
+        assert!(from.is_empty() && from.revs.is_empty() && from.records.big.is_empty());
+        assert_eq!(into.writes, 7);
         assert_eq!(into.find(Revision::new(2, 1)), Some(&b"record 2.1"[..]));
         assert_eq!(into.find(Revision::new(1, 2)), Some(&b"record 1.2"[..]));
-        assert_eq!(into.find(Revision::new(2, 3)), None);
+        let moved = into.find(Revision::new(2, 3)).expect("the big record");
+        assert_eq!(moved, big.as_slice());
+        assert_eq!(moved.as_ptr(), big_at, "moved, not copied");
+        assert_eq!(into.find(Revision::new(2, 4)), None);
     }
 }

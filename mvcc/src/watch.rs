@@ -5,19 +5,20 @@
 //! when the notifier tried to deliver. Nobody waits for a watcher: a full channel just turns
 //! the watcher unsynced, remembering the first revision it missed.
 //!
-//! A committing writer does not match or send anything: it appends its revision (the
-//! records of its changes, shared with the write buffer, and their previous revisions) to
-//! the hub's queue — no allocation for a one-change revision — and wakes the notifier thread
-//! only if it is parked. The notifier takes the whole queue at once, lets commits gather for
+//! A committing writer does not match, copy or send anything: it appends its revision (a
+//! reference to the write buffer its changes went to, where they start, and their previous
+//! revisions) to the hub's queue — no allocation for a one-change revision — and wakes the
+//! notifier thread only if it is parked. The notifier takes the whole queue at once, lets commits gather for
 //! a moment between batches (so busy writers find it asleep rather than waiting to be woken),
 //! and dispatches the batch in revision order. Should it fall a whole queue behind, the
-//! writer dispatches the queue itself, in order, so memory stays bounded.
+//! writer dispatches the queue itself, in order, so the queue, and the buffers it holds on
+//! to, stay bounded.
 //!
 //! Matching is by key, not by watcher: every watcher sits in one [`index::Matcher`] (single
 //! keys in a hash map with a random seed per map, ranges in an interval index), so a change
-//! is matched with one lookup plus one stab, whatever the number of watchers. Records are
-//! shared, never copied: a revision with one change sends each matching watcher that record's
-//! `Arc`, and one with more gathers the matched records once into a shared [`RevChanges`]
+//! is matched with one lookup plus one stab, whatever the number of watchers. A matched
+//! record is copied out of the write buffer once, and shared: a revision with one change sends
+//! each matching watcher that record's `Arc`, and one with more gathers the matched records once into a shared [`RevChanges`]
 //! sent with the positions each watcher should see. Every [`Event`] holds its record and
 //! reads its key and value from it, so a revision costs one channel send per matching
 //! watcher and the receiver no copy of any key or value.
@@ -126,8 +127,8 @@ pub enum EventKind {
 
 /// One change seen by a watcher.
 ///
-/// An event shares the stored record of its change with the store's write buffer and with
-/// every other watcher that saw the same change: delivering it to many watchers copies no
+/// An event shares a copy of the stored record of its change with every other watcher that
+/// saw the same change: delivering it to many watchers copies no
 /// key or value, and [`key`](Event::key) and [`value`](Event::value) are slices into that
 /// record. [`kv`](Event::kv) copies the pair out for a caller that keeps it.
 #[derive(Clone, PartialEq, Eq)]
@@ -536,6 +537,8 @@ impl HubShared {
 const DISPATCH_BATCH: usize = 256;
 /// Committed revisions queued for the notifier before the writer dispatches them itself.
 const DISPATCH_QUEUE: usize = 16_384;
+/// Changes of a revision matched or copied per read lock of its write buffer.
+const LOCKED_CHANGES: usize = 64;
 
 /// Per change of a queued revision, the key's revision before it: one inline, as a put has.
 enum QueuedPrevs {
@@ -687,9 +690,10 @@ impl WatchHub {
     /// watcher. A change no watcher matches costs one key lookup; a matched change's record
     /// is copied out of the write buffer once and shared by every delivery.
     ///
-    /// The buffer is read-locked only to match and copy: resolving previous pairs opens a
-    /// read view, which takes the store's state lock, and a writer holding that lock may
-    /// wait for the buffer's write lock.
+    /// The buffer is read-locked for [`LOCKED_CHANGES`] changes at a time, to match or to
+    /// copy, and never while resolving previous pairs: a committing writer waits for the
+    /// buffer's write lock holding the store's state lock, which every read view's opening
+    /// (a previous pair's, any reader's) takes.
     fn dispatch_one<B: Backend>(&self, inner: &Arc<Inner<B>>, st: &mut HubState, d: Dispatch) {
         let Dispatch {
             revision,
@@ -702,36 +706,43 @@ impl WatchHub {
         let mut matches = std::mem::take(&mut st.scratch);
         matches.clear();
         let mut any_prev = false;
-        let changes = buf.changes.read();
-        let revs = changes
-            .revs
-            .get(start..start + prevs.len())
-            .unwrap_or_default();
-        for (i, p) in revs.iter().enumerate() {
-            let Some(key) = record_key(changes.record(p)) else {
-                continue;
-            };
-            let watchers = &st.watchers;
-            st.matcher.for_each_match(key, |slot| {
-                if let Some(w) = watchers.at(slot)
-                    && w.synced
-                    && w.next_rev <= revision
-                {
-                    matches.push((slot, i as u32));
-                    any_prev |= w.prev_kv;
-                }
-            });
+        for first in (0..prevs.len()).step_by(LOCKED_CHANGES) {
+            let changes = buf.changes.read();
+            let end = prevs.len().min(first + LOCKED_CHANGES);
+            debug_assert!(
+                changes.revs.len() >= start + end,
+                "a queued revision's changes"
+            );
+            let revs = changes
+                .revs
+                .get(start + first..start + end)
+                .unwrap_or_default();
+            for (i, p) in (first..).zip(revs) {
+                let Some(key) = record_key(changes.record(p)) else {
+                    continue;
+                };
+                let watchers = &st.watchers;
+                st.matcher.for_each_match(key, |slot| {
+                    if let Some(w) = watchers.at(slot)
+                        && w.synced
+                        && w.next_rev <= revision
+                    {
+                        matches.push((slot, i as u32));
+                        any_prev |= w.prev_kv;
+                    }
+                });
+            }
         }
         if matches.is_empty() {
             st.scratch = matches;
             return;
         }
-        let rev_changes = match revs {
+        // Matched changes are in the buffer (it only grows).
+        let rev_changes = match prevs {
             // One change, watchers not asking for its previous pair: share the record alone.
-            [one] if !any_prev => {
-                let record = Arc::from(changes.record(one));
-                drop(changes);
-                Shared::One(record)
+            [_] if !any_prev => {
+                let changes = buf.changes.read();
+                Shared::One(Arc::from(changes.record(&changes.revs[start])))
             }
             _ => {
                 if matches.len() > 1 {
@@ -753,19 +764,19 @@ impl WatchHub {
                         false
                     }
                 });
-                let copied: Vec<(Change, Option<Revision>)> = used
-                    .iter()
-                    .map(|&(i, want_prev)| {
-                        let p = &revs[i as usize];
+                let mut copied: Vec<(Change, Option<Revision>)> = Vec::with_capacity(used.len());
+                for part in used.chunks(LOCKED_CHANGES) {
+                    let changes = buf.changes.read();
+                    copied.extend(part.iter().map(|&(i, want_prev)| {
+                        let p = &changes.revs[start + i as usize];
                         let change = Change {
                             tombstone: p.tombstone,
                             record: Arc::from(changes.record(p)),
                             prev: None,
                         };
                         (change, prevs[i as usize].filter(|_| want_prev))
-                    })
-                    .collect();
-                drop(changes);
+                    }));
+                }
                 let mut view: Option<Option<ReadView<B>>> = None;
                 let changes: Vec<Change> = copied
                     .into_iter()
