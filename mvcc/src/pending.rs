@@ -126,12 +126,19 @@ impl Records {
     }
 
     /// Forgets every record, keeping the largest chunk's allocation for the next ones.
+    #[inline]
     pub fn clear(&mut self) {
-        self.big.clear();
-        if let Some(largest) = (0..self.chunks.len()).max_by_key(|&i| self.chunks[i].capacity()) {
-            self.chunks.swap(0, largest);
+        if !self.big.is_empty() {
+            self.big.clear();
+        }
+        if self.chunks.len() > 1 {
+            // The largest is the last (chunks only grow).
+            let last = self.chunks.len() - 1;
+            self.chunks.swap(0, last);
             self.chunks.truncate(1);
-            self.chunks[0].clear();
+        }
+        if let Some(first) = self.chunks.first_mut() {
+            first.clear();
         }
     }
 }

@@ -706,6 +706,8 @@ impl WatchHub {
         let mut matches = std::mem::take(&mut st.scratch);
         matches.clear();
         let mut any_prev = false;
+        // The record of a one-change revision someone matched, copied under the same lock.
+        let mut only: Option<Arc<[u8]>> = None;
         for first in (0..prevs.len()).step_by(LOCKED_CHANGES) {
             let changes = buf.changes.read();
             let end = prevs.len().min(first + LOCKED_CHANGES);
@@ -718,7 +720,8 @@ impl WatchHub {
                 .get(start + first..start + end)
                 .unwrap_or_default();
             for (i, p) in (first..).zip(revs) {
-                let Some(key) = record_key(changes.record(p)) else {
+                let record = changes.record(p);
+                let Some(key) = record_key(record) else {
                     continue;
                 };
                 let watchers = &st.watchers;
@@ -731,6 +734,9 @@ impl WatchHub {
                         any_prev |= w.prev_kv;
                     }
                 });
+                if prevs.len() == 1 && !matches.is_empty() {
+                    only = Some(Arc::from(record));
+                }
             }
         }
         if matches.is_empty() {
@@ -738,12 +744,9 @@ impl WatchHub {
             return;
         }
         // Matched changes are in the buffer (it only grows).
-        let rev_changes = match prevs {
+        let rev_changes = match only {
             // One change, watchers not asking for its previous pair: share the record alone.
-            [_] if !any_prev => {
-                let changes = buf.changes.read();
-                Shared::One(Arc::from(changes.record(&changes.revs[start])))
-            }
+            Some(record) if !any_prev => Shared::One(record),
             _ => {
                 if matches.len() > 1 {
                     matches.sort_unstable();
