@@ -246,7 +246,11 @@ impl BatchSource for Changes {
 }
 
 /// A shared, append-only buffer of changes.
+///
+/// Aligned to a cache line, so that in its `Arc` the reference counts, which readers and the
+/// watch queue change from other threads, sit apart from the lock the writer takes.
 #[derive(Debug, Default)]
+#[repr(align(64))]
 pub(crate) struct Pending {
     pub changes: RwLock<Changes>,
 }
