@@ -5,7 +5,8 @@
 //!   without fsync; goal ≥ 0.7× raw heed's throughput. Both sides open LMDB as a store does
 //!   by default (`write_map` off); REPORT lines follow with the same pair measured in
 //!   alternating batches (both sides meet the same load on a shared machine) and with
-//!   `write_map` on both sides.
+//!   `write_map` on both sides (`KEEL_MVCC_BENCH_ONLY=put` runs the alternating batches
+//!   alone).
 //! - etcd 3.4's headline, as etcd measured it: 16 closed-loop clients, each put (1 KiB values
 //!   over 100 000 keys) durable before its client sends the next (the put, then
 //!   `force_commit`, which group-commits every client's pending puts with fsync), while a
