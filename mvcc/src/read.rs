@@ -384,31 +384,50 @@ impl<T: ReadTxn> Sources<'_, T> {
             .into_iter()
             .chain(std::iter::once(self.current));
         for p in buffers {
-            // The changes in range are copied out and `f` runs with the buffer unlocked: `f`
-            // may read the store, and a second read lock of the same buffer would wait behind
-            // a writer queued for it, which holds the store's state lock that this thread's
-            // reads also need.
+            // The changes in range are copied out, some at a time, and `f` runs with the
+            // buffer unlocked: `f` may read the store, and a second read lock of the same
+            // buffer would wait behind a writer queued for it, which holds the store's state
+            // lock that this thread's reads also need. A batch is bounded, so the lock is
+            // held briefly and the copies stay small.
             let mut records = Records::default();
-            let changes: Vec<(Revision, bool, RecordAt)> = {
-                let changes = p.changes.read();
-                let lo = changes.revs.partition_point(|c| c.rev < from);
-                changes.revs[lo..]
-                    .iter()
-                    .take_while(|c| c.rev.main <= to)
-                    .filter(|c| last.is_none_or(|l| c.rev > l))
-                    .map(|c| (c.rev, c.tombstone, records.push(changes.record(c))))
-                    .collect()
-            };
-            for (rev, tombstone, record) in changes {
-                last = Some(rev);
-                if !f(rev, tombstone, &rev.to_key(tombstone), records.get(record))? {
-                    return Ok(());
+            let mut changes: Vec<(Revision, bool, RecordAt)> = Vec::new();
+            loop {
+                records.clear();
+                changes.clear();
+                {
+                    let buf = p.changes.read();
+                    let lo = buf
+                        .revs
+                        .partition_point(|c| c.rev < from || last.is_some_and(|l| c.rev <= l));
+                    let mut bytes = 0;
+                    for c in buf.revs[lo..].iter().take_while(|c| c.rev.main <= to) {
+                        if changes.len() == COPY_CHANGES || bytes >= COPY_BYTES {
+                            break;
+                        }
+                        let record = buf.record(c);
+                        bytes += record.len();
+                        changes.push((c.rev, c.tombstone, records.push(record)));
+                    }
+                }
+                if changes.is_empty() {
+                    break;
+                }
+                for &(rev, tombstone, record) in &changes {
+                    last = Some(rev);
+                    if !f(rev, tombstone, &rev.to_key(tombstone), records.get(record))? {
+                        return Ok(());
+                    }
                 }
             }
         }
         Ok(())
     }
 }
+
+/// Most changes [`Sources::for_each_change`] copies out of a write buffer per read lock.
+const COPY_CHANGES: usize = 256;
+/// Bytes of records after which [`Sources::for_each_change`] stops copying for one read lock.
+const COPY_BYTES: usize = 1 << 20;
 
 /// Sorts `(revision, slot)` pairs by revision, then slot (slots come in ascending order).
 ///
@@ -607,9 +626,10 @@ mod tests {
     use crate::testing::MemBackend;
     use crate::{RangeRequest, Store, StoreOptions};
 
-    /// Buffered changes, small and large records, are visited in revision order, every one
-    /// once, from any starting revision; the history hash over them matches the one over the
-    /// same changes committed.
+    /// Buffered changes are visited in revision order, every one once, across the bounded
+    /// batches they are copied out in (by count with small records, by bytes with 600 KiB
+    /// ones), from any starting revision; the history hash over them matches the one over
+    /// the same changes committed.
     #[test]
     fn visiting_buffered_changes_in_batches_sees_each_once_in_order() {
         let (_dir, s) = mem_store(StoreOptions {
@@ -618,7 +638,7 @@ mod tests {
             ..StoreOptions::default()
         });
         let mut expected = Vec::new();
-        for i in 0..768u32 {
+        for i in 0..(3 * COPY_CHANGES as u32) {
             let value = vec![i as u8; if i % 100 < 3 { 600 << 10 } else { 10 }];
             let key = format!("k{i:05}");
             let rev = s.put(key.as_bytes(), &value, 0).expect("put").revision;
@@ -626,7 +646,7 @@ mod tests {
         }
         let hash_buffered = s.hash_kv(0).expect("hash");
         let view = s.read().expect("view");
-        for from in [1, 2, 263] {
+        for from in [1, 2, COPY_CHANGES as u64 + 7] {
             let mut seen = Vec::new();
             view.sources(None)
                 .for_each_change(
