@@ -121,10 +121,18 @@ fn put_throughput(c: &mut Criterion) {
 
 /// The put comparison again, batches of keel and raw heed alternating (which goes first
 /// alternates too), so both meet the same load on a shared machine, where criterion's groups
-/// run one side after the other: medians over 300 batches each, as a REPORT.
+/// run one side after the other: medians over 300 batches each (`KEEL_PUT_ROUNDS` sets how
+/// many: criterion's own runs reach millions of keys per side), as a REPORT.
 fn put_interleaved() {
     const BATCH: u64 = 1_000;
-    let rounds = if smoke() { 4 } else { 300 };
+    let rounds = if smoke() {
+        4
+    } else {
+        std::env::var("KEEL_PUT_ROUNDS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(300)
+    };
     let value = [7u8; 150];
     for sync in [true, false] {
         let label = if sync { "fsync" } else { "no fsync" };
