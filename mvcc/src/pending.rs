@@ -76,13 +76,10 @@ impl Records {
             debug_assert_eq!(bytes.len(), len, "a record's length as announced");
             return self.push_big(bytes);
         }
-        let last = self.chunks.last().map_or(0, Vec::capacity);
-        if self
-            .chunks
-            .last()
-            .is_none_or(|c| c.capacity() - c.len() < len)
-        {
-            let size = (last * 2).clamp(Self::FIRST_CHUNK, Self::CHUNK).max(len);
+        let last = self.chunks.last();
+        if last.is_none_or(|c| c.capacity() - c.len() < len) {
+            let doubled = last.map_or(0, |c| c.capacity() * 2);
+            let size = doubled.clamp(Self::FIRST_CHUNK, Self::CHUNK).max(len);
             self.chunks.push(Vec::with_capacity(size));
         }
         let chunk = self.chunks.len() - 1;

@@ -383,14 +383,14 @@ impl<T: ReadTxn> Sources<'_, T> {
             .committing
             .into_iter()
             .chain(std::iter::once(self.current));
+        let mut records = Records::default();
+        let mut changes: Vec<(Revision, bool, RecordAt)> = Vec::new();
         for p in buffers {
             // The changes in range are copied out, some at a time, and `f` runs with the
             // buffer unlocked: `f` may read the store, and a second read lock of the same
             // buffer would wait behind a writer queued for it, which holds the store's state
             // lock that this thread's reads also need. A batch is bounded, so the lock is
             // held briefly and the copies stay small.
-            let mut records = Records::default();
-            let mut changes: Vec<(Revision, bool, RecordAt)> = Vec::new();
             loop {
                 records.clear();
                 changes.clear();

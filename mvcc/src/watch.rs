@@ -8,20 +8,20 @@
 //! A committing writer does not match, copy or send anything: it appends its revision (a
 //! reference to the write buffer its changes went to, where they start, and their previous
 //! revisions) to the hub's queue — no allocation for a one-change revision — and wakes the
-//! notifier thread only if it is parked. The notifier takes the whole queue at once, lets commits gather for
-//! a moment between batches (so busy writers find it asleep rather than waiting to be woken),
-//! and dispatches the batch in revision order. Should it fall a whole queue behind, the
-//! writer dispatches the queue itself, in order, so the queue, and the buffers it holds on
-//! to, stay bounded.
+//! notifier thread only if it is parked. The notifier takes the whole queue at once, lets
+//! commits gather for a moment between batches (so busy writers find it asleep rather than
+//! waiting to be woken), and dispatches the batch in revision order. Should it fall a whole
+//! queue behind, the writer dispatches the queue itself, in order, so the queue, and the
+//! buffers it holds on to, stay bounded.
 //!
 //! Matching is by key, not by watcher: every watcher sits in one [`index::Matcher`] (single
-//! keys in a hash map with a random seed per map, ranges in an interval index), so a change
-//! is matched with one lookup plus one stab, whatever the number of watchers. A matched
-//! record is copied out of the write buffer once, and shared: a revision with one change sends
-//! each matching watcher that record's `Arc`, and one with more gathers the matched records once into a shared [`RevChanges`]
-//! sent with the positions each watcher should see. Every [`Event`] holds its record and
-//! reads its key and value from it, so a revision costs one channel send per matching
-//! watcher and the receiver no copy of any key or value.
+//! keys in a hash map with a random seed per map, ranges in an interval index), so a change is
+//! matched with one lookup plus one stab, whatever the number of watchers. A matched record is
+//! copied out of the write buffer once, and shared: a revision with one change sends each
+//! matching watcher that record's `Arc`, and one with more gathers the matched records once
+//! into a shared [`RevChanges`] sent with the positions each watcher should see. Every
+//! [`Event`] holds its record and reads its key and value from it, so a revision costs one
+//! channel send per matching watcher and the receiver no copy of any key or value.
 //!
 //! The syncer thread ([`sync`]) catches unsynced watchers up: each round takes every unsynced
 //! watcher whose channel has room, reads the revisions from the lowest revision any of them
@@ -127,10 +127,10 @@ pub enum EventKind {
 
 /// One change seen by a watcher.
 ///
-/// An event shares a copy of the stored record of its change with every other watcher that
-/// saw the same change: delivering it to many watchers copies no
-/// key or value, and [`key`](Event::key) and [`value`](Event::value) are slices into that
-/// record. [`kv`](Event::kv) copies the pair out for a caller that keeps it.
+/// An event shares a copy of the stored record of its change with every other watcher that saw
+/// the same change: delivering it to many watchers copies no key or value, and
+/// [`key`](Event::key) and [`value`](Event::value) are slices into that record.
+/// [`kv`](Event::kv) copies the pair out for a caller that keeps it.
 #[derive(Clone, PartialEq, Eq)]
 pub struct Event {
     kind: EventKind,
@@ -767,30 +767,27 @@ impl WatchHub {
                         false
                     }
                 });
-                let mut copied: Vec<(Change, Option<Revision>)> = Vec::with_capacity(used.len());
+                let mut changes: Vec<Change> = Vec::with_capacity(used.len());
                 for part in used.chunks(LOCKED_CHANGES) {
-                    let changes = buf.changes.read();
-                    copied.extend(part.iter().map(|&(i, want_prev)| {
-                        let p = &changes.revs[start + i as usize];
-                        let change = Change {
+                    let buffered = buf.changes.read();
+                    changes.extend(part.iter().map(|&(i, _)| {
+                        let p = &buffered.revs[start + i as usize];
+                        Change {
                             tombstone: p.tombstone,
-                            record: Arc::from(changes.record(p)),
+                            record: Arc::from(buffered.record(p)),
                             prev: None,
-                        };
-                        (change, prevs[i as usize].filter(|_| want_prev))
+                        }
                     }));
                 }
+                // With the buffer unlocked (see above).
                 let mut view: Option<Option<ReadView<B>>> = None;
-                let changes: Vec<Change> = copied
-                    .into_iter()
-                    .map(|(mut change, prev)| {
-                        if prev.is_some() {
-                            let v = view.get_or_insert_with(|| ReadView::open(inner).ok());
-                            change.prev = resolve_prev(inner, v.as_ref(), prev).map(Arc::new);
-                        }
-                        change
-                    })
-                    .collect();
+                for (change, &(i, want_prev)) in changes.iter_mut().zip(&used) {
+                    let prev = prevs[i as usize];
+                    if want_prev && prev.is_some() {
+                        let v = view.get_or_insert_with(|| ReadView::open(inner).ok());
+                        change.prev = resolve_prev(inner, v.as_ref(), prev).map(Arc::new);
+                    }
+                }
                 for m in matches.iter_mut() {
                     m.1 = used.partition_point(|u| u.0 < m.1) as u32;
                 }
