@@ -1286,7 +1286,7 @@ fn profile_clients<B: Backend + 'static>(s: &Arc<Store<B>>) {
 /// Fixed workloads for an instruction counter: 20 batches (`KEEL_PROFILE_BATCHES`) of 1 000
 /// puts plus a commit (no fsync, or with it for the `-fsync` variants, to trace system calls)
 /// on the store or on raw heed, printing the median time per batch, or 20 ranges of 10 000
-/// keys; `KEEL_PROFILE_WRITE_MAP=1` opens LMDB with `write_map` on either side.
+/// keys (`KEEL_PROFILE_BATCHES` sets how many too); `KEEL_PROFILE_WRITE_MAP=1` opens LMDB with `write_map` on either side.
 fn profile(what: &str) {
     let dir = tempfile::tempdir().unwrap();
     let value = [7u8; 150];
@@ -1341,7 +1341,7 @@ fn profile(what: &str) {
             t.commit().expect("commit");
             s.force_commit().expect("commit");
             let req = RangeRequest::range(b"key-".to_vec(), vec![0]);
-            for _ in 0..20 {
+            for _ in 0..batches {
                 black_box(s.range(&req).expect("range"));
             }
         }
@@ -1353,7 +1353,7 @@ fn profile(what: &str) {
                 db.put(&mut wtxn, &key(i), &value).expect("put");
             }
             wtxn.commit().expect("commit");
-            for _ in 0..20 {
+            for _ in 0..batches {
                 let txn = env.clone().static_read_txn().expect("read txn");
                 let bounds: (Bound<&[u8]>, Bound<&[u8]>) = (Bound::Unbounded, Bound::Unbounded);
                 let mut out = Vec::new();

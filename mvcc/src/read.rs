@@ -196,38 +196,36 @@ impl<T: ReadTxn> Sources<'_, T> {
         revs: &[Revision],
         with_value: bool,
     ) -> Result<Vec<KeyValue>, MvccError> {
-        let mut out: Vec<KeyValue> = std::iter::repeat_with(KeyValue::default)
-            .take(revs.len())
-            .collect();
-        self.fetch_into(compacted, revs, &mut out, false, with_value)?;
-        Ok(out)
+        self.fetch_into(compacted, revs, None, with_value)
     }
 
-    /// [`fetch`](Self::fetch) into `out` (one entry per revision): with `keyed`, each entry
-    /// already holds its revision's key, which is checked against the record instead of
-    /// copied from it; everything else of the entry is set from the record.
+    /// [`fetch`](Self::fetch), given with `keys` the key the index names for each revision,
+    /// which is checked against the record's.
+    ///
+    /// Each entry's key and value are copied out one after the other, so the two
+    /// allocations of an entry sit side by side and are freed together, as a caller drops
+    /// the results entry by entry.
     pub fn fetch_into(
         &self,
         compacted: impl Fn() -> u64,
         revs: &[Revision],
-        out: &mut [KeyValue],
-        keyed: bool,
+        keys: Option<&KeyRun>,
         with_value: bool,
-    ) -> Result<(), MvccError> {
-        debug_assert_eq!(revs.len(), out.len());
+    ) -> Result<Vec<KeyValue>, MvccError> {
+        debug_assert!(keys.is_none_or(|k| k.len() == revs.len()));
+        let mut out: Vec<KeyValue> = std::iter::repeat_with(KeyValue::default)
+            .take(revs.len())
+            .collect();
         let mut build = |i: usize, rev: Revision, rec: &[u8]| -> Result<(), MvccError> {
             let r = decode_record(rev, rec)?;
-            let kv = &mut out[i];
-            if keyed {
-                if kv.key != r.key {
-                    return Err(MvccError::Corrupt {
-                        revision: rev,
-                        reason: "record key differs from the key index".to_owned(),
-                    });
-                }
-            } else {
-                kv.key = r.key.to_vec();
+            if keys.is_some_and(|k| k.get(i) != r.key) {
+                return Err(MvccError::Corrupt {
+                    revision: rev,
+                    reason: "record key differs from the key index".to_owned(),
+                });
             }
+            let kv = &mut out[i];
+            kv.key = r.key.to_vec();
             r.fill(kv, with_value);
             Ok(())
         };
@@ -250,7 +248,8 @@ impl<T: ReadTxn> Sources<'_, T> {
             && revs.is_sorted()
             && below.is_none_or(|lo| revs.last().is_none_or(|r| *r < lo))
         {
-            return self.read_backend(&compacted, revs.len(), |m| (revs[m], m), &mut build);
+            self.read_backend(&compacted, revs.len(), |m| (revs[m], m), &mut build)?;
+            return Ok(out);
         }
         let mut misses: Vec<(Revision, usize)> = Vec::new();
         for (i, &rev) in revs.iter().enumerate() {
@@ -275,7 +274,8 @@ impl<T: ReadTxn> Sources<'_, T> {
             }
         }
         sort_misses(&mut misses);
-        self.read_backend(&compacted, misses.len(), |m| misses[m], &mut build)
+        self.read_backend(&compacted, misses.len(), |m| misses[m], &mut build)?;
+        Ok(out)
     }
 
     /// Reads `n` revisions from the backend, the `m`th being `miss(m) = (revision, slot)`, in
@@ -534,38 +534,56 @@ pub(crate) fn range<B: Backend>(
     } else {
         req.limit
     };
-    let mut keys: Vec<Vec<u8>> = Vec::new();
+    let mut keys = KeyRun::default();
     let mut revs: Vec<Revision> = Vec::new();
     let count = scan_live(inner, &req.key, &b, rev, &|| src.pause(), |key, at| {
-        if !req.count_only && keys.len() < limit {
-            keys.push(key.to_vec());
+        if !req.count_only && revs.len() < limit {
+            keys.push(key);
             revs.push(at.modified);
         }
     })?;
     let mut resp = RangeResponse {
         kvs: Vec::new(),
         count,
-        more: count > keys.len() && !req.count_only,
+        more: count > revs.len() && !req.count_only,
         revision: rev,
     };
     if req.count_only {
         resp.more = false;
         return Ok(resp);
     }
-    // The results are built around the keys the index yielded, then filled in: built here
-    // rather than during the scan, the vector of results is allocated once at its size
-    // instead of being grown (and copied) while the scan runs.
-    let mut kvs: Vec<KeyValue> = keys
-        .into_iter()
-        .map(|key| KeyValue {
-            key,
-            ..KeyValue::default()
-        })
-        .collect();
+    // The results are built once the scan is done, so their vector is allocated once at
+    // its size instead of being grown (and copied) while the scan runs.
     let compacted = || inner.index.read().compacted;
-    src.fetch_into(compacted, &revs, &mut kvs, true, !req.keys_only)?;
-    resp.kvs = kvs;
+    resp.kvs = src.fetch_into(compacted, &revs, Some(&keys), !req.keys_only)?;
     Ok(resp)
+}
+
+/// Keys end to end in one buffer: the keys a scan yields, without an allocation each.
+#[derive(Debug, Default)]
+pub(crate) struct KeyRun {
+    bytes: Vec<u8>,
+    /// Where each key ends in `bytes`.
+    ends: Vec<usize>,
+}
+
+impl KeyRun {
+    /// Appends `key`.
+    pub fn push(&mut self, key: &[u8]) {
+        self.bytes.extend_from_slice(key);
+        self.ends.push(self.bytes.len());
+    }
+
+    /// The `i`th key pushed.
+    pub fn get(&self, i: usize) -> &[u8] {
+        let start = if i == 0 { 0 } else { self.ends[i - 1] };
+        &self.bytes[start..self.ends[i]]
+    }
+
+    /// How many keys there are.
+    pub fn len(&self) -> usize {
+        self.ends.len()
+    }
 }
 
 /// Calls `f(key, state)` for every key of `[start, bound)` live at `rev`, in key order, holding
@@ -671,6 +689,56 @@ mod tests {
         drop(view);
         s.force_commit().expect("commit");
         assert_eq!(s.hash_kv(0).expect("hash"), hash_buffered);
+    }
+
+    #[test]
+    fn a_key_run_gives_back_its_keys_empty_ones_included() {
+        let keys: [&[u8]; 5] = [b"", b"a", b"", b"longer key \xff", b"b"];
+        let mut run = KeyRun::default();
+        for k in keys {
+            run.push(k);
+        }
+        assert_eq!(run.len(), keys.len());
+        for (i, k) in keys.iter().enumerate() {
+            assert_eq!(run.get(i), *k, "key {i}");
+        }
+    }
+
+    /// A record whose checksum holds but whose key is not the one the index names for its
+    /// revision fails the range with a typed error instead of returning the pair.
+    #[test]
+    fn a_record_under_another_keys_revision_fails_the_range() {
+        use crate::backend::{Backend, ReadTxn, WriteBatch};
+        let (_dir, s) = mem_store(StoreOptions::default());
+        s.put(b"a", b"1", 0).expect("put");
+        s.put(b"b", b"2", 0).expect("put");
+        s.force_commit().expect("commit");
+        let whole = RangeRequest::range(b"a".to_vec(), b"c".to_vec());
+        let before = s.range(&whole).expect("range").kvs;
+        assert_eq!(before.len(), 2);
+        // Swap the two records: each is well formed, under the other's revision.
+        let txn = s.backend().read_txn().expect("txn");
+        let pairs: Vec<(Vec<u8>, Vec<u8>)> = txn
+            .range(&KEY_BUCKET, &[], None)
+            .expect("range")
+            .map(|p| p.map(|(k, v)| (k.to_vec(), v.to_vec())).expect("pair"))
+            .collect();
+        drop(txn);
+        assert_eq!(pairs.len(), 2);
+        let mut batch = WriteBatch::new();
+        batch.put(&KEY_BUCKET, pairs[0].0.clone(), pairs[1].1.clone());
+        batch.put(&KEY_BUCKET, pairs[1].0.clone(), pairs[0].1.clone());
+        s.backend().commit(&batch).expect("commit");
+        match s.range(&whole) {
+            Err(MvccError::Corrupt { revision, reason }) => {
+                assert_eq!(
+                    revision.main, before[0].mod_revision,
+                    "the first record read"
+                );
+                assert!(reason.contains("differs from the key index"), "{reason}");
+            }
+            other => panic!("range over swapped records: {other:?}"),
+        }
     }
 
     #[test]
