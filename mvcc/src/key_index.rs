@@ -14,9 +14,7 @@
 //! read lock (it may lose its CPU in the middle of a chunk); only adding and removing keys
 //! (a new key's put, rolling one back, compaction) takes the write lock.
 
-use std::cmp::Reverse;
-use std::collections::btree_map::Entry;
-use std::collections::{BTreeMap, HashSet};
+use std::collections::HashSet;
 use std::ops::Bound as RangeBound;
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
@@ -25,6 +23,10 @@ use parking_lot::Mutex;
 
 use crate::request::Bound;
 use crate::revision::Revision;
+
+mod leaves;
+
+use leaves::LeafMap;
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Generation {
@@ -730,27 +732,14 @@ impl Inline {
     }
 }
 
-/// The key index.
-///
-/// The map is ordered by *descending* key, and scans walk it backwards. A `BTreeMap` node
-/// is searched from its first key on, so a key above every key of a node is compared with
-/// each of them: in ascending order, the keys a store typically adds (each above the last:
-/// sequence numbers, timestamps) walk the right spine and cost every comparison of every
-/// node on the way (some forty at a few thousand keys); in descending order they walk the
-/// left spine, one comparison per level. Keys in random order cost the same either way.
+/// The key index: each key's [`Slot`] in a [`LeafMap`] (sorted leaves of up to 32 keys).
 ///
 /// Methods taking `&self` change keys already in the map in place, under each key's own
 /// [`Slot`] lock (the store calls them holding its read lock of the index); those taking
 /// `&mut self` add or remove keys.
 #[derive(Debug, Default)]
 pub(crate) struct KeyIndex {
-    map: BTreeMap<Reverse<IndexKey>, Slot>,
-}
-
-/// The map's key for `key`.
-#[inline]
-fn desc(key: &[u8]) -> Reverse<IndexKey> {
-    Reverse(IndexKey::from(key))
+    map: LeafMap<Slot>,
 }
 
 impl KeyIndex {
@@ -759,22 +748,24 @@ impl KeyIndex {
     }
 
     pub fn get(&self, key: &[u8], at: u64) -> Option<KeyAt> {
-        self.map.get(&desc(key))?.get(at)
+        self.map.get(key)?.get(at)
     }
 
     /// [`get`](Self::get) at `at`, then [`put`](Self::put) of `rev`, in one lookup.
     pub fn get_and_put(&mut self, key: &[u8], at: u64, rev: Revision) -> Option<KeyAt> {
-        match self.map.entry(desc(key)) {
-            Entry::Occupied(mut o) => o.get_mut().update_mut(|e| {
-                let prev = e.get(at);
-                e.put(rev);
-                prev
-            }),
-            Entry::Vacant(v) => {
-                v.insert(Slot::new(KeyEntry::created_by(rev)));
-                None
-            }
-        }
+        self.map
+            .upsert(
+                key,
+                || Slot::new(KeyEntry::created_by(rev)),
+                |slot| {
+                    slot.update_mut(|e| {
+                        let prev = e.get(at);
+                        e.put(rev);
+                        prev
+                    })
+                },
+            )
+            .flatten()
     }
 
     /// [`get_and_put`](Self::get_and_put) for a key already in the index, in place; `None`
@@ -785,7 +776,7 @@ impl KeyIndex {
         at: u64,
         rev: Revision,
     ) -> Option<Option<KeyAt>> {
-        let slot = self.map.get(&desc(key))?;
+        let slot = self.map.get(key)?;
         Some(slot.update(|e| {
             let prev = e.get(at);
             e.put(rev);
@@ -802,14 +793,14 @@ impl KeyIndex {
     /// Records a deletion; false when the key is not live.
     pub fn tombstone(&self, key: &[u8], rev: Revision) -> bool {
         self.map
-            .get(&desc(key))
+            .get(key)
             .is_some_and(|e| e.update(|e| e.tombstone(rev)))
     }
 
     /// Undoes the change at `rev` of `key` (its latest) in place; true when the key is left
     /// with no history, for [`remove_if_empty`](Self::remove_if_empty).
     pub fn rollback(&self, key: &[u8], rev: Revision) -> bool {
-        self.map.get(&desc(key)).is_some_and(|e| {
+        self.map.get(key).is_some_and(|e| {
             e.update(|e| {
                 e.rollback(rev);
                 e.is_empty()
@@ -819,33 +810,31 @@ impl KeyIndex {
 
     /// Drops `key` if it has no history.
     pub fn remove_if_empty(&mut self, key: &[u8]) {
-        let key = desc(key);
         if self
             .map
-            .get_mut(&key)
+            .get_mut(key)
             .is_some_and(|e| e.update_mut(|e| e.is_empty()))
         {
-            self.map.remove(&key);
+            self.map.remove(key);
         }
     }
 
     /// Rebuild step for a stored put (see [`KeyEntry::restore`] for keys seen first or after a
     /// tombstone).
     pub fn restore_put(&mut self, key: &[u8], created: u64, rev: Revision, ver: u64) {
-        match self.map.entry(desc(key)) {
-            Entry::Occupied(mut o) => {
-                o.get_mut().update_mut(|e| {
+        self.map.upsert(
+            key,
+            || Slot::new(KeyEntry::one_put(ver, created, rev)),
+            |slot| {
+                slot.update_mut(|e| {
                     if e.is_live() {
                         e.put(rev);
                     } else {
                         e.restore(created, rev, ver);
                     }
                 });
-            }
-            Entry::Vacant(v) => {
-                v.insert(Slot::new(KeyEntry::one_put(ver, created, rev)));
-            }
-        }
+            },
+        );
     }
 
     /// Visits keys of `[start, bound)` in order, starting after `after` when given, calling
@@ -855,7 +844,7 @@ impl KeyIndex {
         start: &[u8],
         bound: &Bound<'_>,
         after: Option<&[u8]>,
-        mut f: impl FnMut(&[u8], &Slot) -> bool,
+        f: impl FnMut(&[u8], &Slot) -> bool,
     ) -> bool {
         let lower = match after {
             Some(a) => RangeBound::Excluded(a),
@@ -877,16 +866,8 @@ impl KeyIndex {
         {
             return true;
         }
-        // In the map's descending order the range runs from `upper` to `lower` (the checks
-        // above rule out the bounds `range` panics on, in either order): walked backwards, it
-        // yields the keys in ascending order.
-        let probe = |b: RangeBound<&[u8]>| b.map(desc);
-        for (k, e) in self.map.range((probe(upper), probe(lower))).rev() {
-            if !f(k.0.as_slice(), e) {
-                return false;
-            }
-        }
-        true
+        // The checks above rule out inverted bounds.
+        self.map.scan(lower, upper, f)
     }
 
     /// Compacts every key at `at`; returns the revisions `<= at` that stay in the store.
@@ -1049,17 +1030,17 @@ mod tests {
         let mut idx = KeyIndex::default();
         idx.put(b"a", r(1));
         assert!(matches!(
-            idx.map.get(&desc(b"a")).map(Slot::entry),
+            idx.map.get(b"a").map(Slot::entry),
             Some(KeyEntry::Single { .. })
         ));
         idx.put(b"a", r(2));
         assert!(matches!(
-            idx.map.get(&desc(b"a")).map(Slot::entry),
+            idx.map.get(b"a").map(Slot::entry),
             Some(KeyEntry::Multi(_))
         ));
         assert_eq!(idx.compact(2), HashSet::from([r(2)]));
         assert!(matches!(
-            idx.map.get(&desc(b"a")).map(Slot::entry),
+            idx.map.get(b"a").map(Slot::entry),
             Some(KeyEntry::Single { ver: 2, .. })
         ));
     }
@@ -1127,7 +1108,7 @@ mod tests {
         let mut idx = KeyIndex::default();
         idx.put(b"a", big);
         assert!(matches!(
-            idx.map.get(&desc(b"a")).map(Slot::entry),
+            idx.map.get(b"a").map(Slot::entry),
             Some(KeyEntry::Multi(_))
         ));
         assert_eq!(idx.get(b"a", 7).map(|a| a.modified), Some(big));
@@ -1149,7 +1130,7 @@ mod tests {
         }
         idx.restore_put(b"e", 5, Revision::new(6, 1), 7);
         assert!(matches!(
-            idx.map.get(&desc(b"e")).map(Slot::entry),
+            idx.map.get(b"e").map(Slot::entry),
             Some(KeyEntry::Single {
                 ver: 7,
                 created: 5,

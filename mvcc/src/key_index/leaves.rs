@@ -1,0 +1,458 @@
+//! The key index's ordered map: entries in sorted leaves of up to [`LEAF`] keys, each leaf
+//! found by its first key in a `BTreeMap`.
+//!
+//! Why not a `BTreeMap` of the entries themselves: its nodes hold at most eleven entries and
+//! split in half when full, so keys added in ascending order (sequence numbers, timestamps:
+//! what a store typically adds) leave every node about half full, and a scan follows a
+//! pointer to a new node every five or six keys, each a wait on memory for a large index.
+//! Here a leaf holds up to [`LEAF`] entries side by side, each key beside its value, and a
+//! key added after the last key of a full leaf starts a new leaf instead of splitting it:
+//! keys added in order fill their leaves, and a scan reads long runs of adjacent memory that
+//! the processor fetches ahead. A key added inside a full leaf splits it in half, as a
+//! B-tree does, so keys in random order leave leaves between half and wholly full.
+//!
+//! A leaf is searched linearly (see `Leaf::find`), which keeps lookups of keys in random
+//! order as fast as the `BTreeMap`'s: at a million keys out of the cache, about 0.6 µs
+//! either way, where a binary search of the leaf took twice that.
+//!
+//! The top map is ordered by *descending* first key, and scans walk it backwards. A
+//! `BTreeMap` node is searched from its first key on, so a key above every key of a node is
+//! compared with each of them: in ascending order, the keys a store typically adds (each
+//! above the last) would walk the right spine and cost every comparison of every node on
+//! the way; in descending order they walk the left spine, one comparison per level. Keys in
+//! random order cost the same either way. The leaf that may hold a key is the first one, in
+//! the map's order, whose first key is at or below it.
+
+use std::cmp::Reverse;
+use std::collections::BTreeMap;
+use std::ops::Bound;
+
+use super::IndexKey;
+
+/// Most keys a leaf holds.
+pub(crate) const LEAF: usize = 32;
+
+/// One leaf: entries sorted by key, each key beside its value (a lookup's last probe reads
+/// both); never empty in a map.
+#[derive(Debug)]
+struct Leaf<V> {
+    entries: Vec<(IndexKey, V)>,
+}
+
+impl<V> Leaf<V> {
+    fn new() -> Leaf<V> {
+        Leaf {
+            entries: Vec::with_capacity(LEAF),
+        }
+    }
+
+    /// A leaf of one entry.
+    fn of(key: IndexKey, value: V) -> Leaf<V> {
+        let mut leaf = Leaf::new();
+        leaf.entries.push((key, value));
+        leaf
+    }
+
+    /// Where `key` is (`Ok`) or would go (`Err`).
+    ///
+    /// A linear search, from the last key (after which keys added in ascending order go)
+    /// and then from the first: its loads do not wait for each other's comparisons, as a
+    /// binary search's do, so a leaf out of the cache costs about one wait on memory
+    /// instead of one per probe.
+    #[inline]
+    fn find(&self, key: &IndexKey) -> Result<usize, usize> {
+        match self.entries.last() {
+            Some((last, _)) if last < key => return Err(self.entries.len()),
+            None => return Err(0),
+            _ => {}
+        }
+        for (i, (k, _)) in self.entries.iter().enumerate() {
+            match k.cmp(key) {
+                std::cmp::Ordering::Less => {}
+                std::cmp::Ordering::Equal => return Ok(i),
+                std::cmp::Ordering::Greater => return Err(i),
+            }
+        }
+        Err(self.entries.len())
+    }
+
+    fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    fn key(&self, i: usize) -> &IndexKey {
+        &self.entries[i].0
+    }
+
+    /// The top map's key of the leaf.
+    fn first(&self) -> Reverse<IndexKey> {
+        Reverse(self.entries[0].0.clone())
+    }
+
+    /// The second half of the leaf, split off.
+    fn split(&mut self) -> Leaf<V> {
+        let mut right = Leaf::new();
+        right.entries.extend(self.entries.drain(LEAF / 2..));
+        right
+    }
+}
+
+/// An ordered map from byte-string keys to `V` (see the module doc).
+#[derive(Debug)]
+pub(crate) struct LeafMap<V> {
+    /// Leaves by their first key, in descending order.
+    top: BTreeMap<Reverse<IndexKey>, Leaf<V>>,
+    len: usize,
+}
+
+impl<V> Default for LeafMap<V> {
+    fn default() -> LeafMap<V> {
+        LeafMap {
+            top: BTreeMap::new(),
+            len: 0,
+        }
+    }
+}
+
+/// The top map's key for `key`.
+#[inline]
+fn desc(key: &[u8]) -> Reverse<IndexKey> {
+    Reverse(IndexKey::from(key))
+}
+
+impl<V> LeafMap<V> {
+    /// Number of keys.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The value of `key`.
+    #[inline]
+    pub fn get(&self, key: &[u8]) -> Option<&V> {
+        // The leaf that holds `key` if any does: the last one whose first key is at or
+        // below it.
+        let probe = desc(key);
+        let (_, leaf) = self.top.range(&probe..).next()?;
+        leaf.find(&probe.0).ok().map(|i| &leaf.entries[i].1)
+    }
+
+    /// The value of `key`, to change.
+    pub fn get_mut(&mut self, key: &[u8]) -> Option<&mut V> {
+        let probe = desc(key);
+        let (_, leaf) = self.top.range_mut(&probe..).next()?;
+        let i = leaf.find(&probe.0).ok()?;
+        Some(&mut leaf.entries[i].1)
+    }
+
+    /// Calls `update` on the value of `key`, or adds `key` with the value `insert` makes.
+    pub fn upsert<R>(
+        &mut self,
+        key: &[u8],
+        insert: impl FnOnce() -> V,
+        update: impl FnOnce(&mut V) -> R,
+    ) -> Option<R> {
+        let probe = desc(key);
+        let Some((first, leaf)) = self.top.range_mut(&probe..).next() else {
+            // Below every key (or the map is empty): the key opens the first leaf.
+            self.add_first(probe, insert());
+            return None;
+        };
+        let at = match leaf.find(&probe.0) {
+            Ok(i) => return Some(update(&mut leaf.entries[i].1)),
+            Err(at) => at,
+        };
+        self.len += 1;
+        if leaf.len() < LEAF {
+            leaf.entries.insert(at, (probe.0, insert()));
+            return None;
+        }
+        if at == LEAF {
+            // After the last key of a full leaf: a new leaf, so keys added in ascending
+            // order fill theirs.
+            let fresh = Leaf::of(probe.0.clone(), insert());
+            self.top.insert(probe, fresh);
+            return None;
+        }
+        let mut right = leaf.split();
+        let target = if at <= LEAF / 2 { leaf } else { &mut right };
+        let at = if at <= LEAF / 2 { at } else { at - LEAF / 2 };
+        target.entries.insert(at, (probe.0, insert()));
+        // `first` is unchanged: `at` was not 0 (the leaf's first key is at or below `key`,
+        // and not equal to it).
+        debug_assert!(first.0.as_slice() < key);
+        self.top.insert(right.first(), right);
+        None
+    }
+
+    /// Adds `key`, below every key in the map, with `value`.
+    fn add_first(&mut self, key: Reverse<IndexKey>, value: V) {
+        self.len += 1;
+        if let Some(mut entry) = self.top.last_entry()
+            && entry.get().len() < LEAF
+        {
+            entry.get_mut().entries.insert(0, (key.0.clone(), value));
+            let leaf = entry.remove();
+            self.top.insert(key, leaf);
+            return;
+        }
+        let fresh = Leaf::of(key.0.clone(), value);
+        self.top.insert(key, fresh);
+    }
+
+    /// Removes `key`, returning its value.
+    pub fn remove(&mut self, key: &[u8]) -> Option<V> {
+        let probe = desc(key);
+        let (first, leaf) = self.top.range_mut(&probe..).next()?;
+        let i = leaf.find(&probe.0).ok()?;
+        let (_, value) = leaf.entries.remove(i);
+        self.len -= 1;
+        if i == 0 {
+            // The leaf's first key changed (or it is empty): it moves in the top map.
+            let first = first.clone();
+            let leaf = self.top.remove(&first).expect("the leaf just found");
+            if leaf.len() > 0 {
+                self.top.insert(leaf.first(), leaf);
+            }
+        }
+        Some(value)
+    }
+
+    /// Keeps the entries for which `keep` returns true, in key order; the leaves are packed
+    /// full again.
+    pub fn retain(&mut self, mut keep: impl FnMut(&[u8], &mut V) -> bool) {
+        let old = std::mem::take(&mut self.top);
+        let mut packed: Vec<(Reverse<IndexKey>, Leaf<V>)> = Vec::new();
+        let mut leaf = Leaf::new();
+        let mut len = 0;
+        for (_, l) in old.into_iter().rev() {
+            for (k, mut v) in l.entries {
+                if !keep(k.as_slice(), &mut v) {
+                    continue;
+                }
+                if leaf.len() == LEAF {
+                    let full = std::mem::replace(&mut leaf, Leaf::new());
+                    packed.push((full.first(), full));
+                }
+                leaf.entries.push((k, v));
+                len += 1;
+            }
+        }
+        if leaf.len() > 0 {
+            packed.push((leaf.first(), leaf));
+        }
+        // In descending order, as the map keeps them: built in one pass.
+        packed.reverse();
+        self.top = packed.into_iter().collect();
+        self.len = len;
+    }
+
+    /// Every value, in key order.
+    pub fn values(&self) -> impl Iterator<Item = &V> {
+        self.top
+            .values()
+            .rev()
+            .flat_map(|l| l.entries.iter().map(|(_, v)| v))
+    }
+
+    /// Calls `f(key, value)` for the keys within `(lower, upper)`, in ascending order, until
+    /// it returns false; true when the range was exhausted. The bounds must not be
+    /// inverted.
+    pub fn scan(
+        &self,
+        lower: Bound<&[u8]>,
+        upper: Bound<&[u8]>,
+        mut f: impl FnMut(&[u8], &V) -> bool,
+    ) -> bool {
+        // The leaves from the one holding the lower bound, in ascending order, and where to
+        // start in the first.
+        let (leaves, mut from): (Box<dyn Iterator<Item = &Leaf<V>>>, usize) = match lower {
+            Bound::Unbounded => (Box::new(self.top.values().rev()), 0),
+            Bound::Included(a) | Bound::Excluded(a) => match self.top.range(desc(a)..).next() {
+                Some((first, leaf)) => {
+                    let from = match (leaf.find(&a.into()), lower) {
+                        (Ok(i), Bound::Excluded(_)) => i + 1,
+                        (Ok(i) | Err(i), _) => i,
+                    };
+                    (
+                        Box::new(self.top.range(..=first).rev().map(|(_, l)| l)),
+                        from,
+                    )
+                }
+                None => (Box::new(self.top.values().rev()), 0),
+            },
+        };
+        for leaf in leaves {
+            // Where the range ends in this leaf: one comparison settles a leaf wholly
+            // inside it.
+            let last = leaf.key(leaf.len() - 1).as_slice();
+            let (to, done) = match upper {
+                Bound::Unbounded => (leaf.len(), false),
+                Bound::Excluded(b) if last < b => (leaf.len(), false),
+                Bound::Included(b) if last <= b => (leaf.len(), false),
+                Bound::Excluded(b) => (leaf.find(&b.into()).unwrap_or_else(|i| i), true),
+                Bound::Included(b) => (leaf.find(&b.into()).map_or_else(|i| i, |i| i + 1), true),
+            };
+            for (k, v) in leaf.entries.get(from..to).unwrap_or_default() {
+                if !f(k.as_slice(), v) {
+                    return false;
+                }
+            }
+            if done {
+                return true;
+            }
+            from = 0;
+        }
+        true
+    }
+
+    /// Number of leaves.
+    #[cfg(test)]
+    pub fn leaf_count(&self) -> usize {
+        self.top.len()
+    }
+
+    /// Checks the map's invariants (tests).
+    #[cfg(test)]
+    pub fn check(&self) {
+        let mut prev: Option<&[u8]> = None;
+        let mut len = 0;
+        for (first, leaf) in self.top.iter().rev() {
+            assert!(leaf.len() > 0, "an empty leaf");
+            assert!(leaf.len() <= LEAF, "an overfull leaf");
+            assert_eq!(first.0, *leaf.key(0), "leaf filed under another key");
+            for (k, _) in &leaf.entries {
+                if let Some(p) = prev {
+                    assert!(p < k.as_slice(), "keys out of order");
+                }
+                prev = Some(k.as_slice());
+                len += 1;
+            }
+        }
+        assert_eq!(len, self.len, "length");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rng(mut x: u64) -> impl FnMut() -> u64 {
+        move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        }
+    }
+
+    /// Random adds, updates, removals, retains and scans against a `BTreeMap`, with keys
+    /// short and long (on the heap), dense and sparse.
+    #[test]
+    fn behaves_as_an_ordered_map() {
+        for (seed, space, ops) in [(1u64, 50u64, 3_000), (2, 5_000, 20_000), (3, 400, 20_000)] {
+            let mut next = rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+            let key = |n: u64| -> Vec<u8> {
+                if n.is_multiple_of(7) {
+                    format!("a-long-key-that-lives-on-the-heap-{n:08}").into_bytes()
+                } else {
+                    format!("k{n:06}").into_bytes()
+                }
+            };
+            let mut map: LeafMap<u64> = LeafMap::default();
+            let mut model: BTreeMap<Vec<u8>, u64> = BTreeMap::new();
+            for op in 0..ops {
+                let k = key(next() % space);
+                match next() % 10 {
+                    0..=4 => {
+                        let v = next();
+                        let updated = map.upsert(&k, || v, |old| std::mem::replace(old, v));
+                        assert_eq!(updated, model.insert(k.clone(), v), "upsert {op}");
+                    }
+                    5 | 6 => assert_eq!(map.remove(&k), model.remove(&k), "remove {op}"),
+                    7 => {
+                        if let Some(v) = map.get_mut(&k) {
+                            *v += 1;
+                        }
+                        if let Some(v) = model.get_mut(&k) {
+                            *v += 1;
+                        }
+                        assert_eq!(map.get(&k), model.get(&k), "get {op}");
+                    }
+                    8 => {
+                        let k2 = key(next() % space);
+                        let (lo, hi) = if k <= k2 { (k, k2) } else { (k2, k) };
+                        let lower = match next() % 3 {
+                            0 => Bound::Included(lo.as_slice()),
+                            1 => Bound::Excluded(lo.as_slice()),
+                            _ => Bound::Unbounded,
+                        };
+                        let upper = match next() % 3 {
+                            0 => Bound::Included(hi.as_slice()),
+                            1 if lo != hi || lower == Bound::Unbounded => {
+                                Bound::Excluded(hi.as_slice())
+                            }
+                            _ => Bound::Unbounded,
+                        };
+                        let stop = (next() % 40) as usize;
+                        let mut got = Vec::new();
+                        let done = map.scan(lower, upper, |k, v| {
+                            got.push((k.to_vec(), *v));
+                            got.len() < stop
+                        });
+                        let want: Vec<(Vec<u8>, u64)> = model
+                            .range::<[u8], _>((lower, upper))
+                            .map(|(k, v)| (k.clone(), *v))
+                            .collect();
+                        let n = want.len().min(stop.max(1));
+                        assert_eq!(got, want[..n.min(want.len())], "scan {op}");
+                        assert_eq!(done, want.len() < stop.max(1), "scan {op} exhausted");
+                    }
+                    _ => {
+                        if next().is_multiple_of(50) {
+                            let cut = next() % 3;
+                            map.retain(|_, v| *v % 3 != cut);
+                            model.retain(|_, v| *v % 3 != cut);
+                        }
+                    }
+                }
+                assert_eq!(map.len(), model.len(), "len {op}");
+            }
+            map.check();
+            let all: Vec<u64> = map.values().copied().collect();
+            assert_eq!(all, model.values().copied().collect::<Vec<_>>());
+        }
+    }
+
+    /// Keys added in ascending order fill their leaves; keys added in descending order too;
+    /// random ones leave leaves at least half full.
+    #[test]
+    fn keys_added_in_order_fill_their_leaves() {
+        let n = 100 * LEAF as u64 + 5;
+        let mut up: LeafMap<u64> = LeafMap::default();
+        let mut down: LeafMap<u64> = LeafMap::default();
+        for i in 0..n {
+            up.upsert(format!("k{i:08}").as_bytes(), || i, |_| ());
+            down.upsert(format!("k{:08}", n - i).as_bytes(), || i, |_| ());
+        }
+        up.check();
+        down.check();
+        let full = (n as usize).div_ceil(LEAF);
+        assert_eq!(up.leaf_count(), full, "ascending");
+        assert_eq!(down.leaf_count(), full, "descending");
+        let mut random: LeafMap<u64> = LeafMap::default();
+        let mut next = rng(0x2545_f491_4f6c_dd1d);
+        for i in 0..n {
+            random.upsert(format!("k{:016}", next()).as_bytes(), || i, |_| ());
+        }
+        random.check();
+        assert!(
+            random.leaf_count() <= 2 * full,
+            "{} leaves",
+            random.leaf_count()
+        );
+        // A retain packs them again.
+        random.retain(|_, _| true);
+        random.check();
+        assert_eq!(random.leaf_count(), full);
+    }
+}
