@@ -11,9 +11,9 @@
 //! the processor fetches ahead. A key added inside a full leaf splits it in half, as a
 //! B-tree does, so keys in random order leave leaves between half and wholly full.
 //!
-//! A leaf is searched linearly (see `Leaf::find`), which keeps lookups of keys in random
-//! order as fast as the `BTreeMap`'s: at a million keys out of the cache, about 0.6 µs
-//! either way, where a binary search of the leaf took twice that.
+//! A leaf is searched block by block (see `Leaf::find`) rather than by halves: lookups of
+//! keys in random order among a million, out of the cache, then cost about what the
+//! `BTreeMap`'s do, where a binary search of the leaf took twice as long.
 //!
 //! The top map is ordered by *descending* first key, and scans walk it backwards. A
 //! `BTreeMap` node is searched from its first key on, so a key above every key of a node is
@@ -31,6 +31,9 @@ use super::IndexKey;
 
 /// Most keys a leaf holds.
 pub(crate) const LEAF: usize = 32;
+
+/// Entries a leaf search steps over at once (see `Leaf::find`).
+const BLOCK: usize = 8;
 
 /// One leaf: entries sorted by key, each key beside its value (a lookup's last probe reads
 /// both); never empty in a map.
@@ -55,25 +58,33 @@ impl<V> Leaf<V> {
 
     /// Where `key` is (`Ok`) or would go (`Err`).
     ///
-    /// A linear search, from the last key (after which keys added in ascending order go)
-    /// and then from the first: its loads do not wait for each other's comparisons, as a
-    /// binary search's do, so a leaf out of the cache costs about one wait on memory
-    /// instead of one per probe.
+    /// Past the last key (where keys added in ascending order go) is checked first. Then the
+    /// search steps over blocks of [`BLOCK`] entries by their last keys and walks the block
+    /// that holds the key: the next comparison's load does not wait on the last one's
+    /// outcome (the branch is predicted), as a binary search's does, so a leaf out of the
+    /// cache costs about one wait on memory instead of one per probe; and about a quarter of
+    /// the leaf is compared, not half.
     #[inline]
     fn find(&self, key: &IndexKey) -> Result<usize, usize> {
-        match self.entries.last() {
-            Some((last, _)) if last < key => return Err(self.entries.len()),
+        let e = &self.entries;
+        let n = e.len();
+        match e.last() {
+            Some((last, _)) if last < key => return Err(n),
             None => return Err(0),
             _ => {}
         }
-        for (i, (k, _)) in self.entries.iter().enumerate() {
+        let mut i = 0;
+        while i + BLOCK < n && e[i + BLOCK - 1].0 < *key {
+            i += BLOCK;
+        }
+        for (j, (k, _)) in e[i..].iter().enumerate() {
             match k.cmp(key) {
                 std::cmp::Ordering::Less => {}
-                std::cmp::Ordering::Equal => return Ok(i),
-                std::cmp::Ordering::Greater => return Err(i),
+                std::cmp::Ordering::Equal => return Ok(i + j),
+                std::cmp::Ordering::Greater => return Err(i + j),
             }
         }
-        Err(self.entries.len())
+        Err(n)
     }
 
     fn len(&self) -> usize {
