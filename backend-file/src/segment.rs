@@ -79,8 +79,13 @@ pub(crate) struct SegMap {
 }
 
 impl SegMap {
-    /// Maps up to `map_len` bytes of `file` (at `path`) read-only, where `committed` bytes are
-    /// committed now: at least `committed`, and never more than the file holds.
+    /// Maps `file` (at `path`) read-only, where `committed` bytes are committed now: `map_len`
+    /// bytes, or the whole file if it is longer.
+    ///
+    /// The mapping may reach past the end of the file, so the space a segment grows into later
+    /// is read through the same mapping: a new one is made only when a segment outgrows
+    /// `map_len`. Bytes past the end of the file are never read (see [`prefix`](Self::prefix):
+    /// only committed bytes are, and those lie inside the file).
     ///
     /// Fails without mapping when the file is shorter than `committed`.
     pub(crate) fn map(
@@ -101,12 +106,10 @@ impl SegMap {
                 reason: format!("cannot map {committed} bytes of a {size}-byte segment"),
             });
         }
-        let len = usize::try_from(map_len.min(size).max(committed)).map_err(|_| {
-            BackendError::Corrupt {
-                path: path.to_path_buf(),
-                offset: 0,
-                reason: "segment larger than the address space".into(),
-            }
+        let len = usize::try_from(map_len.max(size)).map_err(|_| BackendError::Corrupt {
+            path: path.to_path_buf(),
+            offset: 0,
+            reason: "segment larger than the address space".into(),
         })?;
         let map = MmapOptions::new()
             .len(len)

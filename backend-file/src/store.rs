@@ -558,9 +558,10 @@ impl Inner {
         let map = match current {
             Some(m) if m.map.capacity() >= end => m.map.clone(),
             _ => {
-                // The whole file as it is now: the committed bytes and the space prepared
-                // ahead of them, so the next commits land inside this mapping.
-                match SegMap::map(&seg, &w.active.file, &seg.path, end, u64::MAX) {
+                // The segment's size, or the whole file if it has grown past it: the next
+                // commits land inside this mapping.
+                let map_len = self.options.segment_size;
+                match SegMap::map(&seg, &w.active.file, &seg.path, end, map_len) {
                     Ok(m) => m,
                     Err(e) => {
                         Self::poison(w, &e);
@@ -787,5 +788,58 @@ impl Backend for FileBackend {
         observe: &mut keel_mvcc::backend::PairObserver<'_>,
     ) -> Result<u64, BackendError> {
         self.restore_chunked(chunks, observe)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use keel_mvcc::ReadTxn;
+
+    use super::*;
+
+    /// The active segment is mapped once at the segment size: commits that fill it, past the
+    /// space prepared at its start, are read through the same mapping.
+    #[test]
+    fn commits_filling_a_segment_are_read_through_one_mapping() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let options = FileOptions::default();
+        let backend = FileBackend::open(dir.path(), &options).expect("open");
+        let bucket = Bucket::new("b");
+        let active_map = |b: &FileBackend| {
+            let v = b.inner.published.read().clone();
+            let m = v
+                .segs
+                .iter()
+                .rev()
+                .flatten()
+                .next()
+                .expect("a mapped segment");
+            (m.map.clone(), m.end)
+        };
+        let value = vec![7u8; 32 << 10];
+        let mut first: Option<Arc<SegMap>> = None;
+        for i in 0..256u32 {
+            let mut batch = WriteBatch::new();
+            batch.put(&bucket, i.to_be_bytes().to_vec(), value.clone());
+            backend.commit(&batch).expect("commit");
+            let (map, end) = active_map(&backend);
+            assert!(map.capacity() >= options.segment_size.min(end.max(1)));
+            match &first {
+                None => first = Some(map),
+                Some(f) => assert!(Arc::ptr_eq(f, &map), "remapped at commit {i} (end {end})"),
+            }
+        }
+        let (_, end) = active_map(&backend);
+        assert!(
+            end > 8 << 20,
+            "the commits reached {end} bytes of the segment"
+        );
+        let txn = backend.read_txn().expect("txn");
+        for i in 0..256u32 {
+            assert_eq!(
+                txn.get(&bucket, &i.to_be_bytes()).expect("get"),
+                Some(value.as_slice())
+            );
+        }
     }
 }
