@@ -12,8 +12,10 @@
 //! 1 KiB to 64 KiB, so a thousand changes cost a handful of allocations, not one each, and
 //! the last holder of a buffer frees them in as few calls; a buffer of one small change stays
 //! small. A record over 64 KiB has an allocation of its own, which a transaction's commit
-//! moves into the shared buffer instead of copying it. Watchers get a copy of the records
-//! they are sent.
+//! moves into the shared buffer instead of copying it; a transaction that staged at least
+//! [`MOVE_CHUNKS`] bytes of smaller records has its chunks moved too. The commit runs under
+//! the store's state lock, so what it copies there stays small. Watchers get a copy of the
+//! records they are sent.
 
 use std::collections::BTreeMap;
 
@@ -22,6 +24,12 @@ use parking_lot::RwLock;
 use crate::backend::{BackendError, BatchOpRef, BatchSource, Bucket};
 use crate::revision::{REV_KEY_LEN, Revision, TOMBSTONE_MARK};
 use crate::store::{KEY_BUCKET, META_BUCKET};
+
+/// Bytes of staged records (in chunks) from which a commit moves a transaction's chunks into
+/// the shared buffer instead of copying the records: a copy of up to this much under the
+/// state lock costs some tens of microseconds; larger transactions give up their staging
+/// chunks, and the next one allocates new ones.
+pub(crate) const MOVE_CHUNKS: usize = 256 << 10;
 
 /// One stored change.
 #[derive(Clone, Copy, Debug)]
@@ -122,6 +130,19 @@ impl Records {
         }
     }
 
+    /// Bytes of the records kept in chunks.
+    fn chunked_bytes(&self) -> usize {
+        self.chunks.iter().map(Vec::len).sum()
+    }
+
+    /// Moves every chunk of `from` behind this buffer's; returns the index the first one
+    /// takes here.
+    fn take_chunks(&mut self, from: &mut Records) -> usize {
+        let base = self.chunks.len();
+        self.chunks.append(&mut from.chunks);
+        base
+    }
+
     /// Forgets every record, keeping the largest chunk's allocation for the next ones.
     #[inline]
     pub fn clear(&mut self) {
@@ -129,9 +150,14 @@ impl Records {
             self.big.clear();
         }
         if self.chunks.len() > 1 {
-            // The largest is the last (chunks only grow).
-            let last = self.chunks.len() - 1;
-            self.chunks.swap(0, last);
+            // The largest is the last, unless chunks were moved in behind it.
+            let mut largest = self.chunks.len() - 1;
+            if self.chunks[largest].capacity() < Self::CHUNK {
+                largest = (0..self.chunks.len())
+                    .max_by_key(|&i| self.chunks[i].capacity())
+                    .unwrap_or(largest);
+            }
+            self.chunks.swap(0, largest);
             self.chunks.truncate(1);
         }
         if let Some(first) = self.chunks.first_mut() {
@@ -179,12 +205,21 @@ impl Changes {
 
     /// Moves everything of `other` (newer) into `self`, leaving `other` empty with some of
     /// its allocations for reuse: records are copied, but those with an allocation of their
-    /// own are moved.
+    /// own are moved, and so are the chunks of `other` when they hold [`MOVE_CHUNKS`] bytes
+    /// or more.
     pub fn absorb_from(&mut self, other: &mut Changes) {
         let first = self.revs.len();
         self.revs.append(&mut other.revs);
+        let moved = (other.records.chunked_bytes() >= MOVE_CHUNKS)
+            .then(|| self.records.take_chunks(&mut other.records));
         for p in &mut self.revs[first..] {
-            p.record = self.records.take_from(&mut other.records, p.record);
+            p.record = match moved {
+                Some(base) if p.record.len <= Records::CHUNK => RecordAt {
+                    chunk: base + p.record.chunk,
+                    ..p.record
+                },
+                _ => self.records.take_from(&mut other.records, p.record),
+            };
         }
         other.records.clear();
         if !other.aux.is_empty() {
@@ -348,5 +383,78 @@ mod tests {
         assert_eq!(moved, big.as_slice());
         assert_eq!(moved.as_ptr(), big_at, "moved, not copied");
         assert_eq!(into.find(Revision::new(2, 4)), None);
+    }
+
+    /// A transaction that staged [`MOVE_CHUNKS`] bytes or more of small records has its
+    /// chunks moved, not copied; the records read back as staged, beside those already in
+    /// the buffer and a big one, and the buffer keeps taking records after it. Clearing
+    /// keeps a full-size chunk.
+    #[test]
+    fn absorbing_a_large_transaction_moves_its_chunks() {
+        let mut into = Changes::default();
+        let mut from = Changes::default();
+        let record = |main: u64, sub: u64| -> Vec<u8> {
+            let mut r = format!("record {main}.{sub} ").into_bytes();
+            r.resize(r.len() + (sub as usize * 131) % 3000, sub as u8);
+            r
+        };
+        let add = |changes: &mut Changes, main: u64, sub: u64, bytes: &[u8]| {
+            let at = changes.records.push(bytes);
+            changes.revs.push(PendingRev {
+                rev: Revision::new(main, sub),
+                tombstone: false,
+                record: at,
+            });
+            changes.writes += 1;
+        };
+        for sub in 0..5 {
+            add(&mut into, 1, sub, &record(1, sub));
+        }
+        let mut staged = 0;
+        let mut sub = 0;
+        while staged < MOVE_CHUNKS + 1000 {
+            let r = record(2, sub);
+            staged += r.len();
+            add(&mut from, 2, sub, &r);
+            sub += 1;
+        }
+        add(&mut from, 2, sub, &vec![3u8; Records::CHUNK + 7]);
+        let staged_chunk = from.records.chunks[0].as_ptr();
+        into.absorb_from(&mut from);
+        assert!(from.records.chunks.is_empty(), "the chunks moved");
+        assert!(
+            into.records
+                .chunks
+                .iter()
+                .any(|c| c.as_ptr() == staged_chunk),
+            "moved, not copied"
+        );
+        for s in 0..5 {
+            assert_eq!(
+                into.find(Revision::new(1, s)),
+                Some(record(1, s).as_slice())
+            );
+        }
+        for s in 0..sub {
+            assert_eq!(
+                into.find(Revision::new(2, s)),
+                Some(record(2, s).as_slice())
+            );
+        }
+        assert_eq!(
+            into.find(Revision::new(2, sub)),
+            Some(vec![3u8; Records::CHUNK + 7].as_slice())
+        );
+        // A small transaction after it is copied, behind the moved chunks.
+        add(&mut from, 3, 0, b"after");
+        into.absorb_from(&mut from);
+        assert_eq!(into.find(Revision::new(3, 0)), Some(&b"after"[..]));
+        assert_eq!(
+            into.find(Revision::new(2, 1)),
+            Some(record(2, 1).as_slice())
+        );
+        into.records.clear();
+        assert_eq!(into.records.chunks.len(), 1);
+        assert_eq!(into.records.chunks[0].capacity(), Records::CHUNK);
     }
 }
