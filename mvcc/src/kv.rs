@@ -239,17 +239,6 @@ pub(crate) struct RecordRef<'a> {
 }
 
 impl RecordRef<'_> {
-    /// Sets everything of `kv` but its key from this record (the value only if `with_value`).
-    pub fn fill(&self, kv: &mut KeyValue, with_value: bool) {
-        if with_value {
-            kv.value = self.value.to_vec();
-        }
-        kv.create_revision = self.create_revision;
-        kv.mod_revision = self.mod_revision;
-        kv.version = self.version;
-        kv.lease = self.lease;
-    }
-
     /// Copies it out; `with_value = false` leaves the value empty.
     pub fn to_kv(&self, with_value: bool) -> KeyValue {
         KeyValue {

@@ -213,22 +213,6 @@ impl<T: ReadTxn> Sources<'_, T> {
         with_value: bool,
     ) -> Result<Vec<KeyValue>, MvccError> {
         debug_assert!(keys.is_none_or(|k| k.len() == revs.len()));
-        let mut out: Vec<KeyValue> = std::iter::repeat_with(KeyValue::default)
-            .take(revs.len())
-            .collect();
-        let mut build = |i: usize, rev: Revision, rec: &[u8]| -> Result<(), MvccError> {
-            let r = decode_record(rev, rec)?;
-            if keys.is_some_and(|k| k.get(i) != r.key) {
-                return Err(MvccError::Corrupt {
-                    revision: rev,
-                    reason: "record key differs from the key index".to_owned(),
-                });
-            }
-            let kv = &mut out[i];
-            kv.key = r.key.to_vec();
-            r.fill(kv, with_value);
-            Ok(())
-        };
         // A buffer only holds revisions from its first one on, and a view only asks for
         // revisions it could see when it opened, so a revision below a buffer's first is not
         // in it. Buffers are locked per lookup, only for revisions that may be there: a long
@@ -244,10 +228,32 @@ impl<T: ReadTxn> Sources<'_, T> {
         // and nothing is staged, and the index yielded them in revision order (keys written
         // in key order): the backend is read for `revs` as they are, without a list of misses.
         let below = buffers.iter().map(|(_, lo)| *lo).min();
-        if staged.is_none()
+        let in_order = staged.is_none()
             && revs.is_sorted()
-            && below.is_none_or(|lo| revs.last().is_none_or(|r| *r < lo))
-        {
+            && below.is_none_or(|lo| revs.last().is_none_or(|r| *r < lo));
+        // Results come in order on the common path below, and are pushed; the other path
+        // fills them in any order, into entries made up front.
+        let mut out: Vec<KeyValue> = Vec::with_capacity(revs.len());
+        if !in_order {
+            out.resize_with(revs.len(), KeyValue::default);
+        }
+        let mut build = |i: usize, rev: Revision, rec: &[u8]| -> Result<(), MvccError> {
+            let r = decode_record(rev, rec)?;
+            if keys.is_some_and(|k| k.get(i) != r.key) {
+                return Err(MvccError::Corrupt {
+                    revision: rev,
+                    reason: "record key differs from the key index".to_owned(),
+                });
+            }
+            let kv = r.to_kv(with_value);
+            if i == out.len() {
+                out.push(kv);
+            } else {
+                out[i] = kv;
+            }
+            Ok(())
+        };
+        if in_order {
             self.read_backend(&compacted, revs.len(), |m| (revs[m], m), &mut build)?;
             return Ok(out);
         }
