@@ -509,6 +509,10 @@ fn headline_clients_on<B: Backend + 'static>(c: &mut Criterion, label: &str, s: 
         Some(0.9),
     );
     let [lat_alone, lat_reader] = &mut latencies;
+    if lat_alone.is_empty() || lat_reader.is_empty() {
+        // A benchmark filter left this group out: nothing was measured.
+        return;
+    }
     headline_p99(
         &format!("({label}): p99 durable put latency of {HEADLINE_CLIENTS} clients"),
         lat_alone,
@@ -706,6 +710,10 @@ fn headline_on<B: Backend + 'static>(c: &mut Criterion, label: &str, s: &Arc<Sto
         line
     });
     let [lat_alone, lat_reader] = &mut latencies;
+    if lat_alone.is_empty() || lat_reader.is_empty() {
+        // A benchmark filter left this group out: nothing was measured.
+        return;
+    }
     // Alone, the writer and the committer keep most of both cores of a 2-core machine busy;
     // the reader keeps to its paced share (see the module doc).
     RECORDER.ratio(
