@@ -67,9 +67,10 @@ impl Drop for SegFile {
     }
 }
 
-/// A read-only shared mapping of a segment file, covering the file as it is when mapped: its
-/// committed bytes and the space prepared ahead of them, so that most commits need no new
-/// mapping. It never reaches past the end of the file at the time it is made.
+/// A read-only shared mapping of a segment file, at the segment size or the whole file if it
+/// is longer: its committed bytes, the space prepared ahead of them and, past the end of the
+/// file, the space the segment will grow into, so that commits need no new mapping until the
+/// segment outgrows it (see [`SegMap::map`]).
 ///
 /// No slice of the whole mapping is ever made: [`SegMap::prefix`] hands out only prefixes up to
 /// a committed end, whose bytes exist in the file and never change.
