@@ -234,7 +234,7 @@ pub(crate) fn recover(dir: &Path, io: &Io, segment_size: u64) -> Result<Recovere
             break;
         }
         let seg = SegFile::new(id, path.clone());
-        let map = SegMap::map(&seg, &file, &path, size, size.max(segment_size))?;
+        let map = SegMap::map(&seg, &file, &path, size, segment_size)?;
         let bytes = map.prefix(size).unwrap_or_default();
         let hid = format::decode_header(&path, bytes, SEGMENT_MAGIC, "segment file")?;
         if hid != u64::from(id) {

@@ -1294,7 +1294,8 @@ fn profile_clients<B: Backend + 'static>(s: &Arc<Store<B>>) {
 /// Fixed workloads for an instruction counter: 20 batches (`KEEL_PROFILE_BATCHES`) of 1 000
 /// puts plus a commit (no fsync, or with it for the `-fsync` variants, to trace system calls)
 /// on the store or on raw heed, printing the median time per batch, or 20 ranges of 10 000
-/// keys (`KEEL_PROFILE_BATCHES` sets how many too); `KEEL_PROFILE_WRITE_MAP=1` opens LMDB with `write_map` on either side.
+/// keys (`KEEL_PROFILE_BATCHES` sets how many too); `KEEL_PROFILE_WRITE_MAP=1` opens LMDB
+/// with `write_map` on either side.
 fn profile(what: &str) {
     let dir = tempfile::tempdir().unwrap();
     let value = [7u8; 150];

@@ -732,7 +732,8 @@ impl Inline {
     }
 }
 
-/// The key index: each key's [`Slot`] in a [`LeafMap`] (sorted leaves of up to 32 keys).
+/// The key index: each key's [`Slot`] in a [`LeafMap`] (sorted leaves of up to
+/// [`LEAF`](leaves::LEAF) keys).
 ///
 /// Methods taking `&self` change keys already in the map in place, under each key's own
 /// [`Slot`] lock (the store calls them holding its read lock of the index); those taking

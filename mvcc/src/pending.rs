@@ -150,13 +150,10 @@ impl Records {
             self.big.clear();
         }
         if self.chunks.len() > 1 {
-            // The largest is the last, unless chunks were moved in behind it.
-            let mut largest = self.chunks.len() - 1;
-            if self.chunks[largest].capacity() < Self::CHUNK {
-                largest = (0..self.chunks.len())
-                    .max_by_key(|&i| self.chunks[i].capacity())
-                    .unwrap_or(largest);
-            }
+            // Not always the last: chunks moved in from a transaction may sit behind it.
+            let largest = (0..self.chunks.len())
+                .max_by_key(|&i| self.chunks[i].capacity())
+                .unwrap_or(0);
             self.chunks.swap(0, largest);
             self.chunks.truncate(1);
         }

@@ -274,25 +274,26 @@ impl<V> LeafMap<V> {
         upper: Bound<&[u8]>,
         mut f: impl FnMut(&[u8], &V) -> bool,
     ) -> bool {
-        // The leaves from the one holding the lower bound, in ascending order, and where to
-        // start in the first.
-        let (leaves, mut from): (Box<dyn Iterator<Item = &Leaf<V>>>, usize) = match lower {
-            Bound::Unbounded => (Box::new(self.top.values().rev()), 0),
-            Bound::Included(a) | Bound::Excluded(a) => match self.top.range(desc(a)..).next() {
-                Some((first, leaf)) => {
-                    let from = match (leaf.find(&a.into()), lower) {
-                        (Ok(i), Bound::Excluded(_)) => i + 1,
-                        (Ok(i) | Err(i), _) => i,
-                    };
-                    (
-                        Box::new(self.top.range(..=first).rev().map(|(_, l)| l)),
-                        from,
-                    )
+        // The leaves from the one holding the lower bound (walked backwards: in ascending
+        // order), and where to start in the first.
+        let all = || self.top.range::<Reverse<IndexKey>, _>(..);
+        let (leaves, mut from) = match lower {
+            Bound::Unbounded => (all(), 0),
+            Bound::Included(a) | Bound::Excluded(a) => {
+                let probe = desc(a);
+                match self.top.range(&probe..).next() {
+                    Some((first, leaf)) => {
+                        let from = match (leaf.find(&probe.0), lower) {
+                            (Ok(i), Bound::Excluded(_)) => i + 1,
+                            (Ok(i) | Err(i), _) => i,
+                        };
+                        (self.top.range(..=first), from)
+                    }
+                    None => (all(), 0),
                 }
-                None => (Box::new(self.top.values().rev()), 0),
-            },
+            }
         };
-        for leaf in leaves {
+        for (_, leaf) in leaves.rev() {
             // Where the range ends in this leaf: one comparison settles a leaf wholly
             // inside it.
             let last = leaf.key(leaf.len() - 1).as_slice();
