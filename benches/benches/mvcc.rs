@@ -922,7 +922,8 @@ fn fan_out() {
                     for mut stream in all {
                         let (delivered, checksum, stop) =
                             (delivered.clone(), checksum.clone(), stop.clone());
-                        consumers.push(std::thread::spawn(move || {
+                        // Named, so a profile tells the consumers from the writer.
+                        let consume = move || {
                             loop {
                                 match stream.recv_timeout(Duration::from_millis(20)) {
                                     Ok(Some(StreamItem::Events { events, .. })) => {
@@ -949,7 +950,9 @@ fn fan_out() {
                                     Err(e) => panic!("stream: {e}"),
                                 }
                             }
-                        }));
+                        };
+                        let consumer = std::thread::Builder::new().name("fanout-consumer".into());
+                        consumers.push(consumer.spawn(consume).expect("spawn a consumer"));
                     }
                 };
             if with_watchers && !late {

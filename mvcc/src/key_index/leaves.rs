@@ -230,23 +230,38 @@ impl<V> LeafMap<V> {
 
     /// Keeps the entries for which `keep` returns true, in key order; the leaves are packed
     /// full again.
+    ///
+    /// Should `keep` panic, the map still holds every entry it had not yet refused, with its
+    /// leaves packed: the leaves are filtered in place, and packed by a guard that runs on
+    /// unwinding too.
     pub fn retain(&mut self, mut keep: impl FnMut(&[u8], &mut V) -> bool) {
+        /// Packs the leaves however the filtering ends.
+        struct Pack<'a, V>(&'a mut LeafMap<V>);
+        impl<V> Drop for Pack<'_, V> {
+            fn drop(&mut self) {
+                self.0.pack();
+            }
+        }
+        let map = Pack(self);
+        for leaf in map.0.top.values_mut().rev() {
+            leaf.entries.retain_mut(|(k, v)| keep(k.as_slice(), v));
+        }
+    }
+
+    /// Moves the entries into full leaves (the last one excepted), dropping empty leaves and
+    /// keying each leaf by its first key again; counts the entries.
+    fn pack(&mut self) {
         let old = std::mem::take(&mut self.top);
         let mut packed: Vec<(Reverse<IndexKey>, Leaf<V>)> = Vec::new();
         let mut leaf = Leaf::new();
         let mut len = 0;
-        for (_, l) in old.into_iter().rev() {
-            for (k, mut v) in l.entries {
-                if !keep(k.as_slice(), &mut v) {
-                    continue;
-                }
-                if leaf.len() == LEAF {
-                    let full = std::mem::replace(&mut leaf, Leaf::new());
-                    packed.push((full.first(), full));
-                }
-                leaf.entries.push((k, v));
-                len += 1;
+        for (k, v) in old.into_values().rev().flat_map(|l| l.entries) {
+            if leaf.len() == LEAF {
+                let full = std::mem::replace(&mut leaf, Leaf::new());
+                packed.push((full.first(), full));
             }
+            leaf.entries.push((k, v));
+            len += 1;
         }
         if leaf.len() > 0 {
             packed.push((leaf.first(), leaf));
@@ -466,5 +481,36 @@ mod tests {
         random.retain(|_, _| true);
         random.check();
         assert_eq!(random.leaf_count(), full);
+    }
+
+    /// A retain whose predicate panics part way leaves a well-formed map: the entries it
+    /// refused before the panic are gone, every other one is still there, in order.
+    #[test]
+    fn a_panicking_retain_leaves_a_well_formed_map() {
+        let n = 10 * LEAF as u64 + 3;
+        let mut map: LeafMap<u64> = LeafMap::default();
+        for i in 0..n {
+            map.upsert(format!("k{i:08}").as_bytes(), || i, |_| ());
+        }
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            map.retain(|_, v| {
+                assert!(*v < 150, "the predicate fails at {v}");
+                *v % 2 == 0
+            })
+        }));
+        assert!(result.is_err());
+        map.check();
+        let want: Vec<u64> = (0..n).filter(|v| *v >= 150 || v % 2 == 0).collect();
+        assert_eq!(map.values().copied().collect::<Vec<_>>(), want);
+        assert_eq!(map.len(), want.len());
+        for v in [0, 1, 148, 149, 150, 151, n - 1] {
+            let k = format!("k{v:08}");
+            assert_eq!(
+                map.get(k.as_bytes()),
+                want.contains(&v).then_some(&v),
+                "{k}"
+            );
+        }
+        assert_eq!(map.leaf_count(), want.len().div_ceil(LEAF));
     }
 }
