@@ -1411,6 +1411,11 @@ impl Wal {
     /// below the first entry held (say, covered by the snapshot marker) releases the segments
     /// below the first entry held. The caller makes sure the released entries are covered by
     /// a snapshot.
+    ///
+    /// The directory is synced with the log's lock released, so appends go on meanwhile.
+    /// Released files kept for reuse join the free list only once their new names are
+    /// durable: a rotation never rewrites the header of a file whose old name a crash could
+    /// bring back.
     pub fn release_to(&self, index: u64) -> Result<(), WalError> {
         let mut g = self.inner.lock();
         // Below the first entry held (released, or covered by the snapshot marker), the
@@ -1426,16 +1431,17 @@ impl Wal {
         }
         // The index forgets first, so a failed delete never leaves a hole that reads reach.
         g.index.release_below(keep);
+        let mut freed = Vec::new();
         for seq in doomed {
             if let Some(s) = g.segments.remove(&seq) {
-                if g.free.len() < self.options.recycle_segments
+                if g.free.len() + freed.len() < self.options.recycle_segments
                     && s.file.len().ok() == Some(self.options.segment_size)
                 {
                     let to = self.dir.join(segment::free_name(seq));
                     self.fs
                         .rename(&s.path, &to)
                         .map_err(|e| WalError::io("set aside released segment", &s.path, e))?;
-                    g.free.push(Free {
+                    freed.push(Free {
                         path: to,
                         file: s.file,
                     });
@@ -1446,9 +1452,25 @@ impl Wal {
                 }
             }
         }
+        drop(g);
         self.fs
             .sync_dir(&self.dir)
             .map_err(|e| WalError::io("sync directory", &self.dir, e))?;
+        if !freed.is_empty() {
+            let mut g = self.inner.lock();
+            for f in freed {
+                // Releases that ran side by side may together have set aside more than the
+                // free list keeps. A deletion that a crash undoes leaves a `.free` file, which
+                // the next open deals with, so this one needs no sync.
+                if g.free.len() < self.options.recycle_segments {
+                    g.free.push(f);
+                } else {
+                    self.fs
+                        .remove(&f.path)
+                        .map_err(|e| WalError::io("delete segment", &f.path, e))?;
+                }
+            }
+        }
         Ok(())
     }
 }

@@ -2,7 +2,8 @@
 //! log reads back identically across reopen, and the records a recycled file held in its
 //! earlier life are never returned, whether the end marker after the new records is intact
 //! or lost, or the recycled segment was put in place before its first record was written;
-//! and a recycled file's page cache is primed for the way appends will write it.
+//! a recycled file's page cache is primed for the way appends will write it; and a release
+//! lets appends go on while it syncs the directory.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -64,6 +65,62 @@ fn fill_to(wal: &Wal, next: &mut u64, count: usize) {
         wal.append(&fixed(*next, *next + 1), None, true).unwrap();
         *next += 1;
     }
+}
+
+/// A release syncs the directory with the log's lock released: a durable append from
+/// another thread completes while that sync is held up, and the release then completes too,
+/// its file kept for reuse.
+#[test]
+fn appends_go_on_while_a_release_syncs_the_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let (fs, faults) = FaultFs::new();
+    let wal = Arc::new(
+        Wal::open(
+            dir.path(),
+            WalOptions {
+                fs: Arc::new(fs),
+                ..small()
+            },
+        )
+        .unwrap(),
+    );
+    let mut next = 1;
+    fill_to(&wal, &mut next, 3);
+    faults.hold_dir_sync.store(true, Ordering::SeqCst);
+    let release = {
+        let wal = wal.clone();
+        let upto = next - 1;
+        std::thread::spawn(move || wal.release_to(upto))
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while faults.dir_syncs_held.load(Ordering::SeqCst) == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the release never synced the directory"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // One small entry into the segment that just began: no rotation, so no directory sync.
+    let (tx, rx) = std::sync::mpsc::channel();
+    {
+        let (wal, n) = (wal.clone(), next);
+        std::thread::spawn(move || {
+            let _ = tx.send(wal.append(&fixed(n, n + 1), None, true));
+        });
+    }
+    let appended = rx.recv_timeout(Duration::from_secs(30));
+    faults.hold_dir_sync.store(false, Ordering::SeqCst);
+    appended
+        .expect("a durable append completes while a release syncs the directory")
+        .unwrap();
+    release.join().unwrap().unwrap();
+    assert_eq!(wal.last_index(), next);
+    assert_eq!(wal.segment_count(), 1);
+    let set_aside = files(dir.path())
+        .iter()
+        .filter(|n| n.ends_with(".free") || n.ends_with(".tmp"))
+        .count();
+    assert!(set_aside >= 1, "{:?}", files(dir.path()));
 }
 
 #[test]

@@ -81,6 +81,10 @@ pub struct Faults {
     pub sync_delay_us: AtomicU64,
     /// Hand out direct-write handles (as the real file system does where it can).
     pub direct: AtomicBool,
+    /// While set, `sync_dir` waits until it is cleared.
+    pub hold_dir_sync: AtomicBool,
+    /// Calls of `sync_dir` that waited on [`Faults::hold_dir_sync`] so far.
+    pub dir_syncs_held: AtomicU64,
     /// Every page-cache hint given: (file name, "will_need" or "dont_need").
     pub hints: Mutex<Vec<(String, &'static str)>>,
     /// Every file opened, to follow renames.
@@ -216,6 +220,12 @@ impl FileSystem for FaultFs {
         RealFs.copy(from, to)
     }
     fn sync_dir(&self, dir: &Path) -> io::Result<()> {
+        if self.0.hold_dir_sync.load(Ordering::SeqCst) {
+            self.0.dir_syncs_held.fetch_add(1, Ordering::SeqCst);
+            while self.0.hold_dir_sync.load(Ordering::SeqCst) {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        }
         RealFs.sync_dir(dir)
     }
     fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
