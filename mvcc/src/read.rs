@@ -199,8 +199,8 @@ impl<T: ReadTxn> Sources<'_, T> {
         self.fetch_into(compacted, revs, None, with_value)
     }
 
-    /// [`fetch`](Self::fetch), given with `keys` the key the index names for each revision,
-    /// which is checked against the record's.
+    /// [`fetch`](Self::fetch), given with `keys` the [`key_tag`] of the key the index names
+    /// for each revision, which is checked against the record's key.
     ///
     /// Each entry's key and value are copied out one after the other, so the two
     /// allocations of an entry sit side by side and are freed together, as a caller drops
@@ -209,7 +209,7 @@ impl<T: ReadTxn> Sources<'_, T> {
         &self,
         compacted: impl Fn() -> u64,
         revs: &[Revision],
-        keys: Option<&KeyRun>,
+        keys: Option<&[u64]>,
         with_value: bool,
     ) -> Result<Vec<KeyValue>, MvccError> {
         debug_assert!(keys.is_none_or(|k| k.len() == revs.len()));
@@ -239,7 +239,7 @@ impl<T: ReadTxn> Sources<'_, T> {
         }
         let mut build = |i: usize, rev: Revision, rec: &[u8]| -> Result<(), MvccError> {
             let r = decode_record(rev, rec)?;
-            if keys.is_some_and(|k| k.get(i) != r.key) {
+            if keys.is_some_and(|k| k[i] != key_tag(r.key)) {
                 return Err(MvccError::Corrupt {
                     revision: rev,
                     reason: "record key differs from the key index".to_owned(),
@@ -540,11 +540,12 @@ pub(crate) fn range<B: Backend>(
     } else {
         req.limit
     };
-    let mut keys = KeyRun::default();
+    // Per key, its revision and its tag, to check the record read for it.
+    let mut tags: Vec<u64> = Vec::new();
     let mut revs: Vec<Revision> = Vec::new();
     let count = scan_live(inner, &req.key, &b, rev, &|| src.pause(), |key, at| {
         if !req.count_only && revs.len() < limit {
-            keys.push(key);
+            tags.push(key_tag(key));
             revs.push(at.modified);
         }
     })?;
@@ -561,35 +562,39 @@ pub(crate) fn range<B: Backend>(
     // The results are built once the scan is done, so their vector is allocated once at
     // its size instead of being grown (and copied) while the scan runs.
     let compacted = || inner.index.read().compacted;
-    resp.kvs = src.fetch_into(compacted, &revs, Some(&keys), !req.keys_only)?;
+    resp.kvs = src.fetch_into(compacted, &revs, Some(&tags), !req.keys_only)?;
     Ok(resp)
 }
 
-/// Keys end to end in one buffer: the keys a scan yields, without an allocation each.
-#[derive(Debug, Default)]
-pub(crate) struct KeyRun {
-    bytes: Vec<u8>,
-    /// Where each key ends in `bytes`.
-    ends: Vec<usize>,
-}
-
-impl KeyRun {
-    /// Appends `key`.
-    pub fn push(&mut self, key: &[u8]) {
-        self.bytes.extend_from_slice(key);
-        self.ends.push(self.bytes.len());
+/// A 64-bit tag of `key`, for checking that the record a range reads for a key of the index
+/// holds that key without keeping a copy of every key: different keys get different tags
+/// but for a chance of about 2^-64.
+///
+/// The length, then each 8-byte word (the last one zero-padded), goes into the state through
+/// a folded multiply: the 128-bit product of `state ^ word` with an odd constant, its high
+/// half xored into its low half, so every bit of the input reaches every bit of the state
+/// (the fold foldhash and wyhash are built on).
+#[inline]
+pub(crate) fn key_tag(key: &[u8]) -> u64 {
+    const K: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mix = |h: u64, word: u64| {
+        let m = u128::from(h ^ word) * u128::from(K);
+        (m as u64) ^ ((m >> 64) as u64)
+    };
+    let mut h = mix(0x243f_6a88_85a3_08d3, key.len() as u64);
+    let mut words = key.chunks_exact(8);
+    for w in &mut words {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(w);
+        h = mix(h, u64::from_le_bytes(b));
     }
-
-    /// The `i`th key pushed.
-    pub fn get(&self, i: usize) -> &[u8] {
-        let start = if i == 0 { 0 } else { self.ends[i - 1] };
-        &self.bytes[start..self.ends[i]]
+    let rest = words.remainder();
+    if !rest.is_empty() {
+        let mut b = [0u8; 8];
+        b[..rest.len()].copy_from_slice(rest);
+        h = mix(h, u64::from_le_bytes(b));
     }
-
-    /// How many keys there are.
-    pub fn len(&self) -> usize {
-        self.ends.len()
-    }
+    h
 }
 
 /// Calls `f(key, state)` for every key of `[start, bound)` live at `rev`, in key order, holding
@@ -697,17 +702,43 @@ mod tests {
         assert_eq!(s.hash_kv(0).expect("hash"), hash_buffered);
     }
 
+    /// Keys that differ only in their length (zero padding included), in one or two bits
+    /// anywhere, or in the order of their words get different tags; equal keys the same one.
     #[test]
-    fn a_key_run_gives_back_its_keys_empty_ones_included() {
-        let keys: [&[u8]; 5] = [b"", b"a", b"", b"longer key \xff", b"b"];
-        let mut run = KeyRun::default();
-        for k in keys {
-            run.push(k);
+    fn different_keys_get_different_tags() {
+        let mut keys: Vec<Vec<u8>> = vec![
+            b"".to_vec(),
+            b"\0".to_vec(),
+            b"\0\0\0\0\0\0\0\0".to_vec(),
+            b"\0\0\0\0\0\0\0\0\0".to_vec(),
+            b"a".to_vec(),
+            b"a\0".to_vec(),
+            b"abcdefghABCDEFGH".to_vec(),
+            b"ABCDEFGHabcdefgh".to_vec(),
+        ];
+        let base = b"key-0000000000000042-value".to_vec();
+        let bits = base.len() * 8;
+        for one in 0..bits {
+            for two in one..bits {
+                let mut k = base.clone();
+                k[one / 8] ^= 1 << (one % 8);
+                if two != one {
+                    k[two / 8] ^= 1 << (two % 8);
+                }
+                keys.push(k);
+            }
         }
-        assert_eq!(run.len(), keys.len());
-        for (i, k) in keys.iter().enumerate() {
-            assert_eq!(run.get(i), *k, "key {i}");
+        keys.push(base.clone());
+        for n in 0..2_000u32 {
+            keys.push(format!("key-{n:016}").into_bytes());
         }
+        let mut tags = std::collections::HashMap::new();
+        for k in &keys {
+            if let Some(other) = tags.insert(key_tag(k), k.clone()) {
+                panic!("{k:?} and {other:?} share a tag");
+            }
+        }
+        assert_eq!(key_tag(&base), key_tag(&base.clone()));
     }
 
     /// A record whose checksum holds but whose key is not the one the index names for its
