@@ -26,7 +26,10 @@
 //! a new zero-filled file, so a log in steady state (appending while snapshots let it
 //! release) overwrites blocks it already owns, as a preallocated file would. A recycled
 //! file's old pages are read into the page cache ahead of appends that go through it, and
-//! dropped from it when appends write directly (see `segment::Writes`).
+//! dropped from it when appends write directly (see `segment::Writes`). A `.free` file is
+//! reused only once its new name is durable (the release's directory sync, made without the
+//! mutex, has ended; at open, a directory sync first), so a crash can never bring back a
+//! segment's old name over a file whose header was rewritten for another segment.
 
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions, TryLockError};
@@ -149,6 +152,11 @@ struct Inner {
     prealloc: Prealloc,
     /// Released segment files waiting to be recycled.
     free: Vec<Free>,
+    /// Released files renamed to `.free` whose new names may not be durable yet, each with
+    /// its ticket: they join `free` once a directory sync begun after their rename ends.
+    set_aside: Vec<(u64, Free)>,
+    /// The next set-aside file's ticket.
+    next_ticket: u64,
 }
 
 /// A segmented, checksummed, group-committed Raft log in one directory.
@@ -548,6 +556,8 @@ impl Wal {
             stats: WalStats::default(),
             prealloc: Prealloc::None,
             free: Vec::new(),
+            set_aside: Vec::new(),
+            next_ticket: 0,
         };
         if !seeded {
             // The last segment was renamed into place but nothing of it reached the disk:
@@ -597,6 +607,12 @@ impl Wal {
                     Err(e) => return Err(WalError::io("remove stale file", &path, e)),
                 },
             }
+        }
+        if !free.is_empty() {
+            // A `.free` name may not be durable (the log stopped between a release's rename
+            // and its directory sync): made so before any of these files is rewritten.
+            fs.sync_dir(dir)
+                .map_err(|e| WalError::io("sync directory", dir, e))?;
         }
         inner.free = free;
         let wal = Wal {
@@ -740,6 +756,9 @@ impl Wal {
                 return Err(err);
             }
         };
+        // That synced the directory: every file set aside so far has its new name for good.
+        let upto = g.next_ticket;
+        self.adopt_set_aside(g, upto);
         let prev = g.writer.crc;
         let direct = direct_handle(&*self.fs, &self.options, &path);
         g.writer.restart(WriterStart {
@@ -1412,10 +1431,13 @@ impl Wal {
     /// below the first entry held. The caller makes sure the released entries are covered by
     /// a snapshot.
     ///
-    /// The directory is synced with the log's lock released, so appends go on meanwhile.
+    /// The directory is synced with the log's lock released, so appends go on meanwhile;
+    /// once this returns `Ok`, the renames and deletions it made are durable. (A call that
+    /// finds nothing to release returns at once, even while another call's sync runs.)
     /// Released files kept for reuse join the free list only once their new names are
     /// durable: a rotation never rewrites the header of a file whose old name a crash could
-    /// bring back.
+    /// bring back. If the sync fails, the error is returned and those files wait for the
+    /// next directory sync (the next call's, or a rotation's).
     pub fn release_to(&self, index: u64) -> Result<(), WalError> {
         let mut g = self.inner.lock();
         // Below the first entry held (released, or covered by the snapshot marker), the
@@ -1426,25 +1448,32 @@ impl Wal {
             None => g.writer.seq,
         };
         let doomed: Vec<u64> = g.segments.range(..keep).map(|(s, _)| *s).collect();
-        if doomed.is_empty() {
+        // Files an earlier release set aside but could not sync are adopted by this sync.
+        if doomed.is_empty() && g.set_aside.is_empty() {
             return Ok(());
         }
         // The index forgets first, so a failed delete never leaves a hole that reads reach.
-        g.index.release_below(keep);
-        let mut freed = Vec::new();
+        if !doomed.is_empty() {
+            g.index.release_below(keep);
+        }
         for seq in doomed {
             if let Some(s) = g.segments.remove(&seq) {
-                if g.free.len() + freed.len() < self.options.recycle_segments
+                if g.free.len() + g.set_aside.len() < self.options.recycle_segments
                     && s.file.len().ok() == Some(self.options.segment_size)
                 {
                     let to = self.dir.join(segment::free_name(seq));
                     self.fs
                         .rename(&s.path, &to)
                         .map_err(|e| WalError::io("set aside released segment", &s.path, e))?;
-                    freed.push(Free {
-                        path: to,
-                        file: s.file,
-                    });
+                    let ticket = g.next_ticket;
+                    g.next_ticket += 1;
+                    g.set_aside.push((
+                        ticket,
+                        Free {
+                            path: to,
+                            file: s.file,
+                        },
+                    ));
                 } else {
                     self.fs
                         .remove(&s.path)
@@ -1452,26 +1481,36 @@ impl Wal {
                 }
             }
         }
+        let upto = g.next_ticket;
         drop(g);
         self.fs
             .sync_dir(&self.dir)
             .map_err(|e| WalError::io("sync directory", &self.dir, e))?;
-        if !freed.is_empty() {
-            let mut g = self.inner.lock();
-            for f in freed {
-                // Releases that ran side by side may together have set aside more than the
-                // free list keeps. A deletion that a crash undoes leaves a `.free` file, which
-                // the next open deals with, so this one needs no sync.
-                if g.free.len() < self.options.recycle_segments {
-                    g.free.push(f);
-                } else {
-                    self.fs
-                        .remove(&f.path)
-                        .map_err(|e| WalError::io("delete segment", &f.path, e))?;
-                }
+        let mut g = self.inner.lock();
+        self.adopt_set_aside(&mut g, upto);
+        Ok(())
+    }
+
+    /// Moves the files set aside with a ticket below `upto` (renamed before a directory sync
+    /// that has ended) to the free list. Releases that ran side by side may together have
+    /// set aside more than the free list keeps: those are deleted, best effort (a deletion
+    /// that fails or that a crash undoes leaves a `.free` file, which the next open deals
+    /// with).
+    fn adopt_set_aside(&self, g: &mut Inner, upto: u64) {
+        if g.set_aside.is_empty() {
+            return;
+        }
+        let (ready, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut g.set_aside)
+            .into_iter()
+            .partition(|(ticket, _)| *ticket < upto);
+        g.set_aside = waiting;
+        for (_, f) in ready {
+            if g.free.len() < self.options.recycle_segments {
+                g.free.push(f);
+            } else if let Err(e) = self.fs.remove(&f.path) {
+                warn!(error = %e, path = %f.path.display(), "WAL: cannot delete a spare released segment");
             }
         }
-        Ok(())
     }
 }
 

@@ -123,6 +123,132 @@ fn appends_go_on_while_a_release_syncs_the_directory() {
     assert!(set_aside >= 1, "{:?}", files(dir.path()));
 }
 
+/// Files a release sets aside are not recycled while its directory sync is held up (their
+/// new names may not be durable yet): a segment prepared meanwhile is a new file. Once the
+/// sync ends, later rotations recycle them.
+#[test]
+fn released_files_wait_for_their_directory_sync() {
+    let dir = tempfile::tempdir().unwrap();
+    let (fs, faults) = FaultFs::new();
+    let wal = Arc::new(
+        Wal::open(
+            dir.path(),
+            WalOptions {
+                fs: Arc::new(fs),
+                ..small()
+            },
+        )
+        .unwrap(),
+    );
+    let mut next = 1;
+    fill_to(&wal, &mut next, 3);
+    faults.hold_dir_sync.store(true, Ordering::SeqCst);
+    let release = {
+        let wal = wal.clone();
+        let upto = next - 1;
+        std::thread::spawn(move || wal.release_to(upto))
+    };
+    // Should the release hold the log's lock through its sync, the appends below would
+    // wait for it forever: the hold ends after a minute whatever happens.
+    {
+        let faults = faults.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(60));
+            faults.hold_dir_sync.store(false, Ordering::SeqCst);
+        });
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while faults.dir_syncs_held.load(Ordering::SeqCst) == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the release never synced the directory"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // Past a quarter of segment 2, segment 3 is prepared in the background.
+    let prepared = fill_until_prepared(&wal, dir.path(), &mut next, 3, 1);
+    let names = files(dir.path());
+    let recycled = wal.stats().recycled;
+    faults.hold_dir_sync.store(false, Ordering::SeqCst);
+    release.join().unwrap().unwrap();
+    // Both released files are still `.free`: the prepared segment is a new file.
+    assert_eq!(recycled, 0, "{names:?}");
+    assert_eq!(
+        names.iter().filter(|n| n.ends_with(".free")).count(),
+        2,
+        "{names:?}"
+    );
+    assert!(prepared.exists());
+    fill_to(&wal, &mut next, 6);
+    assert!(wal.stats().recycled > 0, "{:?}", wal.stats());
+}
+
+/// A release whose directory sync fails returns the error and keeps the files it set aside
+/// out of the free list; the next release syncs the directory (even with nothing to
+/// release) and puts them on it, so rotations recycle them.
+#[test]
+fn a_failed_directory_sync_is_made_good_by_the_next_release() {
+    let dir = tempfile::tempdir().unwrap();
+    let (fs, faults) = FaultFs::new();
+    let wal = Wal::open(
+        dir.path(),
+        WalOptions {
+            fs: Arc::new(fs),
+            preallocate: false,
+            ..small()
+        },
+    )
+    .unwrap();
+    let mut next = 1;
+    fill_to(&wal, &mut next, 3);
+    faults.fail_dir_sync.store(true, Ordering::SeqCst);
+    let err = wal.release_to(next - 1).unwrap_err();
+    assert!(err.to_string().contains("sync directory"), "{err}");
+    assert_eq!(wal.segment_count(), 1);
+    faults.fail_dir_sync.store(false, Ordering::SeqCst);
+    wal.release_to(next - 1).unwrap();
+    fill_to(&wal, &mut next, 3);
+    let stats = wal.stats();
+    assert_eq!(stats.recycled, 2, "{stats:?} {:?}", files(dir.path()));
+    let free = files(dir.path())
+        .iter()
+        .filter(|n| n.ends_with(".free"))
+        .count();
+    assert_eq!(free, 0, "{:?}", files(dir.path()));
+    let first = wal.first_index();
+    assert_eq!(wal.entries(first, next, None).unwrap(), fixed(first, next));
+}
+
+/// Open makes the names of the released files it finds durable before it may recycle one
+/// (the log may have stopped between a release's renames and its directory sync): with the
+/// directory sync failing, a log with `.free` files does not open, one without does.
+#[test]
+fn opening_with_released_files_syncs_the_directory_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut next = 1;
+    {
+        let wal = Wal::open(dir.path(), small()).unwrap();
+        fill_to(&wal, &mut next, 3);
+        wal.release_to(next - 1).unwrap();
+    }
+    assert!(files(dir.path()).iter().any(|n| n.ends_with(".free")));
+    let failing = || {
+        let (fs, faults) = FaultFs::new();
+        faults.fail_dir_sync.store(true, Ordering::SeqCst);
+        WalOptions {
+            fs: Arc::new(fs),
+            ..small()
+        }
+    };
+    let err = Wal::open(dir.path(), failing()).err().expect("open fails");
+    assert!(err.to_string().contains("sync directory"), "{err}");
+    for n in files(dir.path()).iter().filter(|n| n.ends_with(".free")) {
+        std::fs::remove_file(dir.path().join(n)).unwrap();
+    }
+    let wal = Wal::open(dir.path(), failing()).unwrap();
+    assert_eq!(wal.last_index(), next - 1);
+}
+
 #[test]
 fn released_segments_are_recycled_and_read_back() {
     let dir = tempfile::tempdir().unwrap();

@@ -83,6 +83,8 @@ pub struct Faults {
     pub direct: AtomicBool,
     /// While set, `sync_dir` waits until it is cleared.
     pub hold_dir_sync: AtomicBool,
+    /// `sync_dir` fails with EIO.
+    pub fail_dir_sync: AtomicBool,
     /// Calls of `sync_dir` that waited on [`Faults::hold_dir_sync`] so far.
     pub dir_syncs_held: AtomicU64,
     /// Every page-cache hint given: (file name, "will_need" or "dont_need").
@@ -225,6 +227,9 @@ impl FileSystem for FaultFs {
             while self.0.hold_dir_sync.load(Ordering::SeqCst) {
                 std::thread::sleep(std::time::Duration::from_millis(1));
             }
+        }
+        if self.0.fail_dir_sync.load(Ordering::SeqCst) {
+            return Err(io::Error::from_raw_os_error(5));
         }
         RealFs.sync_dir(dir)
     }
