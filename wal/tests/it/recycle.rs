@@ -240,7 +240,9 @@ fn opening_with_released_files_syncs_the_directory_first() {
             ..small()
         }
     };
-    let err = Wal::open(dir.path(), failing()).err().expect("open fails");
+    let Err(err) = Wal::open(dir.path(), failing()) else {
+        panic!("the log opened without syncing its directory");
+    };
     assert!(err.to_string().contains("sync directory"), "{err}");
     for n in files(dir.path()).iter().filter(|n| n.ends_with(".free")) {
         std::fs::remove_file(dir.path().join(n)).unwrap();
