@@ -200,8 +200,8 @@ impl<T: ReadTxn> Sources<'_, T> {
         self.fetch_into(compacted, revs, None, with_value)
     }
 
-    /// [`fetch`](Self::fetch), given with `keys` the [`key_tag`] of the key the index names
-    /// for each revision, which is checked against the record's key.
+    /// [`fetch`](Self::fetch), given with `keys` the tags of the keys the index names for
+    /// the revisions, which each record's key is checked against.
     ///
     /// Each entry's key and value are copied out one after the other, so the two
     /// allocations of an entry sit side by side and are freed together, as a caller drops
@@ -210,10 +210,10 @@ impl<T: ReadTxn> Sources<'_, T> {
         &self,
         compacted: impl Fn() -> u64,
         revs: &[Revision],
-        keys: Option<&[u64]>,
+        keys: Option<&KeyTags>,
         with_value: bool,
     ) -> Result<Vec<KeyValue>, MvccError> {
-        debug_assert!(keys.is_none_or(|k| k.len() == revs.len()));
+        debug_assert!(keys.is_none_or(|k| k.tags.len() == revs.len()));
         // A buffer only holds revisions from its first one on, and a view only asks for
         // revisions it could see when it opened, so a revision below a buffer's first is not
         // in it. Buffers are locked per lookup, only for revisions that may be there: a long
@@ -240,7 +240,7 @@ impl<T: ReadTxn> Sources<'_, T> {
         }
         let mut build = |i: usize, rev: Revision, rec: &[u8]| -> Result<(), MvccError> {
             let r = decode_record(rev, rec)?;
-            if keys.is_some_and(|k| k[i] != key_tag(r.key)) {
+            if keys.is_some_and(|k| !k.matches(i, r.key)) {
                 return Err(MvccError::Corrupt {
                     revision: rev,
                     reason: "record key differs from the key index".to_owned(),
@@ -542,11 +542,11 @@ pub(crate) fn range<B: Backend>(
         req.limit
     };
     // Per key, its revision and its tag, to check the record read for it.
-    let mut tags: Vec<u64> = Vec::new();
+    let mut tags = KeyTags::new();
     let mut revs: Vec<Revision> = Vec::new();
     let count = scan_live(inner, &req.key, &b, rev, &|| src.pause(), |key, at| {
         if !req.count_only && revs.len() < limit {
-            tags.push(key_tag(key));
+            tags.push(key);
             revs.push(at.modified);
         }
     })?;
@@ -567,40 +567,69 @@ pub(crate) fn range<B: Backend>(
     Ok(resp)
 }
 
-/// A 64-bit tag of `key`, for checking that the record a range reads for a key of the index
+/// 64-bit tags of keys, for checking that the record a range reads for a key of the index
 /// holds that key without keeping a copy of every key: different keys get different tags
 /// but for a chance of about 2^-64.
 ///
-/// The length, then each 8-byte word (the last one zero-padded), goes into the state through
-/// a folded multiply (the 128-bit product of `state ^ word` with an odd constant, its high
-/// half xored into its low half: the fold foldhash and wyhash are built on), and a last fold
-/// spreads the last word over every bit. The state starts from a seed drawn at random once
-/// per process, so keys cannot be chosen to share a tag (a word equal to the state would
-/// wipe what came before it, but the state cannot be known).
-#[inline]
-pub(crate) fn key_tag(key: &[u8]) -> u64 {
-    static SEED: LazyLock<u64> =
-        LazyLock::new(|| RandomState::new().hash_one(0x6b65_656c_2d74_6167_u64));
-    const K: u64 = 0x9e37_79b9_7f4a_7c15;
-    const LAST: u64 = 0xbf58_476d_1ce4_e5b9;
-    let fold = |a: u64, b: u64| {
-        let m = u128::from(a) * u128::from(b);
-        (m as u64) ^ ((m >> 64) as u64)
-    };
-    let mut h = fold(*SEED ^ key.len() as u64, K);
-    let mut words = key.chunks_exact(8);
-    for w in &mut words {
-        let mut b = [0u8; 8];
-        b.copy_from_slice(w);
-        h = fold(h ^ u64::from_le_bytes(b), K);
+/// The length, then each 8-byte word of a key (the last one zero-padded), goes into the
+/// state through a folded multiply (the 128-bit product of `state ^ word` with an odd
+/// constant, its high half xored into its low half: the fold foldhash and wyhash are built
+/// on), and a last fold spreads the last word over every bit. The state starts from a seed
+/// drawn at random once per process, so keys cannot be chosen to share a tag (a word equal to
+/// the state would wipe what came before it, but the state cannot be known).
+pub(crate) struct KeyTags {
+    seed: u64,
+    tags: Vec<u64>,
+}
+
+impl KeyTags {
+    /// No tags yet.
+    pub fn new() -> KeyTags {
+        static SEED: LazyLock<u64> =
+            LazyLock::new(|| RandomState::new().hash_one(0x6b65_656c_2d74_6167_u64));
+        KeyTags {
+            seed: *SEED,
+            tags: Vec::new(),
+        }
     }
-    let rest = words.remainder();
-    if !rest.is_empty() {
-        let mut b = [0u8; 8];
-        b[..rest.len()].copy_from_slice(rest);
-        h = fold(h ^ u64::from_le_bytes(b), K);
+
+    /// Adds the tag of `key`.
+    #[inline]
+    pub fn push(&mut self, key: &[u8]) {
+        let tag = self.tag(key);
+        self.tags.push(tag);
     }
-    fold(h ^ LAST, K)
+
+    /// Whether `key` has the `i`th tag.
+    #[inline]
+    pub fn matches(&self, i: usize, key: &[u8]) -> bool {
+        self.tags.get(i) == Some(&self.tag(key))
+    }
+
+    /// The tag of `key`.
+    #[inline]
+    fn tag(&self, key: &[u8]) -> u64 {
+        const K: u64 = 0x9e37_79b9_7f4a_7c15;
+        const LAST: u64 = 0xbf58_476d_1ce4_e5b9;
+        let fold = |a: u64, b: u64| {
+            let m = u128::from(a) * u128::from(b);
+            (m as u64) ^ ((m >> 64) as u64)
+        };
+        let mut h = fold(self.seed ^ key.len() as u64, K);
+        let mut words = key.chunks_exact(8);
+        for w in &mut words {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(w);
+            h = fold(h ^ u64::from_le_bytes(b), K);
+        }
+        let rest = words.remainder();
+        if !rest.is_empty() {
+            let mut b = [0u8; 8];
+            b[..rest.len()].copy_from_slice(rest);
+            h = fold(h ^ u64::from_le_bytes(b), K);
+        }
+        fold(h ^ LAST, K)
+    }
 }
 
 /// Calls `f(key, state)` for every key of `[start, bound)` live at `rev`, in key order, holding
@@ -738,13 +767,19 @@ mod tests {
         for n in 0..2_000u32 {
             keys.push(format!("key-{n:016}").into_bytes());
         }
+        let tagger = KeyTags::new();
         let mut tags = std::collections::HashMap::new();
         for k in &keys {
-            if let Some(other) = tags.insert(key_tag(k), k.clone()) {
+            if let Some(other) = tags.insert(tagger.tag(k), k.clone()) {
                 panic!("{k:?} and {other:?} share a tag");
             }
         }
-        assert_eq!(key_tag(&base), key_tag(&base.clone()));
+        assert_eq!(tagger.tag(&base), tagger.tag(&base.clone()));
+        let mut pushed = KeyTags::new();
+        pushed.push(&base);
+        assert!(pushed.matches(0, &base));
+        assert!(!pushed.matches(0, b"key-0000000000000043-value"));
+        assert!(!pushed.matches(1, &base), "past the last tag");
     }
 
     /// Tags spread evenly over their high bits too, for keys whose last word varies in its
@@ -754,11 +789,12 @@ mod tests {
     #[test]
     fn tags_of_keys_ending_in_big_endian_integers_spread_evenly() {
         let n = 1u64 << 16;
+        let tagger = KeyTags::new();
         let top: std::collections::HashSet<u64> = (0..n)
             .map(|i| {
                 let mut k = b"user/id:".to_vec();
                 k.extend_from_slice(&i.to_be_bytes());
-                key_tag(&k) >> 40
+                tagger.tag(&k) >> 40
             })
             .collect();
         // Random values: about 128 (a Poisson count, deviation about 11). Far fewer means
