@@ -364,7 +364,8 @@ impl<B: Backend> Lessor<B> {
             let record = LeaseRecord {
                 id: cp.id,
                 ttl,
-                remaining: cp.remaining_ttl.max(0),
+                // A checkpoint never records more than the granted TTL.
+                remaining: cp.remaining_ttl.clamp(0, ttl),
             };
             txn.put_aux(
                 &LEASE_BUCKET,

@@ -21,7 +21,12 @@
 //! Checkpoints are scheduled every checkpoint interval for each lease whose remaining TTL is
 //! longer than the interval. Since the schedule time is always `now + interval` and time
 //! never goes backwards, the schedule is a FIFO queue, already sorted ([`CheckpointQueue`],
-//! which rounds deadlines up to a whole second).
+//! which rounds deadlines up to a whole second). A lease leaves the schedule once its
+//! remaining TTL is no longer than the interval, and a renewal puts it back. A renewal asks
+//! for its checkpoint to be cleared when one is stored or one was produced since the last
+//! clear (it may be applied after the renewal); after a promotion, the first renewal of
+//! each lease always asks, for the checkpoints the previous primary produced. A checkpoint
+//! never records more than the granted TTL.
 
 use std::time::Duration;
 
@@ -39,6 +44,10 @@ const FOREVER: u64 = u64::MAX;
 /// Stale timers are swept once they exceed the live leases by this many, and the total
 /// exceeds twice the live leases.
 const SWEEP_SLACK: usize = 1_024;
+/// Mark: a checkpoint of the slot's current lease is on the schedule.
+const SCHEDULED: u8 = 1;
+/// Mark: a checkpoint of the slot's current lease was produced since its last clear.
+const IN_FLIGHT: u8 = 2;
 
 /// A `(lease, remaining TTL)` record the primary hands out for replication. Applying it
 /// persists the remaining TTL; 0 clears it (the next primary restores the full TTL).
@@ -119,6 +128,9 @@ pub struct LeaseTable {
     /// revoked lease never apply to the lease that reuses the slot. Apart from the slots too,
     /// which keeps a slot at 56 bytes.
     incarnations: Vec<u32>,
+    /// Checkpoint marks of each slot ([`SCHEDULED`], [`IN_FLIGHT`]), apart from the slots
+    /// like the generations.
+    marks: Vec<u8>,
     free: Vec<u32>,
     index: IdIndex,
     live: usize,
@@ -157,6 +169,7 @@ impl LeaseTable {
             slots: Vec::new(),
             gens: Vec::new(),
             incarnations: Vec::new(),
+            marks: Vec::new(),
             free: Vec::new(),
             index: IdIndex::new(),
             live: 0,
@@ -276,6 +289,7 @@ impl LeaseTable {
                 });
                 self.gens.push(0);
                 self.incarnations.push(0);
+                self.marks.push(0);
                 (self.slots.len() - 1) as u32
             }
         };
@@ -283,14 +297,16 @@ impl LeaseTable {
             let s = &mut self.slots[slot as usize];
             s.id = id;
             s.ttl = ttl;
-            s.remaining = remaining;
+            // A checkpoint never holds more than the granted TTL.
+            s.remaining = remaining.clamp(0, ttl);
             s.expiry = FOREVER;
         }
+        self.marks[slot as usize] = 0;
         self.index.insert(id, slot);
         self.live += 1;
         if self.primary {
-            let base = secs_to_nanos(if remaining > 0 { remaining } else { ttl });
             let s = &mut self.slots[slot as usize];
+            let base = secs_to_nanos(if s.remaining > 0 { s.remaining } else { ttl });
             s.expiry = now.saturating_add(base);
             self.expiries.push(Timer {
                 deadline: s.expiry,
@@ -299,13 +315,7 @@ impl LeaseTable {
                 tag: self.gens[slot as usize],
             });
             if base > self.interval {
-                self.checkpoints.push(
-                    now.saturating_add(self.interval),
-                    Scheduled {
-                        slot,
-                        tag: self.incarnations[slot as usize],
-                    },
-                );
+                self.schedule(slot, now);
             }
         }
     }
@@ -330,6 +340,7 @@ impl LeaseTable {
         *generation = generation.wrapping_add(1);
         let incarnation = &mut self.incarnations[slot as usize];
         *incarnation = incarnation.wrapping_add(1);
+        self.marks[slot as usize] = 0;
         self.free.push(slot);
         self.live -= 1;
         self.sweep();
@@ -362,7 +373,8 @@ impl LeaseTable {
         if s.expiry <= now {
             return Err(LeaseError::NotFound { id });
         }
-        s.expiry = now.saturating_add(secs_to_nanos(s.ttl));
+        let full = secs_to_nanos(s.ttl);
+        s.expiry = now.saturating_add(full);
         let generation = &mut self.gens[slot as usize];
         *generation = generation.wrapping_add(1);
         self.expiries.push(Timer {
@@ -371,13 +383,24 @@ impl LeaseTable {
             slot,
             tag: *generation,
         });
+        // A clear is needed when a checkpoint is stored, and also when one was produced and
+        // may not be applied yet: applied after this renewal, it would hand a new primary a
+        // remaining TTL from before it.
+        let marks = &mut self.marks[slot as usize];
+        let clear = s.remaining > 0 || *marks & IN_FLIGHT != 0;
+        *marks &= !IN_FLIGHT;
         let renewal = Renewal {
             ttl: s.ttl,
-            checkpoint: (s.remaining > 0).then_some(Checkpoint {
+            checkpoint: clear.then_some(Checkpoint {
                 id,
                 remaining_ttl: 0,
             }),
         };
+        // Back on the schedule if it had left it (its remaining TTL had fallen to the
+        // interval or below), so a long renewed lease is checkpointed again.
+        if *marks & SCHEDULED == 0 && full > self.interval {
+            self.schedule(slot, now);
+        }
         self.sweep();
         Ok(renewal)
     }
@@ -438,12 +461,15 @@ impl LeaseTable {
         self.expiries.clear();
         self.retries.clear();
         self.checkpoints.clear();
-        for (i, (s, generation)) in self.slots.iter_mut().zip(&mut self.gens).enumerate() {
+        for i in 0..self.slots.len() {
+            let s = &mut self.slots[i];
             if s.id == 0 {
+                self.marks[i] = 0;
                 continue;
             }
             let base = secs_to_nanos(if s.remaining > 0 { s.remaining } else { s.ttl });
             s.expiry = start.saturating_add(base);
+            let generation = &mut self.gens[i];
             *generation = generation.wrapping_add(1);
             self.expiries.push(Timer {
                 deadline: s.expiry,
@@ -451,14 +477,11 @@ impl LeaseTable {
                 slot: i as u32,
                 tag: *generation,
             });
+            // The previous primary may have produced checkpoints not applied yet: the first
+            // renewal here asks for a clear whatever is stored.
+            self.marks[i] = IN_FLIGHT;
             if base > self.interval {
-                self.checkpoints.push(
-                    now.saturating_add(self.interval),
-                    Scheduled {
-                        slot: i as u32,
-                        tag: self.incarnations[i],
-                    },
-                );
+                self.schedule(i as u32, now);
             }
         }
         self.primary = true;
@@ -476,6 +499,19 @@ impl LeaseTable {
         self.expiries.clear();
         self.retries.clear();
         self.checkpoints.clear();
+        self.marks.fill(0);
+    }
+
+    /// Puts `slot`'s lease on the checkpoint schedule, due one interval from `now`.
+    fn schedule(&mut self, slot: u32, now: u64) {
+        self.checkpoints.push(
+            now.saturating_add(self.interval),
+            Scheduled {
+                slot,
+                tag: self.incarnations[slot as usize],
+            },
+        );
+        self.marks[slot as usize] |= SCHEDULED;
     }
 
     /// Expired leases for the caller to revoke, at most as many as the expiry rate allows
@@ -565,21 +601,24 @@ impl LeaseTable {
                     id: s.id,
                     remaining_ttl: remaining,
                 });
+                self.marks[t.slot as usize] |= IN_FLIGHT;
             }
             if left > self.interval {
                 self.checkpoints.push(now.saturating_add(self.interval), t);
+            } else {
+                self.marks[t.slot as usize] &= !SCHEDULED;
             }
         }
         out
     }
 
-    /// Applies a replicated checkpoint: records lease `id`'s remaining TTL (0 clears it).
-    /// Returns false, changing nothing, when the lease does not exist (it was revoked after
-    /// the checkpoint was produced).
+    /// Applies a replicated checkpoint: records lease `id`'s remaining TTL (0 clears it),
+    /// at most its granted TTL. Returns false, changing nothing, when the lease does not
+    /// exist (it was revoked after the checkpoint was produced).
     pub fn apply_checkpoint(&mut self, id: LeaseId, remaining_ttl: i64) -> bool {
         match self.slot_mut(id) {
             Ok(s) => {
-                s.remaining = remaining_ttl.max(0);
+                s.remaining = remaining_ttl.clamp(0, s.ttl);
                 true
             }
             Err(_) => false,
@@ -607,6 +646,7 @@ impl LeaseTable {
                 + self.expiries.allocated_bytes()
                 + self.retries.allocated_bytes()
                 + self.incarnations.capacity() * std::mem::size_of::<u32>()
+                + self.marks.capacity()
                 + self.checkpoints.allocated_bytes(),
             keys,
         }

@@ -632,8 +632,21 @@ impl<B: Backend> Node<B> {
 
     /// Replicates `request` and returns its result once applied on this member.
     ///
-    /// A learner refuses every proposal ("rpc not supported for learner").
+    /// A learner refuses every proposal ("rpc not supported for learner"). Lease checkpoints
+    /// are refused ([`NodeError::InvalidRequest`]): only the leader's lessor produces them
+    /// (see [`Node::lease_renew`]), and one proposed from outside could set any lease's
+    /// remaining TTL.
     pub fn propose(&self, request: Request) -> Result<Response, NodeError> {
+        if matches!(request, Request::LeaseCheckpoint(_)) {
+            return Err(NodeError::InvalidRequest(
+                "lease checkpoints are produced by the leader's lessor, not proposed".to_owned(),
+            ));
+        }
+        self.replicate(request)
+    }
+
+    /// [`propose`](Node::propose) without the refusal of lease checkpoints.
+    fn replicate(&self, request: Request) -> Result<Response, NodeError> {
         self.check_running()?;
         self.refuse_on_learner()?;
         let seq = self.shared.seq.fetch_add(1, Ordering::Relaxed);
@@ -737,9 +750,9 @@ impl<B: Backend> Node<B> {
     }
 
     /// Renews lease `id` on the leader; returns its TTL. On a follower: [`NodeError::NotLeader`]
-    /// with the leader's id. When the lease carried a checkpointed remaining TTL, the
-    /// cleared checkpoint is replicated before returning, so a new leader restores the full
-    /// TTL.
+    /// with the leader's id. When the lease carried a checkpointed remaining TTL, or a
+    /// checkpoint of it may not be applied yet, a clear is replicated before returning (after
+    /// any such checkpoint in the log), so a new leader restores the full TTL.
     pub fn lease_renew(&self, id: i64) -> Result<i64, NodeError> {
         self.check_running()?;
         let status = self.status();
@@ -751,7 +764,7 @@ impl<B: Backend> Node<B> {
         }
         let renewal = self.lessor().renew(id).map_err(lease_err)?;
         if let Some(cp) = renewal.checkpoint {
-            self.propose(Request::LeaseCheckpoint(vec![
+            self.replicate(Request::LeaseCheckpoint(vec![
                 crate::request::LeaseCheckpoint {
                     id: cp.id,
                     remaining_ttl: cp.remaining_ttl,

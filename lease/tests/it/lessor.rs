@@ -414,3 +414,57 @@ fn transactions_move_attachments_and_refuse_unknown_leases() {
     assert_eq!(lessor.revoke(2, None).unwrap().deleted, 2);
     assert!(keys_with_leases(&store).is_empty());
 }
+
+/// A checkpoint that claims more than the granted TTL is stored as the granted TTL, so a
+/// new leader expires the lease on time.
+#[test]
+fn a_replicated_checkpoint_is_clamped_to_the_granted_ttl() {
+    let path = mem_path("clamp");
+    let clock = Arc::new(ManualClock::new());
+    let store = open_store(&path);
+    let lessor = open_lessor(&store, &clock);
+    lessor.grant(1, 10, None).unwrap();
+    let cp = Checkpoint {
+        id: 1,
+        remaining_ttl: i64::MAX,
+    };
+    assert_eq!(lessor.apply_checkpoints(&[cp], None).unwrap(), 1);
+    lessor.promote();
+    assert!(lessor.time_to_live(1, false).unwrap().ttl <= 11);
+    clock.advance(secs(3600));
+    assert_eq!(lessor.expired_leases(), vec![1]);
+}
+
+/// A lease renewed after it left the checkpoint schedule keeps being checkpointed: after a
+/// leader change, a client that stopped renewing loses it within one checkpoint interval
+/// of its real end (the design's bound), not a full TTL later.
+#[test]
+fn a_renewed_lease_keeps_its_bound_across_a_leader_change() {
+    let path = mem_path("renewed");
+    let clock = Arc::new(ManualClock::new());
+    let store = open_store(&path);
+    let options = LessorOptions {
+        promote_extension: Some(Duration::ZERO),
+        ..LessorOptions::default()
+    };
+    let lessor = Lessor::open(store.clone(), clock.clone(), options).unwrap();
+    lessor.promote();
+    lessor.grant(1, 600, None).unwrap();
+    clock.advance(secs(300));
+    run_checkpoints(&lessor);
+    clock.advance(secs(1));
+    let renewal = lessor.renew(1).unwrap();
+    lessor
+        .apply_checkpoints(&[renewal.checkpoint.expect("a clear")], None)
+        .unwrap();
+    // The client stops renewing at 301 s: the lease really ends at 901 s.
+    for _ in 0..549 {
+        clock.advance(secs(1));
+        run_checkpoints(&lessor);
+    }
+    // A leader change at 850 s, with 51 s really left.
+    lessor.demote();
+    lessor.promote();
+    let ttl = lessor.time_to_live(1, false).unwrap().ttl;
+    assert!(ttl <= 51 + 300, "the new leader gives {ttl} s");
+}

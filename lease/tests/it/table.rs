@@ -299,3 +299,84 @@ fn heavy_renewal_churn_keeps_the_heap_bounded() {
     fired.sort_unstable();
     assert_eq!(fired, (1..=100).collect::<Vec<_>>());
 }
+
+fn no_extension() -> LessorOptions {
+    LessorOptions {
+        promote_extension: Some(Duration::ZERO),
+        ..LessorOptions::default()
+    }
+}
+
+/// A lease that left the checkpoint schedule (its remaining TTL fell to the interval) and
+/// is then renewed to a TTL longer than the interval is checkpointed again.
+#[test]
+fn a_renewed_lease_is_checkpointed_again() {
+    let mut t = LeaseTable::new(no_extension()).unwrap();
+    t.promote(secs(0));
+    t.grant(1, 600, secs(0)).unwrap();
+    let cps = t.checkpoint_batch(secs(300));
+    assert_eq!(
+        cps,
+        vec![Checkpoint {
+            id: 1,
+            remaining_ttl: 300
+        }]
+    );
+    assert!(t.apply_checkpoint(1, 300));
+    let r = t.renew(1, secs(301)).unwrap();
+    assert_eq!(
+        r.checkpoint,
+        Some(Checkpoint {
+            id: 1,
+            remaining_ttl: 0
+        })
+    );
+    assert!(t.apply_checkpoint(1, 0));
+    // 600 s left, more than the 300 s interval: checkpointed one interval after the renewal.
+    assert!(t.checkpoint_batch(secs(600)).is_empty());
+    assert_eq!(
+        t.checkpoint_batch(secs(601)),
+        vec![Checkpoint {
+            id: 1,
+            remaining_ttl: 300
+        }]
+    );
+}
+
+/// A checkpoint produced before a renewal but applied after it must not hand a new primary
+/// the remaining TTL from before the renewal: the renewal asks for a clear, which Raft
+/// applies after the checkpoint.
+#[test]
+fn a_checkpoint_applied_after_a_renewal_is_cleared() {
+    let mut t = LeaseTable::new(no_extension()).unwrap();
+    t.promote(secs(0));
+    t.grant(1, 600, secs(0)).unwrap();
+    let in_flight = t.checkpoint_batch(secs(300));
+    assert_eq!(in_flight.len(), 1);
+    let r = t.renew(1, secs(300)).unwrap();
+    let clear = r.checkpoint.expect("a clear, though nothing is stored yet");
+    assert_eq!(clear.remaining_ttl, 0);
+    // In log order: the checkpoint, then the clear.
+    t.apply_checkpoint(1, in_flight[0].remaining_ttl);
+    t.apply_checkpoint(1, clear.remaining_ttl);
+    t.demote();
+    t.promote(secs(301));
+    // Nothing stored: the new primary gives the full TTL, not the 300 s of the old checkpoint.
+    assert_eq!(t.time_to_live(1, secs(301), false).unwrap().ttl, 600);
+    // After a promotion the first renewal always asks for a clear: the previous primary may
+    // have produced checkpoints that are not applied yet.
+    assert!(t.renew(1, secs(302)).unwrap().checkpoint.is_some());
+    assert!(t.renew(1, secs(303)).unwrap().checkpoint.is_none());
+}
+
+/// A checkpoint never records more than the granted TTL.
+#[test]
+fn a_checkpoint_never_extends_a_lease_beyond_its_ttl() {
+    let mut t = LeaseTable::new(no_extension()).unwrap();
+    t.grant(1, 10, secs(0)).unwrap();
+    assert!(t.apply_checkpoint(1, i64::MAX));
+    assert_eq!(t.checkpointed_ttl(1).unwrap(), 10);
+    t.promote(secs(0));
+    assert_eq!(t.time_to_live(1, secs(0), false).unwrap().ttl, 10);
+    assert_eq!(t.expired(secs(10)), vec![1]);
+}

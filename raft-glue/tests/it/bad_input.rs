@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use keel_mvcc::{DeleteRangeRequest, PutRequest, RangeRequest};
 use keel_raft_glue::testing::{Cluster, TestBackend, fast_options};
-use keel_raft_glue::{NodeError, ReadConsistency};
+use keel_raft_glue::{LeaseCheckpoint, NodeError, ReadConsistency, Request};
 
 const T: Duration = Duration::from_secs(10);
 
@@ -60,6 +60,16 @@ fn bad_requests_get_typed_errors_and_the_cluster_keeps_serving() {
 
         let err = n.remove_member(0).expect_err("member 0");
         assert!(matches!(err, NodeError::Membership(_)), "{err}");
+
+        // Only the leader's lessor produces lease checkpoints: one from outside could set
+        // any lease's remaining TTL.
+        let err = n
+            .propose(Request::LeaseCheckpoint(vec![LeaseCheckpoint {
+                id: 1,
+                remaining_ttl: i64::MAX,
+            }]))
+            .expect_err("a lease checkpoint from a client");
+        assert!(matches!(err, NodeError::InvalidRequest(_)), "{err}");
 
         // The cluster keeps serving.
         let r = n
