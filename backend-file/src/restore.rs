@@ -93,6 +93,10 @@ impl FileBackend {
         parse: &mut dyn FnMut(&mut ApplyBatch<'_>) -> Result<u64, BackendError>,
     ) -> Result<u64, BackendError> {
         let inner = &self.inner;
+        // No reclaim pass or defragmentation runs while the restore does (they wait): one
+        // would roll the segment the restore writes, drop the segments it filled, and
+        // publish its batches before it ends.
+        let _no_reclaim = inner.reclaim_lock.lock();
         {
             let w = inner.writer.lock();
             Inner::check_poison(&w)?;

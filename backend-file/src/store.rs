@@ -419,11 +419,17 @@ impl Inner {
             self.prep.appended(result.as_ref().ok().map(|()| end));
         }
         if let Err(e) = result {
-            // The frame may be partly or wholly in the file: cut it off so that a restart
-            // does not find it. No mapping is read past `start`.
+            // The frame may be partly or wholly in the file: cut it off, durably, so that a
+            // restart does not find it. No mapping is read past `start`. Should that fail
+            // too, a restart may find the batch whole (its checksum holds), with the
+            // consistent index it carries.
             self.prep.failed();
-            if let Err(t) = self.io.truncate(&w.active.file, path, start) {
-                tracing::error!(error = %t, "cannot cut off a failed commit");
+            let cut = self
+                .io
+                .truncate(&w.active.file, path, start)
+                .and_then(|()| self.io.sync_data(&w.active.file, path));
+            if let Err(t) = cut {
+                tracing::error!(error = %t, "cannot cut off a failed commit: a restart may find it");
             }
             Self::poison(w, &e);
             return Err(e);
@@ -529,6 +535,13 @@ impl Inner {
         }
         seal_frame(&mut w.buf);
         let path = &w.active.seg.path;
+        // Earlier frames of this restore may have gone to the direct writer, which holds back
+        // the block where the last one ends (this frame's first block): it goes out first, or
+        // it would later overwrite this frame's first bytes with its zero padding.
+        if let Some(d) = &mut w.direct {
+            d.finish()
+                .map_err(|e| BackendError::io(path, "direct pwrite", e))?;
+        }
         self.io.write_at(&w.active.file, path, start, &w.buf)?;
         self.io
             .start_writeback(&w.active.file, path, start, w.buf.len() as u64);

@@ -8,4 +8,5 @@ mod faults;
 mod mvcc;
 mod prepared;
 mod restore;
+mod restore_races;
 mod support;
