@@ -749,8 +749,8 @@ impl<B: Backend> Node<B> {
         }
     }
 
-    /// Renews lease `id` on the leader; returns its TTL. On a follower: [`NodeError::NotLeader`]
-    /// with the leader's id. When the lease carried a checkpointed remaining TTL, or a
+    /// Renews lease `id` on the leader, once a quorum has confirmed its leadership; returns
+    /// its TTL. On a follower: [`NodeError::NotLeader`] with the leader's id. When the lease carried a checkpointed remaining TTL, or a
     /// checkpoint of it may not be applied yet, a clear is replicated before returning (after
     /// any such checkpoint in the log), so a new leader restores the full TTL.
     pub fn lease_renew(&self, id: i64) -> Result<i64, NodeError> {
@@ -762,6 +762,10 @@ impl<B: Backend> Node<B> {
                 leader: status.leader,
             });
         }
+        // Leadership confirmed by a quorum first (a read index): a leader cut off from the
+        // others still believes it leads until its check-quorum timeout, while a new leader
+        // may already have let the lease expire.
+        self.read_index()?;
         let renewal = self.lessor().renew(id).map_err(lease_err)?;
         if let Some(cp) = renewal.checkpoint {
             self.replicate(Request::LeaseCheckpoint(vec![

@@ -125,3 +125,25 @@ fn expired_lease_is_revoked_by_the_leader_everywhere() {
         );
     }
 }
+
+/// A leader cut off from the others does not renew a lease: it still believes it leads
+/// until its check-quorum timeout, but the renewal waits for a quorum to confirm its
+/// leadership, which never comes, while the others elect a new leader.
+#[test]
+fn a_leader_cut_off_from_the_others_does_not_renew() {
+    crate::init_tracing();
+    let c = Cluster::<TestBackend>::new(3, fast_options(), 47).expect("cluster");
+    let leader = c.wait_leader(T).expect("leader");
+    let old = c.node(leader).expect("runs");
+    let (id, _) = old.lease_grant(60).expect("grant");
+    assert_eq!(old.lease_renew(id).expect("renew while connected"), 60);
+    c.net.isolate(leader);
+    let err = old
+        .lease_renew(id)
+        .expect_err("a renewal on a leader cut off from the others");
+    assert!(
+        matches!(err, NodeError::NotLeader { .. } | NodeError::Timeout { .. }),
+        "{err}"
+    );
+    c.net.heal();
+}
