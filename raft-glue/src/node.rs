@@ -36,7 +36,7 @@ use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, bounded, select, unbounded};
-use keel_lease::{Clock, Lessor, LessorOptions, SystemClock, TimeToLive};
+use keel_lease::{Clock, LeaseError, Lessor, LessorOptions, SystemClock, TimeToLive};
 use keel_mvcc::{
     Backend, DeleteRangeRequest, DeleteResponse, HashKv, PutRequest, PutResponse, RangeRequest,
     RangeResponse, Store, StoreOptions, TxnRequest, TxnResponse, WatchRequest, Watcher,
@@ -766,7 +766,14 @@ impl<B: Backend> Node<B> {
         // others still believes it leads until its check-quorum timeout, while a new leader
         // may already have let the lease expire.
         self.read_index()?;
-        let renewal = self.lessor().renew(id).map_err(lease_err)?;
+        let renewal = self.lessor().renew(id).map_err(|e| match e {
+            // Just elected, its lessor not yet promoted: not the leader for leases yet.
+            LeaseError::NotPrimary { .. } => NodeError::NotLeader {
+                id: self.shared.id,
+                leader: self.status().leader,
+            },
+            e => lease_err(e),
+        })?;
         if let Some(cp) = renewal.checkpoint {
             self.replicate(Request::LeaseCheckpoint(vec![
                 crate::request::LeaseCheckpoint {
