@@ -205,6 +205,12 @@ impl<B: Backend> Lessor<B> {
         self.table.lock().renew(id, self.clock.now())
     }
 
+    /// Notes that the clear a renewal of lease `id` asked for could not be replicated: the
+    /// next renewal asks again (see [`LeaseTable::clear_not_replicated`]).
+    pub fn clear_not_replicated(&self, id: LeaseId) {
+        self.table.lock().clear_not_replicated(id);
+    }
+
     /// The granted and remaining TTL of lease `id`, and its attached keys if `with_keys`.
     pub fn time_to_live(&self, id: LeaseId, with_keys: bool) -> Result<TimeToLive, LeaseError> {
         self.table

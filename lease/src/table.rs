@@ -405,6 +405,15 @@ impl LeaseTable {
         Ok(renewal)
     }
 
+    /// Notes that the clear a renewal of lease `id` asked for could not be replicated: a
+    /// checkpoint produced before it may still be applied, so the next renewal asks for a
+    /// clear again. No effect on an unknown lease.
+    pub fn clear_not_replicated(&mut self, id: LeaseId) {
+        if let Some(slot) = self.find(id) {
+            self.marks[slot as usize] |= IN_FLIGHT;
+        }
+    }
+
     /// The granted and remaining TTL of lease `id`, with its keys if `with_keys`.
     pub fn time_to_live(
         &self,
@@ -592,6 +601,9 @@ impl LeaseTable {
             };
             let s = &self.slots[t.slot as usize];
             if self.incarnations[t.slot as usize] != t.tag || s.id == 0 || s.expiry <= now {
+                // An expired lease keeps its SCHEDULED mark with nothing queued: it is never
+                // renewed again, and only a revoke (freeing the slot) or a promotion (which
+                // resets every mark) touches it next.
                 continue;
             }
             let left = s.expiry - now;

@@ -775,12 +775,17 @@ impl<B: Backend> Node<B> {
             e => lease_err(e),
         })?;
         if let Some(cp) = renewal.checkpoint {
-            self.replicate(Request::LeaseCheckpoint(vec![
+            let cleared = self.replicate(Request::LeaseCheckpoint(vec![
                 crate::request::LeaseCheckpoint {
                     id: cp.id,
                     remaining_ttl: cp.remaining_ttl,
                 },
-            ]))?;
+            ]));
+            if let Err(e) = cleared {
+                // The next renewal asks for the clear again.
+                self.lessor().clear_not_replicated(id);
+                return Err(e);
+            }
         }
         Ok(renewal.ttl)
     }

@@ -380,3 +380,19 @@ fn a_checkpoint_never_extends_a_lease_beyond_its_ttl() {
     assert_eq!(t.time_to_live(1, secs(0), false).unwrap().ttl, 10);
     assert_eq!(t.expired(secs(10)), vec![1]);
 }
+
+/// A clear that could not be replicated is asked for again by the next renewal: the
+/// checkpoint produced before the first renewal may still be applied.
+#[test]
+fn a_clear_that_was_not_replicated_is_asked_for_again() {
+    let mut t = LeaseTable::new(no_extension()).unwrap();
+    t.promote(secs(0));
+    t.grant(1, 600, secs(0)).unwrap();
+    assert_eq!(t.checkpoint_batch(secs(300)).len(), 1);
+    assert!(t.renew(1, secs(300)).unwrap().checkpoint.is_some());
+    assert!(t.renew(1, secs(301)).unwrap().checkpoint.is_none());
+    t.clear_not_replicated(1);
+    assert!(t.renew(1, secs(302)).unwrap().checkpoint.is_some());
+    assert!(t.renew(1, secs(303)).unwrap().checkpoint.is_none());
+    t.clear_not_replicated(99);
+}
