@@ -2137,12 +2137,10 @@ impl<B: Backend> Driver<B> {
             ));
         }
         let now = Instant::now();
-        // etcd's order: a manual promote is first checked for being in sync.
-        if let MemberOp::Promote {
-            id,
-            automatic: false,
-        } = op
-        {
+        // etcd's order: a promote is first checked for being in sync. An automatic one was
+        // checked when it was chosen, but the flag comes with the request (a client's, or a
+        // follower's forward), so it is checked here again whatever it says.
+        if let MemberOp::Promote { id, .. } = op {
             promotion_gate(
                 &self.learner_progress(id, now),
                 raft.raft_log.last_index(),

@@ -74,6 +74,17 @@ fn promote_errors_are_etcds() {
         leader.member_promote(4),
         "can only promote a learner member which is in sync with leader",
     );
+    // The gate holds whatever the request says of itself: a promote marked automatic (as
+    // the leader's own are) from a client, or forwarded by a follower, is checked too.
+    for n in [&leader, &f] {
+        expect_err(
+            n.member_op(keel_raft_glue::membership::MemberOp::Promote {
+                id: 4,
+                automatic: true,
+            }),
+            "can only promote a learner member which is in sync with leader",
+        );
+    }
     expect_err(leader.add_learner(5), "too many learner members in cluster");
 }
 
