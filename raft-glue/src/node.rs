@@ -535,7 +535,9 @@ impl<B: Backend> Node<B> {
             read_ctx: incarnation_base(),
             applied_waits: Vec::new(),
             last_snapshot_point: applied,
-            transfer: 0,
+            // Numbers from a random base, so a late ack of an earlier run's transfer is
+            // unlikely to name one of this run's.
+            transfer: incarnation_base(),
             snapshots_installed: 0,
             snapshots_sent: 0,
             dir: config.dir.clone(),

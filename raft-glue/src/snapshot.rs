@@ -116,8 +116,8 @@ pub(crate) fn thread_run_wait_ms() -> f64 {
     thread_schedstat(1).map_or(-1.0, |d| d.as_secs_f64() * 1e3)
 }
 
-/// Waiting senders, by transfer id.
-pub(crate) type AckWaiters = Arc<Mutex<HashMap<u64, Sender<SnapshotAck>>>>;
+/// Waiting senders by transfer id, each with the member its transfer goes to.
+pub(crate) type AckWaiters = Arc<Mutex<HashMap<u64, (u64, Sender<SnapshotAck>)>>>;
 
 /// Cuts a stream into chunks and sends them.
 ///
@@ -228,7 +228,7 @@ pub(crate) fn send<T: keel_mvcc::ReadTxn>(
     let started = std::time::Instant::now();
     let (from, to) = (msg.from, msg.to);
     let (tx, rx) = bounded(1);
-    acks.lock().insert(transfer, tx);
+    acks.lock().insert(transfer, (to, tx));
     let result = (|| {
         let mut w = ChunkWriter {
             transport,
@@ -599,7 +599,11 @@ impl<B: keel_mvcc::Backend> Drop for LiveRestore<B> {
 
 /// Routes an ack to the sender waiting for it.
 pub(crate) fn route_ack(acks: &AckWaiters, ack: SnapshotAck) {
-    if let Some(tx) = acks.lock().get(&ack.transfer) {
+    // Only from the member the transfer went to: another's ack for a transfer of the same
+    // number (a late one, from before a restart) answers nothing here.
+    if let Some((to, tx)) = acks.lock().get(&ack.transfer)
+        && *to == ack.from
+    {
         let _ = tx.try_send(ack);
     }
 }
@@ -630,6 +634,28 @@ mod tests {
             crc: crc32fast::hash(data),
             end,
         }
+    }
+
+    /// An ack reaches the transfer it names only when it comes from the member that
+    /// transfer went to.
+    #[test]
+    fn an_ack_from_another_member_answers_nothing() {
+        let acks: AckWaiters = Arc::new(Mutex::new(HashMap::new()));
+        let (tx, rx) = bounded(1);
+        acks.lock().insert(7, (2, tx));
+        let ack = |from| SnapshotAck {
+            from,
+            to: 1,
+            transfer: 7,
+            error: None,
+        };
+        route_ack(&acks, ack(3));
+        assert!(
+            rx.try_recv().is_err(),
+            "an ack from member 3 for a transfer to 2"
+        );
+        route_ack(&acks, ack(2));
+        assert_eq!(rx.try_recv().expect("the ack").from, 2);
     }
 
     #[test]
