@@ -98,12 +98,25 @@ fn fill_and_reopen(options: &FileOptions) {
     }
     assert!(segments(dir.path()).len() >= 3, "commits rolled segments");
     let before = dump(&b);
-    let size = b.size().unwrap();
-    let files: u64 = segments(dir.path())
-        .iter()
-        .map(|p| fs::metadata(p).unwrap().len())
-        .sum();
-    assert!(size.on_disk >= files, "on_disk counts prepared space");
+    // A preparation step still under way has grown a file before it records the space it
+    // prepared: the two agree once it ends.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let size = b.size().unwrap();
+        let files: u64 = segments(dir.path())
+            .iter()
+            .map(|p| fs::metadata(p).unwrap().len())
+            .sum();
+        if size.on_disk >= files {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "on_disk counts prepared space: {} against {files} in the files",
+            size.on_disk
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
     drop(b);
     let b = FileBackend::open(dir.path(), options).unwrap();
     assert!(dump(&b) == before, "content after reopen");
