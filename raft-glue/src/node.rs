@@ -1611,7 +1611,8 @@ impl<B: Backend> Driver<B> {
             Event::SnapshotSent { to, index, ok } => {
                 if ok {
                     self.snapshots_sent += 1;
-                    self.snap_idx.insert(to, index);
+                    let known = self.snap_idx.entry(to).or_insert(index);
+                    *known = (*known).max(index);
                 }
                 let status = if ok {
                     SnapshotStatus::Finish
@@ -1676,6 +1677,11 @@ impl<B: Backend> Driver<B> {
             ms = began.elapsed().as_secs_f64() * 1e3,
             "snapshot started (pending writes committed, read transaction open)"
         );
+        // The promotion gate's rule 3 (the learner applied the snapshot) needs the snapshot's
+        // index from now on: raft-rs may leave the snapshot state on the learner's answer
+        // before this transfer's end is reported.
+        let known = self.snap_idx.entry(to).or_insert(index);
+        *known = (*known).max(index);
         self.transfer += 1;
         let transfer = self.transfer;
         let transport = self.transport.clone();
