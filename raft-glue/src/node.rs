@@ -752,9 +752,10 @@ impl<B: Backend> Node<B> {
     }
 
     /// Renews lease `id` on the leader, once a quorum has confirmed its leadership; returns
-    /// its TTL. On a follower: [`NodeError::NotLeader`] with the leader's id. When the lease carried a checkpointed remaining TTL, or a
-    /// checkpoint of it may not be applied yet, a clear is replicated before returning (after
-    /// any such checkpoint in the log), so a new leader restores the full TTL.
+    /// its TTL. On a follower: [`NodeError::NotLeader`] with the leader's id. When the lease
+    /// carried a checkpointed remaining TTL, or a checkpoint of it may not be applied yet, a
+    /// clear is replicated before returning (after any such checkpoint in the log), so a new
+    /// leader restores the full TTL.
     pub fn lease_renew(&self, id: i64) -> Result<i64, NodeError> {
         self.check_running()?;
         let status = self.status();
@@ -1611,8 +1612,7 @@ impl<B: Backend> Driver<B> {
             Event::SnapshotSent { to, index, ok } => {
                 if ok {
                     self.snapshots_sent += 1;
-                    let known = self.snap_idx.entry(to).or_insert(index);
-                    *known = (*known).max(index);
+                    self.note_snapshot_index(to, index);
                 }
                 let status = if ok {
                     SnapshotStatus::Finish
@@ -1680,8 +1680,7 @@ impl<B: Backend> Driver<B> {
         // The promotion gate's rule 3 (the learner applied the snapshot) needs the snapshot's
         // index from now on: raft-rs may leave the snapshot state on the learner's answer
         // before this transfer's end is reported.
-        let known = self.snap_idx.entry(to).or_insert(index);
-        *known = (*known).max(index);
+        self.note_snapshot_index(to, index);
         self.transfer += 1;
         let transfer = self.transfer;
         let transport = self.transport.clone();
@@ -2181,6 +2180,12 @@ impl<B: Backend> Driver<B> {
     }
 
     /// The leader's view of learner `id` for the promotion gate.
+    /// Records that member `to` was sent a snapshot at `index`, keeping the highest.
+    fn note_snapshot_index(&mut self, to: u64, index: u64) {
+        let known = self.snap_idx.entry(to).or_insert(index);
+        *known = (*known).max(index);
+    }
+
     fn learner_progress(&self, id: u64, now: Instant) -> LearnerProgress {
         LearnerProgress::from_tracker(
             id,

@@ -17,27 +17,10 @@ use keel_mvcc::testing::ChunkCuts;
 use keel_mvcc::{Backend, BackendError, WriteBatch};
 use rand::{Rng, SeedableRng};
 
-use crate::support::{B, META_B, dump};
+use crate::support::{B, dump, stream};
 
 const DIR_ENV: &str = "KEEL_FILE_RESTORE_DIR";
 const STREAM_ENV: &str = "KEEL_FILE_RESTORE_STREAM";
-
-/// A snapshot stream of a store holding `pairs` pairs of `value_len`-byte values.
-fn stream(pairs: u32, value_len: usize) -> Vec<u8> {
-    let dir = tempfile::tempdir().unwrap();
-    let b = FileBackend::open(dir.path(), &FileOptions::default()).unwrap();
-    let mut batch = WriteBatch::new();
-    for i in 0..pairs {
-        let mut v = i.to_be_bytes().to_vec();
-        v.resize(value_len, (i % 251) as u8);
-        batch.put(&B, format!("k{i:08}").into_bytes(), v);
-    }
-    batch.put(&META_B, b"pairs".to_vec(), pairs.to_be_bytes().to_vec());
-    b.commit(&batch).unwrap();
-    let mut out = Vec::new();
-    b.snapshot(&mut out).unwrap();
-    out
-}
 
 #[test]
 fn restore_syncs_once_at_the_end() {

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use keel_backend_file::{FileBackend, FileOptions};
-use keel_mvcc::{Backend, Bucket, ReadTxn};
+use keel_mvcc::{Backend, Bucket, ReadTxn, WriteBatch};
 
 /// Every pair of every bucket, read through one read transaction.
 pub type Dump = BTreeMap<String, BTreeMap<Vec<u8>, Vec<u8>>>;
@@ -60,4 +60,23 @@ pub fn segments(dir: &Path) -> Vec<PathBuf> {
         .collect();
     v.sort();
     v
+}
+
+/// A snapshot stream of a store holding `pairs` pairs of `value_len`-byte values in [`B`]
+/// (keys `k` and the number in 8 digits, values starting with the number, big-endian), and
+/// their count in [`META_B`].
+pub fn stream(pairs: u32, value_len: usize) -> Vec<u8> {
+    let dir = tempfile::tempdir().unwrap();
+    let b = FileBackend::open(dir.path(), &FileOptions::default()).unwrap();
+    let mut batch = WriteBatch::new();
+    for i in 0..pairs {
+        let mut v = i.to_be_bytes().to_vec();
+        v.resize(value_len, (i % 251) as u8);
+        batch.put(&B, format!("k{i:08}").into_bytes(), v);
+    }
+    batch.put(&META_B, b"pairs".to_vec(), pairs.to_be_bytes().to_vec());
+    b.commit(&batch).unwrap();
+    let mut out = Vec::new();
+    b.snapshot(&mut out).unwrap();
+    out
 }

@@ -8,11 +8,12 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use keel_wal::{Entry, Wal, WalError, WalOptions};
 
-use crate::util::{FaultFs, entries, files, segments, small};
+use crate::util::{FaultFs, Faults, entries, files, segments, small};
 
 /// Fixed-size entries (200 bytes of data: 224-byte records), so record boundaries fall at
 /// the same offsets in every segment.
@@ -67,16 +68,25 @@ fn fill_to(wal: &Wal, next: &mut u64, count: usize) {
     }
 }
 
-/// A release syncs the directory with the log's lock released: a durable append from
-/// another thread completes while that sync is held up, and the release then completes too,
-/// its file kept for reuse.
-#[test]
-fn appends_go_on_while_a_release_syncs_the_directory() {
-    let dir = tempfile::tempdir().unwrap();
+/// A log of three segments on a fault file system, whose release of all but the last is held
+/// up in its directory sync (clear `faults.hold_dir_sync` to let it go on).
+struct HeldRelease {
+    wal: Arc<Wal>,
+    faults: Arc<Faults>,
+    /// The next index to append.
+    next: u64,
+    release: JoinHandle<Result<(), WalError>>,
+}
+
+/// Fills a log in `dir` to three segments, starts releasing all but the last on another
+/// thread, and returns once that release waits in its directory sync. The hold ends after a
+/// minute whatever happens: a release that kept the log's lock through its sync would
+/// otherwise hang a test's appends forever.
+fn release_held_in_its_directory_sync(dir: &Path) -> HeldRelease {
     let (fs, faults) = FaultFs::new();
     let wal = Arc::new(
         Wal::open(
-            dir.path(),
+            dir,
             WalOptions {
                 fs: Arc::new(fs),
                 ..small()
@@ -92,6 +102,13 @@ fn appends_go_on_while_a_release_syncs_the_directory() {
         let upto = next - 1;
         std::thread::spawn(move || wal.release_to(upto))
     };
+    {
+        let faults = faults.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(60));
+            faults.hold_dir_sync.store(false, Ordering::SeqCst);
+        });
+    }
     let deadline = Instant::now() + Duration::from_secs(30);
     while faults.dir_syncs_held.load(Ordering::SeqCst) == 0 {
         assert!(
@@ -100,6 +117,26 @@ fn appends_go_on_while_a_release_syncs_the_directory() {
         );
         std::thread::sleep(Duration::from_millis(1));
     }
+    HeldRelease {
+        wal,
+        faults,
+        next,
+        release,
+    }
+}
+
+/// A release syncs the directory with the log's lock released: a durable append from
+/// another thread completes while that sync is held up, and the release then completes too,
+/// its file kept for reuse.
+#[test]
+fn appends_go_on_while_a_release_syncs_the_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let HeldRelease {
+        wal,
+        faults,
+        next,
+        release,
+    } = release_held_in_its_directory_sync(dir.path());
     // One small entry into the segment that just began: no rotation, so no directory sync.
     let (tx, rx) = std::sync::mpsc::channel();
     {
@@ -129,42 +166,12 @@ fn appends_go_on_while_a_release_syncs_the_directory() {
 #[test]
 fn released_files_wait_for_their_directory_sync() {
     let dir = tempfile::tempdir().unwrap();
-    let (fs, faults) = FaultFs::new();
-    let wal = Arc::new(
-        Wal::open(
-            dir.path(),
-            WalOptions {
-                fs: Arc::new(fs),
-                ..small()
-            },
-        )
-        .unwrap(),
-    );
-    let mut next = 1;
-    fill_to(&wal, &mut next, 3);
-    faults.hold_dir_sync.store(true, Ordering::SeqCst);
-    let release = {
-        let wal = wal.clone();
-        let upto = next - 1;
-        std::thread::spawn(move || wal.release_to(upto))
-    };
-    // Should the release hold the log's lock through its sync, the appends below would
-    // wait for it forever: the hold ends after a minute whatever happens.
-    {
-        let faults = faults.clone();
-        std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_secs(60));
-            faults.hold_dir_sync.store(false, Ordering::SeqCst);
-        });
-    }
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while faults.dir_syncs_held.load(Ordering::SeqCst) == 0 {
-        assert!(
-            Instant::now() < deadline,
-            "the release never synced the directory"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    let HeldRelease {
+        wal,
+        faults,
+        mut next,
+        release,
+    } = release_held_in_its_directory_sync(dir.path());
     // Past a quarter of segment 2, segment 3 is prepared in the background.
     let prepared = fill_until_prepared(&wal, dir.path(), &mut next, 3, 1);
     let names = files(dir.path());
