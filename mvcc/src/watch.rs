@@ -17,11 +17,14 @@
 //! Matching is by key, not by watcher: every watcher sits in one [`index::Matcher`] (single
 //! keys in a hash map with a random seed per map, ranges in an interval index), so a change is
 //! matched with one lookup plus one stab, whatever the number of watchers. A matched record is
-//! copied out of the write buffer once, and shared: a revision with one change sends each
-//! matching watcher that record's `Arc`, and one with more gathers the matched records once
-//! into a shared [`RevChanges`] sent with the positions each watcher should see. Every
-//! [`Event`] holds its record and reads its key and value from it, so a revision costs one
-//! channel send per matching watcher and the receiver no copy of any key or value.
+//! copied out of the write buffer once, and shared: the records of revisions with one change
+//! (puts, single deletes) are gathered, for a run of them, into one buffer sent to every
+//! watcher that matched any of them, each with where its record lies (one allocation for the
+//! run, and one read lock of the write buffer per run instead of per revision); a revision
+//! with more gathers its matched records once into a shared [`RevChanges`] sent with the
+//! positions each watcher should see. Every [`Event`] holds its record and reads its key and
+//! value from it, so a revision costs one channel send per matching watcher and the receiver
+//! no copy of any key or value.
 //!
 //! The syncer thread ([`sync`]) catches unsynced watchers up: each round takes every unsynced
 //! watcher whose channel has room, reads the revisions from the lowest revision any of them
@@ -59,13 +62,13 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError, TrySendError};
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLockReadGuard};
 
 use crate::backend::Backend;
 use crate::error::MvccError;
 use crate::kv::{KeyValue, LeaseId, RECORD_CRC, RecordRef, decode_record_unchecked};
 use crate::options::StoreOptions;
-use crate::pending::Pending;
+use crate::pending::{Changes, Pending};
 use crate::read::ReadView;
 use crate::request::{RangeRequest, check_range};
 use crate::revision::Revision;
@@ -128,42 +131,63 @@ pub enum EventKind {
 /// One change seen by a watcher.
 ///
 /// An event shares a copy of the stored record of its change with every other watcher that saw
-/// the same change: delivering it to many watchers copies no key or value, and
-/// [`key`](Event::key) and [`value`](Event::value) are slices into that record.
-/// [`kv`](Event::kv) copies the pair out for a caller that keeps it.
-#[derive(Clone, PartialEq, Eq)]
+/// the same change (and, for revisions of one change dispatched together, with the events of
+/// the others: their records are copied into one buffer of at most [`GATHER_BYTES`]):
+/// delivering it to many watchers copies no key or value, and [`key`](Event::key) and
+/// [`value`](Event::value) are slices into that record. [`kv`](Event::kv) copies the pair out
+/// for a caller that keeps it.
+#[derive(Clone)]
 pub struct Event {
     kind: EventKind,
-    /// The change's record in the layout of [`crate::kv`], checked when the event was made.
-    record: Arc<[u8]>,
-    /// Where the key starts (after the record's header) in `record`.
+    /// The buffer holding the change's record, in the layout of [`crate::kv`], at
+    /// `start..end`; checked when the event was made.
+    bytes: Arc<[u8]>,
+    start: u32,
+    /// Where the key starts (after the record's header) in `bytes`.
     key_start: u32,
-    /// Where the key ends (and the value starts) in `record`.
+    /// Where the key ends (and the value starts) in `bytes`.
     key_end: u32,
+    end: u32,
     prev: Option<Arc<KeyValue>>,
 }
 
 impl Event {
-    /// An event over a record the store wrote (or read back and checked); `None` if the
+    /// An event over a record the store wrote (or read back and checked); a tombstone if
+    /// `tombstone` says so, or when not given, if the record's version is 0. `None` if the
     /// record is too short for the key length it gives.
-    fn new(kind: EventKind, record: Arc<[u8]>, prev: Option<Arc<KeyValue>>) -> Option<Event> {
-        let (key_start, key_end) = {
-            let r = record_fields(&record)?;
-            let key_end = record.len() - RECORD_CRC - r.value.len();
-            (key_end - r.key.len(), key_end)
+    fn new(record: Window, tombstone: Option<bool>, prev: Option<Arc<KeyValue>>) -> Option<Event> {
+        let Window { bytes, start, end } = record;
+        let (kind, key_start, key_end) = {
+            let r = record_fields(bytes.get(start as usize..end as usize)?)?;
+            let kind = if tombstone.unwrap_or(r.version == 0) {
+                EventKind::Delete
+            } else {
+                EventKind::Put
+            };
+            let key_end = end as usize - RECORD_CRC - r.value.len();
+            (kind, key_end - r.key.len(), key_end)
         };
         Some(Event {
             kind,
+            bytes,
+            start,
             key_start: u32::try_from(key_start).ok()?,
             key_end: u32::try_from(key_end).ok()?,
-            record,
+            end,
             prev,
         })
     }
 
+    /// The change's record.
+    fn record(&self) -> &[u8] {
+        self.bytes
+            .get(self.start as usize..self.end as usize)
+            .unwrap_or_default()
+    }
+
     /// The record's header fields (its framing was checked when the event was made).
     fn fields(&self) -> Option<RecordRef<'_>> {
-        record_fields(&self.record)
+        record_fields(self.record())
     }
 
     /// Put or delete.
@@ -173,15 +197,15 @@ impl Event {
 
     /// The changed key.
     pub fn key(&self) -> &[u8] {
-        self.record
+        self.bytes
             .get(self.key_start as usize..self.key_end as usize)
             .unwrap_or_default()
     }
 
     /// The value after the change (empty for a delete).
     pub fn value(&self) -> &[u8] {
-        let end = self.record.len().saturating_sub(RECORD_CRC);
-        self.record
+        let end = (self.end as usize).saturating_sub(RECORD_CRC);
+        self.bytes
             .get(self.key_end as usize..end)
             .unwrap_or_default()
     }
@@ -227,6 +251,15 @@ impl Event {
     }
 }
 
+// Events are equal when their changes are: where their records are held does not matter.
+impl PartialEq for Event {
+    fn eq(&self, other: &Event) -> bool {
+        self.kind == other.kind && self.record() == other.record() && self.prev == other.prev
+    }
+}
+
+impl Eq for Event {}
+
 impl std::fmt::Debug for Event {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Event")
@@ -267,12 +300,33 @@ struct RevChanges {
     changes: Vec<Change>,
 }
 
+/// A record in a shared buffer: `bytes[start..end]`.
+#[derive(Clone)]
+struct Window {
+    bytes: Arc<[u8]>,
+    start: u32,
+    end: u32,
+}
+
+impl Window {
+    /// The whole of `record`; `None` past 4 GiB.
+    fn whole(record: Arc<[u8]>) -> Option<Window> {
+        let end = u32::try_from(record.len()).ok()?;
+        Some(Window {
+            bytes: record,
+            start: 0,
+            end,
+        })
+    }
+}
+
 /// A revision's matched changes as shared between deliveries.
 #[derive(Clone)]
 enum Shared {
-    /// The common case, one change and no previous pair: its record alone, in one
-    /// allocation (a tombstone is the record with version 0, see [`crate::kv`]).
-    One(Arc<[u8]>),
+    /// The common case, one change and no previous pair: its record alone (a tombstone is
+    /// the record with version 0, see [`crate::kv`]), in a buffer it may share with the
+    /// records of other revisions.
+    One(Window),
     /// Anything else.
     Many(Arc<RevChanges>),
 }
@@ -294,27 +348,15 @@ impl Part {
     /// The watcher's response for this revision (a record held by this part alone moves
     /// into its event).
     fn into_events(self) -> Vec<Event> {
-        let kind = |tombstone: bool| {
-            if tombstone {
-                EventKind::Delete
-            } else {
-                EventKind::Put
-            }
-        };
         let changes = match self.rev {
-            Shared::One(record) => {
-                // A tombstone is the record with version 0.
-                let tombstone = record_fields(&record).is_some_and(|r| r.version == 0);
-                return Event::new(kind(tombstone), record, None)
-                    .into_iter()
-                    .collect();
-            }
+            // A tombstone is the record with version 0.
+            Shared::One(record) => return Event::new(record, None, None).into_iter().collect(),
             Shared::Many(rev) => rev,
         };
         let changes = &changes.changes;
         let one = |c: &Change| -> Option<Event> {
             let prev = if self.prev_kv { c.prev.clone() } else { None };
-            Event::new(kind(c.tombstone), c.record.clone(), prev)
+            Event::new(Window::whole(c.record.clone())?, Some(c.tombstone), prev)
         };
         match &self.pick {
             Pick::All => changes.iter().filter_map(one).collect(),
@@ -489,6 +531,8 @@ struct HubState {
     last_notified: u64,
     /// The writer's scratch list of `(watcher slot, change)` matches, kept to spare allocations.
     scratch: Vec<(u64, u32)>,
+    /// The short path's scratch (see [`WatchHub::drain_locked`]), kept likewise.
+    gathered: Gathered,
 }
 
 impl HubState {
@@ -539,6 +583,65 @@ const DISPATCH_BATCH: usize = 256;
 const DISPATCH_QUEUE: usize = 16_384;
 /// Changes of a revision matched or copied per read lock of its write buffer.
 const LOCKED_CHANGES: usize = 64;
+
+/// Largest record the short path of [`WatchHub::drain_locked`] gathers; a larger one goes
+/// through [`WatchHub::dispatch_one`], in an allocation of its own.
+const GATHER_RECORD: usize = 2 << 10;
+/// Bytes of records gathered before they are sent. An event keeps the whole buffer its
+/// record is in alive, so this bounds what one event held by a consumer keeps.
+const GATHER_BYTES: usize = 64 << 10;
+
+/// Deliveries of revisions of one change, gathered while a batch is dispatched and sent
+/// together: their records are copied into one buffer that every event made from them
+/// shares, one allocation for many revisions instead of one each.
+#[derive(Default)]
+struct Gathered {
+    /// The records, back to back.
+    bytes: Vec<u8>,
+    /// Per delivery: the watcher's slot, the revision, and where its record lies in
+    /// `bytes`.
+    sends: Vec<(u64, u64, u32, u32)>,
+}
+
+impl Gathered {
+    /// Matches the one change of `d` (its write buffer read-locked as `changes`) and
+    /// gathers its deliveries; false if the revision needs the general path instead: a
+    /// matched watcher wants previous pairs, or the record is over [`GATHER_RECORD`].
+    fn gather(&mut self, st: &mut HubState, changes: &Changes, d: &Dispatch) -> bool {
+        st.last_notified = st.last_notified.max(d.revision);
+        debug_assert!(changes.revs.len() > d.start, "a queued revision's change");
+        let Some(record) = changes.revs.get(d.start).map(|p| changes.record(p)) else {
+            return true;
+        };
+        let Some(key) = record_key(record) else {
+            return true;
+        };
+        let first = self.sends.len();
+        // Below GATHER_BYTES + GATHER_RECORD once checked below.
+        let start = self.bytes.len() as u32;
+        let end = start.wrapping_add(record.len() as u32);
+        let mut any_prev = false;
+        let watchers = &st.watchers;
+        st.matcher.for_each_match(key, |slot| {
+            if let Some(w) = watchers.at(slot)
+                && w.synced
+                && w.next_rev <= d.revision
+            {
+                any_prev |= w.prev_kv;
+                self.sends.push((slot, d.revision, start, end));
+            }
+        });
+        if self.sends.len() == first {
+            return true;
+        }
+        if any_prev || record.len() > GATHER_RECORD {
+            self.sends.truncate(first);
+            return false;
+        }
+        self.bytes.extend_from_slice(record);
+        true
+    }
+}
 
 /// Per change of a queued revision, the key's revision before it: one inline, as a put has.
 enum QueuedPrevs {
@@ -658,7 +761,7 @@ impl WatchHub {
         let mut batch = self.dispatching.lock();
         self.drain_locked(inner, &mut batch);
         let mut st = self.shared.state.lock();
-        self.dispatch_one(inner, &mut st, d);
+        self.dispatch_one(inner, &mut st, &d);
     }
 
     /// True when nothing waits for dispatch.
@@ -675,13 +778,93 @@ impl WatchHub {
     /// [`drain`](WatchHub::drain) with `dispatching` held by the caller (`batch` is its
     /// empty vector): takes the queue whole, then dispatches it holding the watcher lock
     /// for at most [`DISPATCH_BATCH`] revisions at a time.
+    ///
+    /// Revisions of one change (a put, a delete of one key) take a short path: their
+    /// matched records are gathered into one buffer ([`Gathered`]) and sent once it is full
+    /// or the batch ends, and consecutive ones from the same write buffer are read under one
+    /// read lock of it (for at most [`LOCKED_CHANGES`] of them). A revision of several
+    /// changes, or one a watcher wants previous pairs for, sends what was gathered first,
+    /// then goes through [`dispatch_one`](WatchHub::dispatch_one).
     fn drain_locked<B: Backend>(&self, inner: &Arc<Inner<B>>, batch: &mut Vec<Dispatch>) {
         std::mem::swap(&mut *self.queue.lock(), batch);
-        let mut queued = batch.drain(..).peekable();
-        while queued.peek().is_some() {
+        for chunk in batch.chunks(DISPATCH_BATCH) {
             let mut st = self.shared.state.lock();
-            for d in queued.by_ref().take(DISPATCH_BATCH) {
+            let mut gathered = std::mem::take(&mut st.gathered);
+            // The write buffer read-locked for the short path, and how many changes were
+            // read under that lock.
+            let mut locked: Option<(&Arc<Pending>, RwLockReadGuard<'_, Changes>, usize)> = None;
+            for d in chunk {
+                if let QueuedPrevs::One(_) = d.prevs {
+                    if !locked
+                        .as_ref()
+                        .is_some_and(|(buf, _, n)| Arc::ptr_eq(buf, &d.buf) && *n < LOCKED_CHANGES)
+                    {
+                        // One read lock at a time: a second one of the same buffer
+                        // would wait behind a writer waiting for the first.
+                        drop(locked.take());
+                        locked = Some((&d.buf, d.buf.changes.read(), 0));
+                    }
+                    if let Some((_, changes, n)) = locked.as_mut() {
+                        *n += 1;
+                        if gathered.gather(&mut st, changes, d) {
+                            if gathered.bytes.len() >= GATHER_BYTES {
+                                locked = None;
+                                self.send_gathered(&mut st, &mut gathered);
+                            }
+                            continue;
+                        }
+                    }
+                }
+                // Never hold a buffer's read lock while sending or resolving previous pairs
+                // (see `dispatch_one`).
+                locked = None;
+                self.send_gathered(&mut st, &mut gathered);
                 self.dispatch_one(inner, &mut st, d);
+            }
+            drop(locked);
+            self.send_gathered(&mut st, &mut gathered);
+            st.gathered = gathered;
+        }
+        batch.clear();
+    }
+
+    /// Sends what `gathered` holds, its records shared in one buffer, and empties it.
+    fn send_gathered(&self, st: &mut HubState, gathered: &mut Gathered) {
+        if gathered.sends.is_empty() {
+            return;
+        }
+        let bytes: Arc<[u8]> = Arc::from(gathered.bytes.as_slice());
+        gathered.bytes.clear();
+        let mut gone = Vec::new();
+        for &(slot, revision, start, end) in &gathered.sends {
+            let Some(w) = st.watchers.at(slot) else {
+                continue;
+            };
+            // A send before this one may have found the watcher's channel full: the
+            // syncer now catches it up from there.
+            if !w.synced || w.next_rev > revision {
+                continue;
+            }
+            let part = Part {
+                rev: Shared::One(Window {
+                    bytes: bytes.clone(),
+                    start,
+                    end,
+                }),
+                pick: Pick::All,
+                prev_kv: false,
+            };
+            let id = w.id;
+            match w.tx.try_send(id, Msg::One(part)) {
+                Ok(()) => {}
+                Err(TrySendError::Full(())) => st.set_unsynced(id, revision),
+                Err(TrySendError::Disconnected(())) => gone.push(id),
+            }
+        }
+        gathered.sends.clear();
+        for id in gone {
+            if st.remove(id).is_some() {
+                self.shared.count.fetch_sub(1, Ordering::AcqRel);
             }
         }
     }
@@ -694,12 +877,12 @@ impl WatchHub {
     /// copy, and never while resolving previous pairs: a committing writer waits for the
     /// buffer's write lock holding the store's state lock, which every read view's opening
     /// (a previous pair's, any reader's) takes.
-    fn dispatch_one<B: Backend>(&self, inner: &Arc<Inner<B>>, st: &mut HubState, d: Dispatch) {
-        let Dispatch {
+    fn dispatch_one<B: Backend>(&self, inner: &Arc<Inner<B>>, st: &mut HubState, d: &Dispatch) {
+        let &Dispatch {
             revision,
-            buf,
+            ref buf,
             start,
-            prevs,
+            ref prevs,
         } = d;
         st.last_notified = st.last_notified.max(revision);
         let prevs = prevs.as_slice();
@@ -746,7 +929,13 @@ impl WatchHub {
         // Matched changes are in the buffer (it only grows).
         let rev_changes = match only {
             // One change, watchers not asking for its previous pair: share the record alone.
-            Some(record) if !any_prev => Shared::One(record),
+            Some(record) if !any_prev => match Window::whole(record) {
+                Some(window) => Shared::One(window),
+                None => {
+                    st.scratch = matches;
+                    return;
+                }
+            },
             _ => {
                 if matches.len() > 1 {
                     matches.sort_unstable();

@@ -7,7 +7,7 @@ use std::time::Duration;
 use crossbeam_channel::{RecvTimeoutError, TrySendError};
 
 use super::index::{End, Matcher};
-use super::{Change, Msg, Part, Pick, RevChanges, Shared, Target};
+use super::{Change, Msg, Part, Pick, RevChanges, Shared, Target, Window};
 use crate::backend::Backend;
 use crate::error::MvccError;
 use crate::kv::{KeyValue, decode_record};
@@ -270,13 +270,18 @@ fn flush<B: Backend>(
         }
     }
     let total = cur.changes.len();
-    let rev = match cur.changes.as_slice() {
+    let single = match cur.changes.as_slice() {
         [c] if c.prev.is_none() && !cur.hits.iter().any(|h| targets[h.0 as usize].prev_kv) => {
-            let one = Shared::One(c.record.clone());
-            cur.changes.clear();
-            one
+            Window::whole(c.record.clone())
         }
-        _ => Shared::Many(Arc::new(RevChanges {
+        _ => None,
+    };
+    let rev = match single {
+        Some(one) => {
+            cur.changes.clear();
+            Shared::One(one)
+        }
+        None => Shared::Many(Arc::new(RevChanges {
             changes: std::mem::take(&mut cur.changes),
         })),
     };
