@@ -50,7 +50,9 @@ pub use request::{
 };
 pub use revision::Revision;
 pub use store::{AuxPairs, KEY_BUCKET, META_BUCKET, STORE_FORMAT, Store};
-pub use watch::{Event, EventKind, StreamItem, WatchRequest, WatchStream, Watcher};
+pub use watch::{
+    Event, EventKind, Events, EventsIter, StreamItem, WatchRequest, WatchStream, Watcher,
+};
 pub use write::WriteTxn;
 
 #[cfg(feature = "testing")]

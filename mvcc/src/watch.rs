@@ -35,7 +35,8 @@
 //! that is more (so the per-watcher setup of a round stays small against its scan). A watcher
 //! that has everything up to the last revision the notifier dispatched goes back to synced.
 //! Memory therefore stays bounded by the channels (each message holds at most one round's
-//! share) and the dispatch queue, whatever the consumers do.
+//! share, or a gathered buffer of at most 18 KiB) and the dispatch queue, whatever the
+//! consumers do.
 //!
 //! A [`WatchStream`] multiplexes many watchers onto one bounded channel, like etcd's
 //! `watchStream` (its `chanBufLen` is our channel capacity): a consumer of thousands of
@@ -251,6 +252,133 @@ impl Event {
     }
 }
 
+/// The events of one revision for one watcher, in the revision's order. Most revisions
+/// have one event, held without an allocation of its own. Reads as a slice of [`Event`]s
+/// and iterates by value or by reference.
+#[derive(Clone)]
+pub struct Events(EventsRepr);
+
+#[derive(Clone)]
+enum EventsRepr {
+    One(Event),
+    Many(Vec<Event>),
+}
+
+impl Events {
+    /// The events as a vector.
+    pub fn into_vec(self) -> Vec<Event> {
+        match self.0 {
+            EventsRepr::One(e) => vec![e],
+            EventsRepr::Many(v) => v,
+        }
+    }
+}
+
+impl std::ops::Deref for Events {
+    type Target = [Event];
+
+    fn deref(&self) -> &[Event] {
+        match &self.0 {
+            EventsRepr::One(e) => std::slice::from_ref(e),
+            EventsRepr::Many(v) => v,
+        }
+    }
+}
+
+impl From<Events> for Vec<Event> {
+    fn from(events: Events) -> Vec<Event> {
+        events.into_vec()
+    }
+}
+
+impl FromIterator<Event> for Events {
+    fn from_iter<I: IntoIterator<Item = Event>>(iter: I) -> Events {
+        let mut iter = iter.into_iter();
+        match (iter.next(), iter.next()) {
+            (Some(one), None) => Events(EventsRepr::One(one)),
+            (first, second) => {
+                let mut all: Vec<Event> = first.into_iter().chain(second).collect();
+                all.extend(iter);
+                Events(EventsRepr::Many(all))
+            }
+        }
+    }
+}
+
+impl IntoIterator for Events {
+    type Item = Event;
+    type IntoIter = EventsIter;
+
+    fn into_iter(self) -> EventsIter {
+        EventsIter(match self.0 {
+            EventsRepr::One(e) => EventsIterRepr::One(Some(e)),
+            EventsRepr::Many(v) => EventsIterRepr::Many(v.into_iter()),
+        })
+    }
+}
+
+impl<'a> IntoIterator for &'a Events {
+    type Item = &'a Event;
+    type IntoIter = std::slice::Iter<'a, Event>;
+
+    fn into_iter(self) -> std::slice::Iter<'a, Event> {
+        self.iter()
+    }
+}
+
+impl PartialEq for Events {
+    fn eq(&self, other: &Events) -> bool {
+        **self == **other
+    }
+}
+
+impl Eq for Events {}
+
+impl PartialEq<Vec<Event>> for Events {
+    fn eq(&self, other: &Vec<Event>) -> bool {
+        **self == **other
+    }
+}
+
+impl std::fmt::Debug for Events {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
+
+/// [`Events`] by value.
+#[derive(Debug)]
+pub struct EventsIter(EventsIterRepr);
+
+#[derive(Debug)]
+enum EventsIterRepr {
+    One(Option<Event>),
+    Many(std::vec::IntoIter<Event>),
+}
+
+impl Iterator for EventsIter {
+    type Item = Event;
+
+    fn next(&mut self) -> Option<Event> {
+        match &mut self.0 {
+            EventsIterRepr::One(e) => e.take(),
+            EventsIterRepr::Many(v) => v.next(),
+        }
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        match &self.0 {
+            EventsIterRepr::One(e) => {
+                let n = usize::from(e.is_some());
+                (n, Some(n))
+            }
+            EventsIterRepr::Many(v) => v.size_hint(),
+        }
+    }
+}
+
+impl ExactSizeIterator for EventsIter {}
+
 // Events are equal when their changes are: where their records are held does not matter.
 impl PartialEq for Event {
     fn eq(&self, other: &Event) -> bool {
@@ -347,7 +475,7 @@ struct Part {
 impl Part {
     /// The watcher's response for this revision (a record held by this part alone moves
     /// into its event).
-    fn into_events(self) -> Vec<Event> {
+    fn into_events(self) -> Events {
         let changes = match self.rev {
             // A tombstone is the record with version 0.
             Shared::One(record) => return Event::new(record, None, None).into_iter().collect(),
@@ -380,7 +508,7 @@ enum Msg {
 
 impl Msg {
     /// Appends the message's responses, one per revision, to `out`.
-    fn split_into(self, out: &mut VecDeque<Vec<Event>>) {
+    fn split_into(self, out: &mut VecDeque<Events>) {
         let mut push = |p: Part| {
             let events = p.into_events();
             if !events.is_empty() {
@@ -588,8 +716,10 @@ const LOCKED_CHANGES: usize = 64;
 /// through [`WatchHub::dispatch_one`], in an allocation of its own.
 const GATHER_RECORD: usize = 2 << 10;
 /// Bytes of records gathered before they are sent. An event keeps the whole buffer its
-/// record is in alive, so this bounds what one event held by a consumer keeps.
-const GATHER_BYTES: usize = 64 << 10;
+/// record is in alive, so this (plus one record of at most [`GATHER_RECORD`]) bounds what
+/// one event held by a consumer keeps: a few records of its own size, not its revision's
+/// run, which may be most of a busy store's writes.
+const GATHER_BYTES: usize = 16 << 10;
 
 /// Deliveries of revisions of one change, gathered while a batch is dispatched and sent
 /// together: their records are copied into one buffer that every event made from them
@@ -1048,7 +1178,7 @@ pub struct Watcher {
     id: u64,
     rx: Receiver<Msg>,
     /// Responses of a received batch not yet handed out.
-    ready: Mutex<VecDeque<Vec<Event>>>,
+    ready: Mutex<VecDeque<Events>>,
     end: Arc<WatchEnd>,
     hub: Weak<HubShared>,
 }
@@ -1084,12 +1214,12 @@ impl Watcher {
     }
 
     /// The next response already split from a received message.
-    fn pop_ready(&self) -> Option<Vec<Event>> {
+    fn pop_ready(&self) -> Option<Events> {
         self.ready.lock().pop_front()
     }
 
     /// Splits `msg` and returns its first response, keeping the rest.
-    fn unpack(&self, msg: Msg) -> Option<Vec<Event>> {
+    fn unpack(&self, msg: Msg) -> Option<Events> {
         self.received();
         match msg {
             // The common case: one revision, handed out as is.
@@ -1105,7 +1235,7 @@ impl Watcher {
     /// Waits for the events of the next revision that touched the watched keys. Fails with
     /// [`MvccError::Compacted`] when the watcher fell below the compaction point, or
     /// [`MvccError::WatchClosed`] after the store was dropped.
-    pub fn recv(&self) -> Result<Vec<Event>, MvccError> {
+    pub fn recv(&self) -> Result<Events, MvccError> {
         loop {
             if let Some(events) = self.pop_ready() {
                 return Ok(events);
@@ -1118,7 +1248,7 @@ impl Watcher {
     }
 
     /// Like [`recv`](Watcher::recv) but gives up after `timeout` with `Ok(None)`.
-    pub fn recv_timeout(&self, timeout: Duration) -> Result<Option<Vec<Event>>, MvccError> {
+    pub fn recv_timeout(&self, timeout: Duration) -> Result<Option<Events>, MvccError> {
         let deadline = std::time::Instant::now() + timeout;
         loop {
             if let Some(events) = self.pop_ready() {
@@ -1138,7 +1268,7 @@ impl Watcher {
     }
 
     /// The next revision's events if already delivered.
-    pub fn try_recv(&self) -> Result<Option<Vec<Event>>, MvccError> {
+    pub fn try_recv(&self) -> Result<Option<Events>, MvccError> {
         loop {
             if let Some(events) = self.pop_ready() {
                 return Ok(Some(events));

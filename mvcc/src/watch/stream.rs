@@ -9,7 +9,7 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
 use parking_lot::Mutex;
 
 use super::index::FxMap;
-use super::{Event, HubShared, Msg, Target, WatchRequest, Watcher, watch_in};
+use super::{Events, HubShared, Msg, Target, WatchRequest, Watcher, watch_in};
 use crate::backend::Backend;
 use crate::error::MvccError;
 use crate::store::Inner;
@@ -32,7 +32,7 @@ pub enum StreamItem {
         /// The watcher's id (as returned by [`WatchStream::watch`]).
         id: u64,
         /// The changes, in revision order within the revision.
-        events: Vec<Event>,
+        events: Events,
     },
     /// A watcher of the stream ended (e.g. [`MvccError::Compacted`]); it is removed from the
     /// stream.
@@ -58,9 +58,9 @@ pub struct WatchStream<B: Backend> {
     /// are then checked against `watchers` (until then every response is for a live one).
     some_left: bool,
     /// Responses of a received batch not yet handed out, with their watcher.
-    ready: VecDeque<(u64, Vec<Event>)>,
+    ready: VecDeque<(u64, Events)>,
     /// Scratch for splitting a message.
-    split: VecDeque<Vec<Event>>,
+    split: VecDeque<Events>,
 }
 
 impl<B: Backend> std::fmt::Debug for WatchStream<B> {

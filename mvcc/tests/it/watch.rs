@@ -814,3 +814,34 @@ fn a_stream_drops_queued_responses_of_a_cancelled_watcher() {
     }
     assert_eq!(revs, (1..=10u64).map(|i| 2 * i).collect::<Vec<u64>>());
 }
+
+/// A revision's events read as a slice and iterate alike whether the revision had one change
+/// or several.
+#[test]
+fn a_revisions_events_read_alike_for_one_change_or_several() {
+    let (_d, _p, s) = store();
+    let w = s.watch(WatchRequest::prefix(b"k".to_vec())).unwrap();
+    s.put(b"k1", b"v", 0).unwrap();
+    s.txn(&TxnRequest {
+        success: vec![
+            TxnOp::Put(PutRequest::new(b"k2".to_vec(), b"x".to_vec())),
+            TxnOp::Put(PutRequest::new(b"k3".to_vec(), b"y".to_vec())),
+        ],
+        ..TxnRequest::default()
+    })
+    .unwrap();
+    let one = w.recv().unwrap();
+    let two = w.recv().unwrap();
+    assert_eq!(one.len(), 1);
+    assert_eq!(two.len(), 2);
+    let keys = |e: &[Event]| e.iter().map(|e| e.key().to_vec()).collect::<Vec<_>>();
+    assert_eq!(keys(&one), [b"k1".to_vec()]);
+    assert_eq!(keys(&two), [b"k2".to_vec(), b"k3".to_vec()]);
+    // By reference, by value, and as a vector: the same events.
+    assert_eq!((&two).into_iter().count(), 2);
+    let owned: Vec<Event> = two.clone().into_iter().collect();
+    assert_eq!(two, owned);
+    assert_eq!(Vec::from(one.clone()), one.to_vec());
+    assert_eq!(one.clone().into_iter().len(), 1);
+    assert_ne!(one, two);
+}
