@@ -1019,9 +1019,39 @@ fn receive_loop<B: Backend>(
     prepared_slot: apply::PreparedSlot<B>,
 ) {
     let id = shared.id;
+    let idle = shared.options.snapshot_idle_timeout;
     // The transfer being restored while it arrives, if any.
     let mut live: Option<snapshot::LiveRestore<B>> = None;
     loop {
+        if rx.is_empty() {
+            // Nothing is queued, so every chunk that has arrived was taken: a transfer idle
+            // now was really left without chunks, not kept waiting behind this loop.
+            for dropped in assembler.drop_idle(Instant::now(), idle) {
+                let (from, transfer) = dropped.key;
+                if live.as_ref().is_some_and(|l| l.key == dropped.key) {
+                    live = None;
+                }
+                let reason = format!(
+                    "no chunk for {} ms: the transfer was dropped after {} chunks ({} bytes)",
+                    idle.as_millis(),
+                    dropped.chunks,
+                    dropped.bytes
+                );
+                tracing::warn!(
+                    member = id,
+                    from,
+                    transfer,
+                    "incoming snapshot transfer dropped: {reason}"
+                );
+                shared.snapshots_refused.fetch_add(1, Ordering::Relaxed);
+                let _ = transport.send_snapshot(SnapshotFrame::Ack(SnapshotAck {
+                    from: id,
+                    to: from,
+                    transfer,
+                    error: Some(reason),
+                }));
+            }
+        }
         let frame = match rx.recv_timeout(Duration::from_millis(100)) {
             Ok(f) => f,
             Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
@@ -1041,7 +1071,8 @@ fn receive_loop<B: Backend>(
         };
         let (from, transfer) = (chunk.from, chunk.transfer);
         let key = (from, transfer);
-        if chunk.seq == 0 {
+        // A dropped transfer is not started again (the assembler refuses its chunks).
+        if chunk.seq == 0 && !assembler.was_dropped(key) {
             // One restore at a time: a new transfer replaces the one in progress, which
             // then completes (if ever) through the stored file. The old restore ends, and
             // a prepared snapshot raft-rs did not take is closed, before the new restore

@@ -41,6 +41,14 @@ pub struct NodeOptions {
     /// How long a snapshot sender waits for the receiver to confirm the transfer.
     /// Default: 60 s.
     pub snapshot_timeout: Duration,
+    /// How long an incoming snapshot transfer may go without a chunk before the receiver
+    /// drops it: its restore is abandoned and the partial backend directory (or temporary
+    /// file) removed, the sender is answered with a refusal, and any later chunk of that
+    /// transfer is refused too. Without it, a sender that dies or gives up mid-stream leaves
+    /// the receiver holding that disk space, the restore's thread and its buffers until the
+    /// next transfer begins. Default: 60 s, as `snapshot_timeout`: far longer than a sender
+    /// running at the lowest scheduling priority is kept waiting on a busy machine.
+    pub snapshot_idle_timeout: Duration,
     /// Proposals taken from the queue per loop turn, so a flood of proposals cannot starve
     /// ticks and incoming messages. Default: 4 096.
     pub max_proposals_per_turn: usize,
@@ -62,6 +70,7 @@ impl Default for NodeOptions {
             request_timeout: Duration::from_secs(7),
             snapshot_chunk_bytes: 1024 * 1024,
             snapshot_timeout: Duration::from_secs(60),
+            snapshot_idle_timeout: Duration::from_secs(60),
             max_proposals_per_turn: 4096,
         }
     }
@@ -104,6 +113,9 @@ impl NodeOptions {
                 "snapshot_chunk_bytes ({}) must be between 1 and 64 MiB",
                 self.snapshot_chunk_bytes
             ));
+        }
+        if self.snapshot_idle_timeout.is_zero() {
+            return bad("snapshot_idle_timeout must be greater than zero".into());
         }
         if self.max_proposals_per_turn == 0 {
             return bad("max_proposals_per_turn must be at least 1".into());

@@ -49,14 +49,22 @@
 //! then holds the snapshot durably), and only then is the `MsgSnapshot` handed
 //! to raft-rs, which makes the node switch to that generation, keeping the same open store.
 //! The ack goes back once the switch is done. An aborted transfer drops its restore; the
-//! partial directory is never installed and is removed by the next restore or at open.
+//! partial directory is never installed and is removed with it.
+//!
+//! A transfer that has had no chunk for `snapshot_idle_timeout` (its sender died, or gave
+//! up mid-stream) is dropped the same way, and the sender is answered with a refusal. The
+//! receiver remembers the transfers it dropped so that a late chunk of one, even a first
+//! chunk delivered late, is refused rather than taken as the start of a new transfer. A
+//! sender stops streaming as soon as its transfer is answered, so a refused transfer costs
+//! it at most the chunk under way.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::fs::{self, File};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, bounded};
 use keel_mvcc::IndexBuilder;
@@ -146,6 +154,11 @@ struct ChunkWriter<'a> {
     limiter: Option<&'a crate::tcp::RateLimiter>,
     /// Told the length of each chunk before it is sent (member status).
     progress: &'a dyn Fn(u64),
+    /// Where the transfer's answer arrives; one that arrives before the last chunk went out
+    /// stops the stream.
+    answers: &'a Receiver<SnapshotAck>,
+    /// Why the stream was stopped early, when it was.
+    stopped: Option<String>,
 }
 
 impl ChunkWriter<'_> {
@@ -153,6 +166,19 @@ impl ChunkWriter<'_> {
         let data = std::mem::take(&mut self.buf);
         if let Some(l) = self.limiter {
             l.acquire(data.len() as u64);
+        }
+        if let Ok(ack) = self.answers.try_recv() {
+            // Answered before its end: refused (a damaged chunk, or the receiver dropped the
+            // transfer), so the rest would be refused too.
+            let reason = ack
+                .error
+                .unwrap_or_else(|| "acknowledged before its last chunk was sent".into());
+            self.stopped = Some(reason.clone());
+            return Err(NodeError::Snapshot {
+                from: self.from,
+                to: self.to,
+                reason,
+            });
         }
         (self.progress)(data.len() as u64);
         // The data is hashed once; the stream's CRC is extended by combination.
@@ -211,7 +237,8 @@ fn extend_crc(hasher: &mut crc32fast::Hasher, crc: u32, len: usize) {
     hasher.combine(&crc32fast::Hasher::new_with_initial_len(crc, len as u64));
 }
 
-/// Streams `txn` to `msg.to` and waits for the ack. Runs on its own thread.
+/// Streams `txn` to `msg.to` and waits for the ack; an answer that arrives while the stream
+/// is still being sent stops it. Runs on its own thread.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn send<T: keel_mvcc::ReadTxn>(
     transport: &dyn Transport,
@@ -245,12 +272,17 @@ pub(crate) fn send<T: keel_mvcc::ReadTxn>(
             hashed: 0,
             limiter,
             progress,
+            answers: &rx,
+            stopped: None,
         };
         keel_mvcc::backend::snapshot::write_checksummed(&txn, &mut w).map_err(|e| {
             NodeError::Snapshot {
                 from,
                 to,
-                reason: format!("streaming the backend: {e}"),
+                reason: match w.stopped.take() {
+                    Some(reason) => reason,
+                    None => format!("streaming the backend: {e}"),
+                },
             }
         })?;
         drop(txn);
@@ -298,12 +330,32 @@ struct Incoming {
     len: u64,
     hasher: crc32fast::Hasher,
     message: Option<Message>,
+    /// When its last chunk was taken.
+    last: Instant,
 }
+
+/// A transfer [`Assembler::drop_idle`] dropped.
+pub(crate) struct Dropped {
+    /// `(from, transfer)`.
+    pub key: (u64, u64),
+    /// Chunks taken before it went idle.
+    pub chunks: u32,
+    /// Bytes taken before it went idle.
+    pub bytes: u64,
+}
+
+/// Dropped transfers remembered, so that their late chunks are refused. Transfer numbers
+/// are not reused by a sender, and a late chunk follows its transfer's drop within the
+/// sender's own timeout: a short memory suffices.
+const DROPPED_KEPT: usize = 64;
 
 /// Reassembles incoming transfers.
 pub(crate) struct Assembler {
     dir: PathBuf,
     incoming: HashMap<(u64, u64), Incoming>,
+    /// The latest transfers dropped for want of chunks, with the idle timeout that dropped
+    /// them, oldest first.
+    dropped: VecDeque<((u64, u64), Duration)>,
 }
 
 fn fsync_dir(dir: &Path) -> Result<(), NodeError> {
@@ -326,7 +378,44 @@ impl Assembler {
         Ok(Assembler {
             dir,
             incoming: HashMap::new(),
+            dropped: VecDeque::new(),
         })
+    }
+
+    /// Whether transfer `key` (`(from, transfer)`) was dropped by [`drop_idle`](Self::drop_idle):
+    /// its chunks are refused.
+    pub fn was_dropped(&self, key: (u64, u64)) -> bool {
+        self.dropped.iter().any(|(k, _)| *k == key)
+    }
+
+    /// Drops every transfer that has had no chunk for `idle` at `now`: its temporary file is
+    /// removed, and its later chunks are refused. Returns the transfers dropped.
+    pub fn drop_idle(&mut self, now: Instant, idle: Duration) -> Vec<Dropped> {
+        let stale: Vec<(u64, u64)> = self
+            .incoming
+            .iter()
+            .filter(|(_, inc)| now.saturating_duration_since(inc.last) >= idle)
+            .map(|(key, _)| *key)
+            .collect();
+        let mut dropped = Vec::with_capacity(stale.len());
+        for key in stale {
+            let Some(inc) = self.incoming.remove(&key) else {
+                continue;
+            };
+            if inc.file.is_some() {
+                let _ = fs::remove_file(&inc.path);
+            }
+            if self.dropped.len() == DROPPED_KEPT {
+                self.dropped.pop_front();
+            }
+            self.dropped.push_back((key, idle));
+            dropped.push(Dropped {
+                key,
+                chunks: inc.next,
+                bytes: inc.len,
+            });
+        }
+        dropped
     }
 
     /// Takes one chunk. Returns `Ok(Some(_))` when a transfer completed and verified,
@@ -356,6 +445,13 @@ impl Assembler {
         store: bool,
         fail: &dyn Fn(String) -> NodeError,
     ) -> Result<Option<Received>, NodeError> {
+        if let Some((_, idle)) = self.dropped.iter().find(|(k, _)| *k == key) {
+            return Err(fail(format!(
+                "transfer {} was dropped after {} ms without a chunk",
+                c.transfer,
+                idle.as_millis()
+            )));
+        }
         if c.seq == 0 {
             if let Some(old) = self.incoming.remove(&key) {
                 let _ = fs::remove_file(&old.path);
@@ -380,6 +476,7 @@ impl Assembler {
                     len: 0,
                     hasher: crc32fast::Hasher::new(),
                     message: Some(message),
+                    last: Instant::now(),
                 },
             );
         }
@@ -412,6 +509,7 @@ impl Assembler {
         extend_crc(&mut inc.hasher, crc, c.data.len());
         inc.len += c.data.len() as u64;
         inc.next += 1;
+        inc.last = Instant::now();
         let Some((len, crc)) = c.end else {
             return Ok(None);
         };
@@ -497,13 +595,18 @@ pub(crate) struct Restored<B> {
 /// chunks arrive, on a thread of its own, so that the backend is rebuilt by the time the
 /// stream ends. Only chunks the [`Assembler`] accepted are fed to it; the result is handed
 /// on ([`finish`](Self::finish)) only once the whole stream is verified, and installing it
-/// still goes through [`crate::apply::finish_restore`]. Dropping it abandons the restore
-/// (the partial directory is removed by the next restore or at open).
+/// still goes through [`crate::apply::finish_restore`]. Dropping it abandons the restore and
+/// removes the partial directory.
 pub(crate) struct LiveRestore<B: keel_mvcc::Backend> {
     /// `(from, transfer)` of the transfer being restored.
     pub key: (u64, u64),
     tx: Option<Sender<Vec<u8>>>,
     handle: Option<std::thread::JoinHandle<Result<Restored<B>, NodeError>>>,
+    /// The member's data directory.
+    dir: PathBuf,
+    /// The generation being restored into, once the restore has begun (0 before: a restored
+    /// generation is never 0).
+    generation: Arc<AtomicU64>,
 }
 
 impl<B: keel_mvcc::Backend> LiveRestore<B> {
@@ -514,13 +617,16 @@ impl<B: keel_mvcc::Backend> LiveRestore<B> {
         backend_options: &B::Options,
     ) -> Result<LiveRestore<B>, NodeError> {
         let (tx, rx) = bounded(LIVE_QUEUE);
-        let dir = dir.to_path_buf();
         let options = backend_options.clone();
+        let begun = Arc::new(AtomicU64::new(0));
+        let (thread_dir, thread_begun) = (dir.to_path_buf(), begun.clone());
         let handle = std::thread::Builder::new()
             .name(format!("keel-snap-restore-{}", key.0))
             .spawn(move || {
                 lower_thread_priority();
-                let (generation, backend) = crate::apply::begin_restore::<B>(&dir, &options)?;
+                let (generation, backend) =
+                    crate::apply::begin_restore::<B>(&thread_dir, &options)?;
+                thread_begun.store(generation, Ordering::Release);
                 let mut input = ChunkFeed {
                     rx,
                     waited: Duration::ZERO,
@@ -563,6 +669,8 @@ impl<B: keel_mvcc::Backend> LiveRestore<B> {
             key,
             tx: Some(tx),
             handle: Some(handle),
+            dir: dir.to_path_buf(),
+            generation: begun,
         })
     }
 
@@ -592,7 +700,13 @@ impl<B: keel_mvcc::Backend> Drop for LiveRestore<B> {
     fn drop(&mut self) {
         self.tx = None;
         if let Some(h) = self.handle.take() {
+            // The restore ends (a stream without its end frame fails) and closes its backend;
+            // its generation was never handed on, so it is not the current one.
             let _ = h.join();
+            let generation = self.generation.load(Ordering::Acquire);
+            if generation != 0 {
+                generation::remove(&self.dir, generation);
+            }
         }
     }
 }
@@ -730,6 +844,135 @@ mod tests {
             0,
             "nothing stored"
         );
+    }
+
+    /// A transfer without a chunk for the idle timeout is dropped (its temporary file with
+    /// it) and its late chunks, a first chunk too, are refused; a fresh transfer is not.
+    #[test]
+    fn idle_transfers_are_dropped_and_their_late_chunks_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let snap = dir.path().join("snap");
+        let mut a = Assembler::new(snap.clone()).expect("assembler");
+        let all = b"hello world".to_vec();
+        let end = Some((all.len() as u64, crc32fast::hash(&all)));
+        assert!(
+            a.chunk(&chunk(0, &all[..5], None), true)
+                .expect("ok")
+                .is_none()
+        );
+        let tmp = snap.join("1-5.tmp");
+        assert!(tmp.exists());
+        let idle = Duration::from_secs(60);
+        assert!(
+            a.drop_idle(Instant::now(), idle).is_empty(),
+            "a transfer that just had a chunk is kept"
+        );
+        let dropped = a.drop_idle(Instant::now() + idle, idle);
+        assert_eq!(dropped.len(), 1);
+        assert_eq!(
+            (dropped[0].key, dropped[0].chunks, dropped[0].bytes),
+            ((1, 5), 1, 5)
+        );
+        assert!(!tmp.exists(), "its temporary file is removed");
+        assert!(a.was_dropped((1, 5)));
+        for c in [chunk(1, &all[5..], end), chunk(0, &all[..5], None)] {
+            match a.chunk(&c, true) {
+                Err(e) => assert!(e.to_string().contains("was dropped after 60000 ms"), "{e}"),
+                Ok(_) => panic!("chunk {} of a dropped transfer was taken", c.seq),
+            }
+        }
+        assert!(!tmp.exists(), "not started again");
+        // Another transfer from the same sender goes through.
+        let other = |mut c: SnapshotChunk| {
+            c.transfer = 6;
+            c
+        };
+        assert!(
+            a.chunk(&other(chunk(0, &all[..5], None)), true)
+                .expect("ok")
+                .is_none()
+        );
+        let got = a
+            .chunk(&other(chunk(1, &all[5..], end)), true)
+            .expect("ok")
+            .expect("done");
+        assert_eq!(fs::read(got.path.expect("stored")).expect("read"), all);
+    }
+
+    /// A sender stops streaming once its transfer is refused: the chunk after the refusal
+    /// is not sent, and the refusal is its result.
+    #[cfg(feature = "backend-file")]
+    #[test]
+    fn a_refused_transfer_stops_its_sender() {
+        use keel_mvcc::{Backend, Bucket, WriteBatch};
+
+        /// Refuses transfer 7 when its chunk 2 arrives, as a receiver that dropped it.
+        struct Refusing {
+            acks: AckWaiters,
+            seqs: Mutex<Vec<u32>>,
+        }
+        impl Transport for Refusing {
+            fn send(&self, _: Message) {}
+            fn send_snapshot(&self, frame: SnapshotFrame) -> Result<(), NodeError> {
+                if let SnapshotFrame::Chunk(c) = frame {
+                    self.seqs.lock().push(c.seq);
+                    if c.seq == 2 {
+                        route_ack(
+                            &self.acks,
+                            SnapshotAck {
+                                from: 2,
+                                to: 1,
+                                transfer: 7,
+                                error: Some("dropped by the receiver".into()),
+                            },
+                        );
+                    }
+                }
+                Ok(())
+            }
+        }
+
+        let dir = tempfile::tempdir().expect("tempdir");
+        let source =
+            keel_backend_file::FileBackend::open(dir.path(), &Default::default()).expect("open");
+        let bucket = Bucket::from_name("data".to_owned()).expect("bucket");
+        let mut batch = WriteBatch::new();
+        for i in 0..200u32 {
+            batch.put(&bucket, format!("k{i:05}").into_bytes(), vec![1; 100]);
+        }
+        source.commit(&batch).expect("commit");
+        let acks: AckWaiters = Arc::new(Mutex::new(HashMap::new()));
+        let transport = Refusing {
+            acks: acks.clone(),
+            seqs: Mutex::new(Vec::new()),
+        };
+        let msg = Message {
+            from: 1,
+            to: 2,
+            ..Message::default()
+        };
+        let txn = source.read_txn().expect("txn");
+        let result = send(
+            &transport,
+            &acks,
+            7,
+            msg,
+            txn,
+            1024,
+            Duration::from_secs(60),
+            None,
+            &|_| {},
+        );
+        match result {
+            Err(e) => assert!(e.to_string().contains("dropped by the receiver"), "{e}"),
+            Ok(()) => panic!("a refused transfer succeeded"),
+        }
+        assert_eq!(
+            *transport.seqs.lock(),
+            [0, 1, 2],
+            "nothing sent after the refusal"
+        );
+        assert!(acks.lock().is_empty(), "the sender no longer waits");
     }
 
     /// A transfer restored while it arrives is hashed once, by the restore: a damaged chunk

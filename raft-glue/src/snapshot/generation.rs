@@ -185,13 +185,14 @@ pub(crate) fn switch(
     fsync_dir(dir)
 }
 
-/// Removes the directory of a generation that is no longer current.
+/// Removes the directory of a generation that is not current: one replaced by a newer
+/// generation, or an abandoned restore's.
 pub(crate) fn remove(dir: &Path, generation: u64) {
     let path = backend_dir(dir, generation);
     if path.exists()
         && let Err(e) = fs::remove_dir_all(&path)
     {
-        tracing::warn!(path = %path.display(), error = %e, "cannot remove a replaced backend");
+        tracing::warn!(path = %path.display(), error = %e, "cannot remove a backend that is no longer used");
     }
 }
 

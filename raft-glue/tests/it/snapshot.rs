@@ -1,11 +1,15 @@
 //! A follower behind the compacted log receives the leader's backend as a checksummed stream,
-//! installs it and converges (same `hash_kv`); corrupted transfers are refused and retried.
+//! installs it and converges (same `hash_kv`); corrupted transfers are refused and retried;
+//! a transfer abandoned mid-stream is dropped after its idle timeout.
 
-use std::time::Duration;
+use std::thread;
+use std::time::{Duration, Instant};
 
-use keel_mvcc::RangeRequest;
+use keel_mvcc::{Backend, RangeRequest};
 use keel_raft_glue::testing::{Cluster, TestBackend, fast_options};
-use keel_raft_glue::{NodeOptions, ReadConsistency};
+use keel_raft_glue::{
+    NodeOptions, ReadConsistency, SnapshotAck, SnapshotChunk, SnapshotFrame, Transport,
+};
 
 const T: Duration = Duration::from_secs(20);
 
@@ -105,4 +109,81 @@ fn snapshotted_follower_restarts_from_its_installed_state() {
     c.wait_converged(applied, T)
         .expect("converged after a restart on the snapshot");
     assert_eq!(c.get(lagging, b"a199").expect("read"), Some(b"v".to_vec()));
+}
+
+/// An incoming transfer whose sender goes silent mid-stream is dropped once it has had no
+/// chunk for `snapshot_idle_timeout`: its restore is abandoned and the next generation's
+/// directory removed, the sender is answered with a refusal, and later chunks of it, the
+/// first one included, are refused instead of starting it again.
+#[test]
+fn an_abandoned_incoming_transfer_is_dropped_and_its_late_chunks_refused() {
+    crate::init_tracing();
+    let opts = NodeOptions {
+        snapshot_idle_timeout: Duration::from_millis(300),
+        ..options()
+    };
+    let c = Cluster::<TestBackend>::new(1, opts, 24).expect("cluster");
+    c.wait_leader(T).expect("leader");
+    for i in 0..50u32 {
+        c.put(format!("s{i:03}").as_bytes(), &[7u8; 100], T)
+            .expect("put");
+    }
+    let n = c.node(1).expect("runs");
+    // A real stream: the receiver's restore parses its first half and waits for the rest.
+    let mut stream = Vec::new();
+    let txn = n.store().backend().read_txn().expect("read txn");
+    keel_mvcc::backend::snapshot::write(&txn, &mut stream).expect("stream");
+    drop(txn);
+    let (head, tail) = stream.split_at(stream.len() / 2);
+    // Member 9 plays a leader that dies after its first chunk.
+    let (sender, mailbox) = c.net.register(9);
+    let chunk = |seq: u32, data: &[u8]| {
+        SnapshotFrame::Chunk(SnapshotChunk {
+            from: 9,
+            to: 1,
+            transfer: 77,
+            seq,
+            message: (seq == 0).then(Box::default),
+            data: data.to_vec(),
+            crc: crc32fast::hash(data),
+            end: None,
+        })
+    };
+    let answer = || -> SnapshotAck {
+        match mailbox.snapshots.recv_timeout(T) {
+            Ok(SnapshotFrame::Ack(a)) => a,
+            other => panic!("expected an answer to the transfer, got {other:?}"),
+        }
+    };
+    let restore_dir = c.dir(1).expect("dir").join("backend-1");
+    sender.send_snapshot(chunk(0, head)).expect("send");
+    let deadline = Instant::now() + T;
+    while !restore_dir.exists() {
+        assert!(Instant::now() < deadline, "the restore never began");
+        thread::sleep(Duration::from_millis(10));
+    }
+
+    let ack = answer();
+    assert_eq!((ack.from, ack.to, ack.transfer), (1, 9, 77));
+    let error = ack.error.expect("a refusal");
+    assert!(error.contains("no chunk for"), "{error}");
+    assert!(
+        !restore_dir.exists(),
+        "the abandoned restore's directory is removed"
+    );
+    assert_eq!(n.status().snapshots_refused, 1);
+
+    // The rest of the stream, late, and its first chunk again: both refused.
+    sender.send_snapshot(chunk(1, tail)).expect("send");
+    let error = answer().error.expect("a refusal");
+    assert!(error.contains("was dropped"), "{error}");
+    sender.send_snapshot(chunk(0, head)).expect("send");
+    let error = answer().error.expect("a refusal");
+    assert!(error.contains("was dropped"), "{error}");
+    assert!(
+        !restore_dir.exists(),
+        "the dropped transfer did not restart"
+    );
+    assert_eq!(n.status().snapshots_refused, 3);
+    c.put(b"after", b"1", T).expect("the member goes on");
 }
