@@ -302,11 +302,8 @@ enum Cmd {
 }
 
 enum Event {
-    SnapshotSent {
-        to: u64,
-        index: u64,
-        ok: bool,
-    },
+    /// A transfer ended; `ok` when the receiver acknowledged it.
+    SnapshotSent { to: u64, index: u64, ok: bool },
     SnapshotReceived {
         received: Box<Received>,
         done: Sender<bool>,
@@ -1588,17 +1585,21 @@ impl<B: Backend> Driver<B> {
     }
 
     fn step(&mut self, m: Message) {
+        if m.from != 0 && m.from != self.id && self.members.is_removed(m.from) {
+            // etcd: a removed member that contacts the cluster learns it and exits. Nothing
+            // it says counts: not as activity, nor its reports (the promotion gate keeps no
+            // state for a member that is gone).
+            if !matches!(Control::from_message(&m), Some(Control::Removed)) {
+                self.transport
+                    .send(Control::Removed.to_message(self.id, m.from));
+            }
+            return;
+        }
         if m.from != 0 && m.from != self.id {
             self.activity.heard(m.from, Instant::now());
         }
         if let Some(c) = Control::from_message(&m) {
             self.control(m.from, c);
-            return;
-        }
-        if m.from != self.id && self.members.is_removed(m.from) {
-            // etcd: a removed member that contacts the cluster learns it and exits.
-            self.transport
-                .send(Control::Removed.to_message(self.id, m.from));
             return;
         }
         if let Err(e) = self.raw.step(m) {
@@ -1641,6 +1642,18 @@ impl<B: Backend> Driver<B> {
     fn event(&mut self, e: Event) -> Option<Sender<bool>> {
         match e {
             Event::SnapshotSent { to, index, ok } => {
+                if self.raw.raft.prs().get(to).is_none() {
+                    // Removed while the transfer ran (it was cancelled): raft-rs has nothing
+                    // to be told, and the promotion gate keeps no state for a member that
+                    // is gone.
+                    tracing::debug!(
+                        member = self.id,
+                        to,
+                        ok,
+                        "snapshot transfer to a removed member ended"
+                    );
+                    return None;
+                }
                 if ok {
                     self.snapshots_sent += 1;
                     self.note_snapshot_index(to, index);
@@ -1714,6 +1727,9 @@ impl<B: Backend> Driver<B> {
         self.note_snapshot_index(to, index);
         self.transfer += 1;
         let transfer = self.transfer;
+        // Registered here, not on the sender's thread, so that a removal of `to` applied
+        // from now on finds the transfer and cancels it.
+        let answers = snapshot::expect_answer(&self.acks, transfer, to);
         let transport = self.transport.clone();
         let acks = self.acks.clone();
         let events = self.events.clone();
@@ -1737,6 +1753,7 @@ impl<B: Backend> Driver<B> {
             let r = snapshot::send(
                 &*transport,
                 &acks,
+                answers,
                 transfer,
                 m,
                 txn,
@@ -1763,6 +1780,7 @@ impl<B: Backend> Driver<B> {
             });
         });
         if spawned.is_err() {
+            self.acks.lock().remove(&transfer);
             self.raw.report_snapshot(to, SnapshotStatus::Failure);
         }
     }
@@ -2021,6 +2039,7 @@ impl<B: Backend> Driver<B> {
         {
             return self.apply_member(e, env.clone(), Some(cc));
         }
+        let before = self.raw.raft.prs().conf().to_conf_state();
         let result = self.raw.apply_conf_change(&cc);
         let (cs, answer) = match result {
             Ok(cs) => {
@@ -2037,6 +2056,11 @@ impl<B: Backend> Driver<B> {
         };
         self.sm.apply_conf_state(e.index, &cs)?;
         self.storage.set_applied(e.index, Some(&cs));
+        for id in before.voters.iter().chain(&before.learners) {
+            if !cs.voters.contains(id) && !cs.learners.contains(id) {
+                self.forget_member(*id);
+            }
+        }
         if let Some(env) = env {
             self.answer(env.origin, env.seq, answer);
         }
@@ -2316,10 +2340,7 @@ impl<B: Backend> Driver<B> {
                 MemberOp::Remove(id) => {
                     // The transport keeps the removed member's address so the member can be
                     // told it was removed if it calls again.
-                    self.activity.forget(*id);
-                    self.snap_idx.remove(id);
-                    self.applied_reports.remove(id);
-                    self.shared.transfers.lock().remove(id);
+                    self.forget_member(*id);
                     removed_self = *id == self.id;
                 }
                 MemberOp::Promote { .. } => {}
@@ -2342,6 +2363,24 @@ impl<B: Backend> Driver<B> {
             return Err(self.removed_self());
         }
         Ok(())
+    }
+
+    /// Drops what this member keeps about member `id`, removed from the configuration: its
+    /// activity, its promotion gate state (snapshot index, applied index reported), its
+    /// transfer progress, and any snapshot transfer running to it, which is cancelled.
+    fn forget_member(&mut self, id: u64) {
+        self.activity.forget(id);
+        self.snap_idx.remove(&id);
+        self.applied_reports.remove(&id);
+        self.shared.transfers.lock().remove(&id);
+        let reason = format!("member {id} was removed from the cluster");
+        if snapshot::cancel_to(&self.acks, self.id, id, &reason) > 0 {
+            tracing::info!(
+                member = self.id,
+                to = id,
+                "snapshot transfer to a removed member cancelled"
+            );
+        }
     }
 
     /// Leaves the marker that keeps this member from running on its data again, and returns

@@ -237,12 +237,23 @@ fn extend_crc(hasher: &mut crc32fast::Hasher, crc: u32, len: usize) {
     hasher.combine(&crc32fast::Hasher::new_with_initial_len(crc, len as u64));
 }
 
-/// Streams `txn` to `msg.to` and waits for the ack; an answer that arrives while the stream
-/// is still being sent stops it. Runs on its own thread.
+/// Registers the sender of transfer `transfer` to member `to` as waiting for its answer,
+/// before the transfer starts (so that [`cancel_to`] finds it from then on), and returns
+/// where the answer arrives.
+pub(crate) fn expect_answer(acks: &AckWaiters, transfer: u64, to: u64) -> Receiver<SnapshotAck> {
+    let (tx, rx) = bounded(1);
+    acks.lock().insert(transfer, (to, tx));
+    rx
+}
+
+/// Streams `txn` to `msg.to` and waits for the ack on `answers` (see [`expect_answer`]); an
+/// answer that arrives while the stream is still being sent stops it. Runs on its own
+/// thread.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn send<T: keel_mvcc::ReadTxn>(
     transport: &dyn Transport,
     acks: &AckWaiters,
+    answers: Receiver<SnapshotAck>,
     transfer: u64,
     msg: Message,
     txn: T,
@@ -254,8 +265,6 @@ pub(crate) fn send<T: keel_mvcc::ReadTxn>(
     lower_thread_priority();
     let started = std::time::Instant::now();
     let (from, to) = (msg.from, msg.to);
-    let (tx, rx) = bounded(1);
-    acks.lock().insert(transfer, (to, tx));
     let result = (|| {
         let mut w = ChunkWriter {
             transport,
@@ -272,7 +281,7 @@ pub(crate) fn send<T: keel_mvcc::ReadTxn>(
             hashed: 0,
             limiter,
             progress,
-            answers: &rx,
+            answers: &answers,
             stopped: None,
         };
         keel_mvcc::backend::snapshot::write_checksummed(&txn, &mut w).map_err(|e| {
@@ -296,7 +305,7 @@ pub(crate) fn send<T: keel_mvcc::ReadTxn>(
             run_wait_ms = thread_run_wait_ms(),
             "snapshot streamed"
         );
-        match rx.recv_timeout(timeout) {
+        match answers.recv_timeout(timeout) {
             Ok(SnapshotAck { error: None, .. }) => Ok(()),
             Ok(SnapshotAck {
                 error: Some(reason),
@@ -722,6 +731,26 @@ pub(crate) fn route_ack(acks: &AckWaiters, ack: SnapshotAck) {
     }
 }
 
+/// Cancels every transfer from member `from` to member `to` that is under way: each sender
+/// is answered with a refusal saying `reason`, as if from the receiver, so it stops before
+/// its next chunk (or stops waiting for the ack) and ends, releasing its read transaction.
+/// Returns how many transfers were cancelled.
+pub(crate) fn cancel_to(acks: &AckWaiters, from: u64, to: u64, reason: &str) -> usize {
+    let waiters = acks.lock();
+    let mut cancelled = 0;
+    for (&transfer, (_, tx)) in waiters.iter().filter(|(_, (member, _))| *member == to) {
+        // A full channel holds the receiver's own answer, which ends the sender as well.
+        let _ = tx.try_send(SnapshotAck {
+            from: to,
+            to: from,
+            transfer,
+            error: Some(format!("cancelled: {reason}")),
+        });
+        cancelled += 1;
+    }
+    cancelled
+}
+
 /// The receiving side of an ack channel, for tests.
 #[allow(dead_code)]
 pub(crate) type AckReceiver = Receiver<SnapshotAck>;
@@ -770,6 +799,21 @@ mod tests {
         );
         route_ack(&acks, ack(2));
         assert_eq!(rx.try_recv().expect("the ack").from, 2);
+    }
+
+    /// Cancelling the transfers to a member answers each of them with a refusal, and no
+    /// other transfer.
+    #[test]
+    fn cancelling_answers_only_the_transfers_to_that_member() {
+        let acks: AckWaiters = Arc::new(Mutex::new(HashMap::new()));
+        let to_2 = expect_answer(&acks, 7, 2);
+        let to_3 = expect_answer(&acks, 8, 3);
+        assert_eq!(cancel_to(&acks, 1, 2, "member 2 was removed"), 1);
+        let ack = to_2.try_recv().expect("answered");
+        assert_eq!((ack.transfer, ack.to), (7, 1));
+        let error = ack.error.expect("a refusal");
+        assert_eq!(error, "cancelled: member 2 was removed");
+        assert!(to_3.try_recv().is_err(), "the transfer to 3 goes on");
     }
 
     #[test]
@@ -952,9 +996,11 @@ mod tests {
             ..Message::default()
         };
         let txn = source.read_txn().expect("txn");
+        let answers = expect_answer(&acks, 7, 2);
         let result = send(
             &transport,
             &acks,
+            answers,
             7,
             msg,
             txn,

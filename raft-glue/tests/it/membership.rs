@@ -1,7 +1,8 @@
 //! Membership operations with etcd's semantics and error texts: the error cases of etcd's
 //! runtime reconfiguration guide, forwarding from a follower, learners refusing what they
 //! must, removed members stopping for good, promotion only after the snapshot is applied,
-//! transfer progress in member status and paced snapshots.
+//! transfer progress in member status and paced snapshots, and the end of a transfer to a
+//! member that is removed.
 
 use std::sync::Arc;
 use std::thread;
@@ -329,4 +330,123 @@ fn snapshots_are_paced_on_the_in_memory_network() {
         t.sent
     );
     assert!(t.rate() <= (2u64 << 20) * 3 / 2, "rate {}", t.rate());
+}
+
+/// Member `id` played by the test: it refuses the leader's appends (an empty log, so the
+/// leader must send it a snapshot), never acknowledges a snapshot, and records the chunks
+/// it receives: `(when, whether the chunk ends its stream)`.
+struct SnapshotSink {
+    chunks: Arc<std::sync::Mutex<Vec<(Instant, bool)>>>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    handle: Option<thread::JoinHandle<()>>,
+}
+
+impl SnapshotSink {
+    fn start(c: &Cluster<TestBackend>, id: u64) -> SnapshotSink {
+        use keel_raft_glue::{SnapshotFrame, Transport};
+        use raft::eraftpb::{Message, MessageType};
+
+        let (transport, mailbox) = c.net.register(id);
+        let chunks = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (seen, done) = (chunks.clone(), stop.clone());
+        let handle = thread::spawn(move || {
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                crossbeam_channel::select! {
+                    recv(mailbox.raft) -> m => {
+                        let Ok(m) = m else { return };
+                        if m.get_msg_type() == MessageType::MsgAppend {
+                            let mut r = Message::default();
+                            r.set_msg_type(MessageType::MsgAppendResponse);
+                            r.from = id;
+                            r.to = m.from;
+                            r.term = m.term;
+                            r.index = m.index;
+                            r.reject = true;
+                            transport.send(r);
+                        }
+                    }
+                    recv(mailbox.snapshots) -> f => {
+                        if let Ok(SnapshotFrame::Chunk(c)) = f {
+                            seen.lock().expect("lock").push((Instant::now(), c.end.is_some()));
+                        }
+                    }
+                    default(Duration::from_millis(10)) => {}
+                }
+            }
+        });
+        SnapshotSink {
+            chunks,
+            stop,
+            handle: Some(handle),
+        }
+    }
+
+    fn chunks(&self) -> Vec<(Instant, bool)> {
+        self.chunks.lock().expect("lock").clone()
+    }
+}
+
+impl Drop for SnapshotSink {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// Removing a member ends the snapshot transfer running to it: the leader sends it nothing
+/// more once the removal is applied, instead of streaming the rest of the backend (and
+/// holding a read transaction on it) for a member it no longer has.
+#[test]
+fn removing_a_member_stops_the_snapshot_transfer_to_it() {
+    crate::init_tracing();
+    let opts = NodeOptions {
+        snapshot_chunk_bytes: 4 * 1024,
+        ..options()
+    };
+    let mut c = Cluster::<TestBackend>::with_membership(1, opts, manual(), 10).expect("cluster");
+    let l = c.node(c.wait_leader(T).expect("leader")).expect("runs");
+    for i in 0..200u32 {
+        l.put(format!("r{i:04}").as_bytes(), &[5u8; 1000])
+            .expect("put");
+    }
+    // Restarted with a limiter: the stream (over 200 kB) takes about 3 s.
+    c.snapshot_limiter = Some(Arc::new(RateLimiter::new(64 * 1024, 4 * 1024)));
+    drop(l);
+    c.kill(1);
+    c.start(1).expect("restart with a limiter");
+    let leader = c.node(c.wait_leader(T).expect("leader")).expect("runs");
+    let sink = SnapshotSink::start(&c, 4);
+    leader.add_learner(4).expect("learner");
+    wait_until("the transfer to 4 under way", || sink.chunks().len() >= 3);
+    let (_, learners) = leader.remove_member(4).expect("remove");
+    assert!(learners.is_empty(), "{learners:?}");
+    let at_removal = sink.chunks();
+    assert!(
+        !at_removal.iter().any(|(_, end)| *end),
+        "the stream ended before the removal: it is too short for this test"
+    );
+    wait_until("a second without chunks", || {
+        sink.chunks()
+            .last()
+            .is_some_and(|(at, _)| at.elapsed() >= Duration::from_secs(1))
+    });
+    let all = sink.chunks();
+    let after = all.len() - at_removal.len();
+    assert!(
+        !all.iter().any(|(_, end)| *end),
+        "the whole stream was sent to member 4 after its removal ({after} more chunks)"
+    );
+    assert!(
+        after <= 2,
+        "{after} chunks were sent to member 4 after its removal"
+    );
+    assert!(
+        leader.status().transfers.iter().all(|t| t.to != 4),
+        "{:?}",
+        leader.status().transfers
+    );
+    leader.put(b"after", b"1").expect("the leader goes on");
 }
