@@ -25,7 +25,10 @@
 //! proposed, and answered when its entry is applied on this member; a proposal made on a
 //! follower is forwarded to the leader by raft-rs. Linearizable reads go through ReadIndex
 //! (batched: one read-index round serves every read queued in one loop turn) and wait until
-//! the member has applied the read index; serializable reads read the local store.
+//! the member has applied the read index; serializable reads read the local store. A change
+//! of leader (this member stepping down included) fails the reads whose round is in flight
+//! with [`NodeError::NotLeader`], as etcd fails them with "leader changed": raft-rs drops
+//! those rounds.
 
 use std::collections::{BTreeSet, HashMap};
 use std::fs;
@@ -749,7 +752,8 @@ impl<B: Backend> Node<B> {
     }
 
     /// Renews lease `id` on the leader, once a quorum has confirmed its leadership; returns
-    /// its TTL. On a follower: [`NodeError::NotLeader`] with the leader's id. When the lease
+    /// its TTL. On a follower, or a leader that steps down before the quorum confirms it:
+    /// [`NodeError::NotLeader`] with the leader's id when one is known. When the lease
     /// carried a checkpointed remaining TTL, or a checkpoint of it may not be applied yet, a
     /// clear is replicated before returning (after any such checkpoint in the log), so a new
     /// leader restores the full TTL.
@@ -899,6 +903,9 @@ impl<B: Backend> Node<B> {
     /// and returns that index.
     ///
     /// A learner refuses ("rpc not supported for learner"): it serves serializable reads only.
+    /// When the leader changes (this member steps down, say) while the read waits for its
+    /// read index, it fails at once with [`NodeError::NotLeader`] (etcd: "leader changed"):
+    /// retry it, here or on another member.
     pub fn read_index(&self) -> Result<u64, NodeError> {
         self.check_running()?;
         self.refuse_on_learner()?;
@@ -1795,13 +1802,26 @@ impl<B: Backend> Driver<B> {
             self.lease_duties();
             return Ok(());
         }
-        let mut rd = self.raw.ready();
-        if let Some(ss) = rd.ss() {
+        let rd = self.raw.ready();
+        // The leader known from this ready on, when this member's role or its leader changed.
+        let changed = rd.ss().map(|ss| {
             tracing::debug!(member = self.id, leader = ss.leader_id, role = ?ss.raft_state, "soft state changed");
-        }
+            (ss.leader_id != raft::INVALID_ID).then_some(ss.leader_id)
+        });
         if rd.snapshot().is_empty() {
-            return self.on_ready_async(rd);
+            self.on_ready_async(rd)?;
+        } else {
+            self.on_ready_snapshot(rd)?;
         }
+        if let Some(leader) = changed {
+            // After the ready's read states: a round answered in it stands.
+            self.fail_reads_in_flight(leader);
+        }
+        Ok(())
+    }
+
+    /// Handles a ready carrying a snapshot, synchronously: install, persist, `advance`.
+    fn on_ready_snapshot(&mut self, mut rd: raft::Ready) -> Result<(), NodeError> {
         // The leader sends before persisting (Raft thesis 10.2.1).
         let msgs = rd.take_messages();
         self.send_messages(msgs);
@@ -2485,6 +2505,36 @@ impl<B: Backend> Driver<B> {
                 }
             }
         }
+    }
+
+    /// Fails every read whose read-index round is in flight with [`NodeError::NotLeader`]
+    /// (naming `leader`, the leader now known), once this member's role or its leader has
+    /// changed: raft-rs drops the read-index requests of a leader that steps down, and one
+    /// forwarded to a leader that no longer leads goes unanswered, so those reads would
+    /// otherwise wait out their request timeout. As etcd ("leader changed"), the caller may
+    /// retry at once, here or on another member. Reads not yet sent wait for the next
+    /// round (to the new leader, or refused at once while none is known), and reads whose
+    /// index is already confirmed complete as the apply reaches it.
+    fn fail_reads_in_flight(&mut self, leader: Option<u64>) {
+        if self.reads.is_empty() {
+            return;
+        }
+        let mut failed = 0;
+        for (_, (_, replies)) in self.reads.drain() {
+            for r in replies {
+                failed += 1;
+                let _ = r.send(Err(NodeError::NotLeader {
+                    id: self.id,
+                    leader,
+                }));
+            }
+        }
+        tracing::debug!(
+            member = self.id,
+            ?leader,
+            failed,
+            "leader changed: linearizable reads in flight failed"
+        );
     }
 
     fn complete_reads(&mut self) {

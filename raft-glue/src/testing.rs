@@ -349,7 +349,8 @@ impl<B: Backend> Cluster<B> {
     }
 
     /// A linearizable read of one key's value on member `id`; while the member knows no
-    /// leader (just restarted, election under way) the read is retried for up to 5 s.
+    /// leader (just restarted, election under way), or when the leader changed while the
+    /// read waited for its read index, the read is retried for up to 5 s.
     pub fn get(&self, id: u64, key: &[u8]) -> Result<Option<Vec<u8>>, NodeError> {
         let node = self
             .node(id)
@@ -361,9 +362,7 @@ impl<B: Backend> Cluster<B> {
                 ReadConsistency::Linearizable,
             ) {
                 Ok(r) => return Ok(r.kvs.into_iter().next().map(|kv| kv.value)),
-                Err(NodeError::NotLeader { leader: None, .. })
-                    if start.elapsed() < Duration::from_secs(5) =>
-                {
+                Err(NodeError::NotLeader { .. }) if start.elapsed() < Duration::from_secs(5) => {
                     thread::sleep(Duration::from_millis(10));
                 }
                 Err(e) => return Err(e),

@@ -1,7 +1,8 @@
 //! Linearizability: concurrent clients run puts and linearizable gets on a few keys against a
 //! cluster under partitions and member restarts; a Wing–Gong checker (with its own tests
 //! here) finds zero violations. More rounds: `KEEL_LIN_ROUNDS=20 cargo test -p
-//! keel-raft-glue --test it linearizability`.
+//! keel-raft-glue --test it linearizability`. Reads waiting on a leader that steps down fail
+//! at once as `NotLeader`.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -11,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use keel_mvcc::RangeRequest;
 use keel_raft_glue::testing::{Cluster, TestBackend, fast_options};
-use keel_raft_glue::{NodeError, ReadConsistency};
+use keel_raft_glue::{NodeError, NodeOptions, ReadConsistency, Role};
 use rand::{Rng, SeedableRng};
 
 /// What an operation on one register did.
@@ -311,4 +312,55 @@ fn run_round(seed: u64) -> Vec<String> {
     );
     eprintln!("seed {seed}: {total} operations checked, {completed_puts} acknowledged puts");
     violations
+}
+
+/// A leader cut off from the others steps down (check quorum). The linearizable read and the
+/// lease renewal waiting on its read index then fail at once as `NotLeader` (etcd: "leader
+/// changed"), so that their clients go to another member, instead of waiting out their
+/// request timeout: raft-rs drops the read-index requests of a leader that steps down.
+#[test]
+fn reads_waiting_on_a_leader_that_steps_down_fail_as_not_leader() {
+    crate::init_tracing();
+    let options = NodeOptions {
+        // The leader steps down 0.3 to 0.6 s after it is cut off: the reads below are asked
+        // of it while it still leads.
+        election_ticks: 30,
+        // Far longer than that, so that waiting it out cannot pass for failing at once.
+        request_timeout: Duration::from_secs(20),
+        ..fast_options()
+    };
+    let c = Cluster::<TestBackend>::new(3, options, 42).expect("cluster");
+    let id = c.wait_leader(Duration::from_secs(10)).expect("leader");
+    let leader = c.node(id).expect("runs");
+    let (lease, _) = leader.lease_grant(60).expect("grant");
+    leader.read_index().expect("a read on the leader");
+    leader.lease_renew(lease).expect("a renewal on the leader");
+
+    c.net.isolate(id);
+    let started = Instant::now();
+    let read = {
+        let n = leader.clone();
+        thread::spawn(move || n.read_index().map(drop))
+    };
+    let renew = {
+        let n = leader.clone();
+        thread::spawn(move || n.lease_renew(lease).map(drop))
+    };
+    let results = [
+        ("linearizable read", read.join().expect("caller thread")),
+        ("lease renewal", renew.join().expect("caller thread")),
+    ];
+    let elapsed = started.elapsed();
+    for (what, result) in &results {
+        assert!(
+            matches!(result, Err(NodeError::NotLeader { id: m, .. }) if *m == id),
+            "{what} on the leader cut off: {result:?} after {elapsed:?} ({results:?})"
+        );
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "failed at the step-down, not at the request timeout: {:?}",
+        started.elapsed()
+    );
+    assert_ne!(leader.status().role, Role::Leader);
 }
