@@ -102,7 +102,7 @@ impl<B: Backend> Lessor<B> {
                     .kvs
                     .into_iter()
                     .filter(|kv| kv.lease != 0)
-                    .map(|kv| (kv.key, kv.lease))
+                    .map(|kv| (kv.key().to_vec(), kv.lease))
                     .collect()
             }
         };
@@ -299,7 +299,7 @@ impl<B: Backend> Lessor<B> {
         txn.commit()?;
         for kv in &response.prev_kvs {
             if kv.lease != 0 {
-                let _ = table.detach(kv.lease, &kv.key);
+                let _ = table.detach(kv.lease, kv.key());
             }
         }
         Ok(response)
@@ -449,7 +449,7 @@ fn track_txn(table: &mut LeaseTable, ops: &[TxnOp], responses: &mut [TxnOpRespon
             (TxnOp::DeleteRange(del), TxnOpResponse::DeleteRange(r)) => {
                 for kv in &r.prev_kvs {
                     if kv.lease != 0 {
-                        let _ = table.detach(kv.lease, &kv.key);
+                        let _ = table.detach(kv.lease, kv.key());
                     }
                 }
                 if !del.prev_kv {

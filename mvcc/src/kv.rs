@@ -62,13 +62,14 @@ const MAX_HEADER_2: usize = 1 + 5 * 10;
 pub(crate) const RECORD_CRC: usize = 4;
 const CRC: usize = RECORD_CRC;
 
-/// A key with its value and metadata, as of some revision.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+/// A key with its value and metadata, as of some revision. The key and the value share one
+/// allocation: read them with [`key`](KeyValue::key) and [`value`](KeyValue::value).
+#[derive(Clone, Default, PartialEq, Eq)]
 pub struct KeyValue {
-    /// The key.
-    pub key: Vec<u8>,
-    /// The value (empty when the range asked for keys only).
-    pub value: Vec<u8>,
+    /// The key's bytes, then the value's.
+    pub(crate) bytes: Box<[u8]>,
+    /// Where the key ends in `bytes`.
+    pub(crate) key_len: usize,
     /// Revision of the put that created the key's current generation.
     pub create_revision: u64,
     /// Revision of the key's last change.
@@ -79,18 +80,82 @@ pub struct KeyValue {
     pub lease: LeaseId,
 }
 
+impl KeyValue {
+    /// The pair `key`, `value`, with revisions, version and lease 0.
+    pub fn new(key: &[u8], value: &[u8]) -> KeyValue {
+        let mut bytes = Vec::with_capacity(key.len() + value.len());
+        bytes.extend_from_slice(key);
+        bytes.extend_from_slice(value);
+        KeyValue {
+            bytes: bytes.into_boxed_slice(),
+            key_len: key.len(),
+            ..KeyValue::default()
+        }
+    }
+
+    /// The pair with its metadata from `record` (the value left empty if `with_value` is
+    /// false).
+    fn with_fields(key: &[u8], value: &[u8], record: &RecordRef<'_>) -> KeyValue {
+        KeyValue {
+            create_revision: record.create_revision,
+            mod_revision: record.mod_revision,
+            version: record.version,
+            lease: record.lease,
+            ..KeyValue::new(key, value)
+        }
+    }
+
+    /// The key.
+    pub fn key(&self) -> &[u8] {
+        &self.bytes[..self.key_len]
+    }
+
+    /// The value (empty when the range asked for keys only).
+    pub fn value(&self) -> &[u8] {
+        &self.bytes[self.key_len..]
+    }
+
+    /// Replaces the value.
+    pub fn set_value(&mut self, value: &[u8]) {
+        let mut bytes = Vec::with_capacity(self.key_len + value.len());
+        bytes.extend_from_slice(self.key());
+        bytes.extend_from_slice(value);
+        self.bytes = bytes.into_boxed_slice();
+    }
+
+    /// The key and the value, copied out.
+    pub fn into_parts(self) -> (Vec<u8>, Vec<u8>) {
+        let mut key = Vec::from(self.bytes);
+        let value = key.split_off(self.key_len);
+        (key, value)
+    }
+}
+
+impl std::fmt::Debug for KeyValue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KeyValue")
+            .field("key", &self.key())
+            .field("value", &self.value())
+            .field("create_revision", &self.create_revision)
+            .field("mod_revision", &self.mod_revision)
+            .field("version", &self.version)
+            .field("lease", &self.lease)
+            .finish()
+    }
+}
+
 /// Encodes one change in record format 1, as stores written before format 2 hold it.
 #[cfg(test)]
 pub(crate) fn encode_record(kv: &KeyValue) -> Vec<u8> {
-    let mut body = Vec::with_capacity(HEADER_1 + kv.key.len() + kv.value.len() + CRC);
+    let mut body = Vec::with_capacity(HEADER_1 + kv.key().len() + kv.value().len() + CRC);
     body.push(FORMAT_1);
     body.extend_from_slice(&kv.create_revision.to_be_bytes());
     body.extend_from_slice(&kv.mod_revision.to_be_bytes());
     body.extend_from_slice(&kv.version.to_be_bytes());
     body.extend_from_slice(&kv.lease.to_be_bytes());
-    body.extend_from_slice(&(kv.key.len() as u32).to_be_bytes());
-    body.extend_from_slice(&kv.key);
-    body.extend_from_slice(&kv.value);
+    body.extend_from_slice(&(kv.key().len() as u32).to_be_bytes());
+    body.extend_from_slice(kv.key());
+    body.extend_from_slice(kv.value());
     let crc = crc32fast::hash(&body);
     body.extend_from_slice(&crc.to_be_bytes());
     body
@@ -241,18 +306,8 @@ pub(crate) struct RecordRef<'a> {
 impl RecordRef<'_> {
     /// Copies it out; `with_value = false` leaves the value empty.
     pub fn to_kv(&self, with_value: bool) -> KeyValue {
-        KeyValue {
-            key: self.key.to_vec(),
-            value: if with_value {
-                self.value.to_vec()
-            } else {
-                Vec::new()
-            },
-            create_revision: self.create_revision,
-            mod_revision: self.mod_revision,
-            version: self.version,
-            lease: self.lease,
-        }
+        let value = if with_value { self.value } else { &[] };
+        KeyValue::with_fields(self.key, value, self)
     }
 }
 
@@ -437,6 +492,24 @@ fn decode_parts(
 mod tests {
     use super::*;
 
+    #[test]
+    fn a_pair_reads_back_its_key_and_value_from_one_buffer() {
+        let mut kv = KeyValue::new(b"key", b"value");
+        assert_eq!((kv.key(), kv.value()), (&b"key"[..], &b"value"[..]));
+        assert_eq!(kv.create_revision + kv.mod_revision + kv.version, 0);
+        kv.set_value(b"");
+        assert_eq!((kv.key(), kv.value()), (&b"key"[..], &b""[..]));
+        kv.set_value(b"longer value");
+        assert_eq!(
+            kv.clone().into_parts(),
+            (b"key".to_vec(), b"longer value".to_vec())
+        );
+        // Where the key ends matters, not only the bytes.
+        assert_ne!(KeyValue::new(b"ab", b"c"), KeyValue::new(b"a", b"bc"));
+        assert_eq!(KeyValue::new(b"", b"").into_parts(), (vec![], vec![]));
+        assert!(format!("{kv:?}").contains("key: [107, 101, 121]"));
+    }
+
     fn kv(
         key: &[u8],
         value: &[u8],
@@ -446,12 +519,11 @@ mod tests {
         lease: i64,
     ) -> KeyValue {
         KeyValue {
-            key: key.to_vec(),
-            value: value.to_vec(),
             create_revision: create,
             mod_revision: modified,
             version,
             lease,
+            ..KeyValue::new(key, value)
         }
     }
 
@@ -459,8 +531,8 @@ mod tests {
         let mut records = Records::default();
         let at = encode_parts(
             &mut records,
-            &kv.key,
-            &kv.value,
+            kv.key(),
+            kv.value(),
             kv.create_revision,
             kv.mod_revision,
             kv.version,
@@ -499,15 +571,13 @@ mod tests {
             assert_eq!(back, kv);
             // The head alone gives every field but the value.
             let head = &bytes[..head_len(bytes.len(), &bytes)];
-            assert_eq!(head.len(), bytes.len() - kv.value.len() - CRC);
+            assert_eq!(head.len(), bytes.len() - kv.value().len() - CRC);
             let fields = decode_head(rev, bytes.len(), head).unwrap().to_kv(false);
-            assert_eq!(
-                fields,
-                KeyValue {
-                    value: Vec::new(),
-                    ..kv.clone()
-                }
-            );
+            assert_eq!(fields, {
+                let mut no_value = kv.clone();
+                no_value.set_value(&[]);
+                no_value
+            });
             for at in [1, bytes.len() / 2, bytes.len() - 1] {
                 bytes[at] ^= 0x10;
                 assert!(
@@ -531,15 +601,13 @@ mod tests {
                 kv
             );
             let head = &bytes[..head_len(bytes.len(), &bytes)];
-            assert_eq!(head.len(), HEADER_1 + kv.key.len());
+            assert_eq!(head.len(), HEADER_1 + kv.key().len());
             let fields = decode_head(rev, bytes.len(), head).unwrap().to_kv(false);
-            assert_eq!(
-                fields,
-                KeyValue {
-                    value: Vec::new(),
-                    ..kv.clone()
-                }
-            );
+            assert_eq!(fields, {
+                let mut no_value = kv.clone();
+                no_value.set_value(&[]);
+                no_value
+            });
             let at = 40.min(bytes.len() - 5);
             bytes[at] ^= 1;
             assert!(decode_record(rev, &bytes).is_err());
@@ -576,7 +644,7 @@ mod tests {
             0,
         );
         let bytes = encode(&kv);
-        let overhead = bytes.len() - kv.key.len() - kv.value.len();
+        let overhead = bytes.len() - kv.key().len() - kv.value().len();
         assert!(overhead <= 12, "{overhead} bytes of header and checksum");
         assert_eq!(
             encode_record(&kv).len() - bytes.len(),

@@ -719,7 +719,8 @@ mod tests {
                     |rev, tomb, _, r| {
                         assert!(!tomb);
                         let kv = decode_record(rev, r)?.to_kv(true);
-                        seen.push((rev.main, String::from_utf8(kv.key).expect("key"), kv.value));
+                        let (key, value) = kv.into_parts();
+                        seen.push((rev.main, String::from_utf8(key).expect("key"), value));
                         Ok(true)
                     },
                 )

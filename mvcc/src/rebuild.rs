@@ -295,12 +295,11 @@ mod tests {
     #[test]
     fn a_checked_stream_skips_record_checksums_but_not_framing() {
         let kv = KeyValue {
-            key: b"k".to_vec(),
-            value: b"value".to_vec(),
             create_revision: 3,
             mod_revision: 7,
             version: 2,
             lease: 5,
+            ..KeyValue::new(b"k", b"value")
         };
         let rev = Revision::new(7, 0);
         let key = rev.to_key(false);
@@ -333,12 +332,11 @@ mod tests {
     fn history() -> Vec<(Vec<u8>, Vec<u8>)> {
         let rec = |key: &[u8], value: &[u8], create: u64, rev: u64, version: u64, lease| {
             let kv = KeyValue {
-                key: key.to_vec(),
-                value: value.to_vec(),
                 create_revision: create,
                 mod_revision: rev,
                 version,
                 lease,
+                ..KeyValue::new(key, value)
             };
             (
                 Revision::new(rev, 0).to_key(create == 0),

@@ -221,7 +221,7 @@ fn compare<B: Backend>(txn: &WriteTxn<'_, B>, c: &Compare) -> Result<bool, MvccE
 fn compare_kv(c: &Compare, kv: &KeyValue) -> bool {
     use std::cmp::Ordering;
     let ord = match &c.target {
-        CompareTarget::Value(v) => kv.value.as_slice().cmp(v.as_slice()),
+        CompareTarget::Value(v) => kv.value().cmp(v.as_slice()),
         CompareTarget::Version(v) => kv.version.cmp(v),
         CompareTarget::CreateRevision(v) => kv.create_revision.cmp(v),
         CompareTarget::ModRevision(v) => kv.mod_revision.cmp(v),

@@ -133,7 +133,7 @@ pub enum EventKind {
 ///
 /// An event shares a copy of the stored record of its change with every other watcher that saw
 /// the same change (and, for revisions of one change dispatched together, with the events of
-/// the others: their records are copied into one buffer of at most [`GATHER_BYTES`]):
+/// the others: their records are copied into one buffer of at most 16 KiB):
 /// delivering it to many watchers copies no key or value, and [`key`](Event::key) and
 /// [`value`](Event::value) are slices into that record. [`kv`](Event::kv) copies the pair out
 /// for a caller that keeps it.

@@ -502,7 +502,7 @@ mod tests {
         let pairs: Vec<(&[u8], &[u8], u64)> = all
             .kvs
             .iter()
-            .map(|kv| (&kv.key[..], &kv.value[..], kv.version))
+            .map(|kv| (kv.key(), kv.value(), kv.version))
             .collect();
         assert_eq!(
             pairs,
@@ -527,7 +527,7 @@ mod tests {
         drop(t);
         assert_eq!(s.key_count(), 1);
         let r = s.range(&RangeRequest::key(b"a".to_vec())).expect("range");
-        assert_eq!((&r.kvs[0].value[..], r.kvs[0].version), (&b"v1"[..], 1));
+        assert_eq!((r.kvs[0].value(), r.kvs[0].version), (&b"v1"[..], 1));
         s.put(b"new", b"w", 0).expect("put");
         let r = s.range(&RangeRequest::key(b"new".to_vec())).expect("range");
         assert_eq!((r.kvs[0].create_revision, r.kvs[0].version), (2, 1));

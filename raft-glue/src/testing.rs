@@ -361,7 +361,7 @@ impl<B: Backend> Cluster<B> {
                 &RangeRequest::key(key.to_vec()),
                 ReadConsistency::Linearizable,
             ) {
-                Ok(r) => return Ok(r.kvs.into_iter().next().map(|kv| kv.value)),
+                Ok(r) => return Ok(r.kvs.into_iter().next().map(|kv| kv.value().to_vec())),
                 Err(NodeError::NotLeader { .. }) if start.elapsed() < Duration::from_secs(5) => {
                     thread::sleep(Duration::from_millis(10));
                 }

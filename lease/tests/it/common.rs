@@ -41,7 +41,7 @@ pub fn keys_with_leases<B: Backend>(store: &Store<B>) -> Vec<(Vec<u8>, i64)> {
         .expect("range")
         .kvs
         .into_iter()
-        .map(|kv| (kv.key, kv.lease))
+        .map(|kv| (kv.key().to_vec(), kv.lease))
         .collect()
 }
 

@@ -164,13 +164,13 @@ fn verify<B: Backend>(
         .unwrap_or_else(|e| panic!("{ctx}: range: {e}"));
     for j in 0..KEYS {
         let key = format!("k{j:02}").into_bytes();
-        let got = all.kvs.iter().find(|kv| kv.key == key);
+        let got = all.kvs.iter().find(|kv| kv.key() == key);
         let puts: Vec<u64> = (1..=ci).filter(|i| i % KEYS == j).collect();
         match (puts.last(), got) {
             (None, None) => {}
             (Some(&i), Some(kv)) => {
                 assert_eq!(
-                    kv.value,
+                    kv.value(),
                     i.to_string().into_bytes(),
                     "{ctx}: value of k{j:02}"
                 );

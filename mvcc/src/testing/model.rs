@@ -124,12 +124,11 @@ impl Model {
                 Some((value, lease)) => {
                     let prev = next.get(key);
                     let kv = KeyValue {
-                        key: key.clone(),
-                        value: value.clone(),
                         create_revision: prev.map_or(rev, |p| p.create_revision),
                         mod_revision: rev,
                         version: prev.map_or(1, |p| p.version + 1),
                         lease: *lease,
+                        ..KeyValue::new(key, value)
                     };
                     next.insert(key.clone(), kv);
                     changed = true;
@@ -146,7 +145,7 @@ impl Model {
     fn range(&self, rev: u64, key: &[u8], end: Option<&[u8]>) -> Vec<KeyValue> {
         self.history[rev as usize]
             .values()
-            .filter(|kv| Model::in_range(&kv.key, key, end))
+            .filter(|kv| Model::in_range(kv.key(), key, end))
             .cloned()
             .collect()
     }
@@ -312,7 +311,7 @@ pub fn run_with<B: Backend>(
                     })
                     .unwrap_or_else(|e| panic!("{ctx}: {e}"));
                 let victims = model.range(model.current(), &key, end.as_deref());
-                let changes: Vec<_> = victims.iter().map(|kv| (kv.key.clone(), None)).collect();
+                let changes: Vec<_> = victims.iter().map(|kv| (kv.key().to_vec(), None)).collect();
                 model.apply(&changes);
                 assert_eq!(resp.deleted, victims.len(), "{ctx}: deleted count");
                 assert_eq!(resp.prev_kvs, victims, "{ctx}: deleted pairs");

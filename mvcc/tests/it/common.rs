@@ -28,5 +28,5 @@ pub fn get(store: &Store<MemBackend>, key: &[u8]) -> Option<Vec<u8>> {
     let resp = store
         .range(&keel_mvcc::RangeRequest::key(key.to_vec()))
         .expect("range");
-    resp.kvs.into_iter().next().map(|kv| kv.value)
+    resp.kvs.into_iter().next().map(|kv| kv.value().to_vec())
 }

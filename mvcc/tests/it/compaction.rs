@@ -125,7 +125,7 @@ fn an_interrupted_compaction_resumes_on_open_and_hashes_agree() {
         s.range(&RangeRequest::key(b"k5".to_vec()).at(100))
             .unwrap()
             .kvs[0]
-            .value,
+            .value(),
         b"9"
     );
 }

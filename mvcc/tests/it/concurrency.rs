@@ -44,8 +44,8 @@ fn concurrent_read_not_blocking_write() {
         limit: 1,
         ..RangeRequest::key(b"foo".to_vec())
     };
-    assert_eq!(read2.range(&one).unwrap().kvs[0].value, b"newBar");
-    let old = std::thread::spawn(move || read1.range(&one).unwrap().kvs[0].value.clone())
+    assert_eq!(read2.range(&one).unwrap().kvs[0].value(), b"newBar");
+    let old = std::thread::spawn(move || read1.range(&one).unwrap().kvs[0].value().to_vec())
         .join()
         .unwrap();
     assert_eq!(old, b"bar");
@@ -99,7 +99,7 @@ fn many_readers_one_writer_keep_invariants() {
     let all = RangeRequest::prefix(b"acct".to_vec());
     let sum = |kvs: &[keel_mvcc::KeyValue]| -> u64 {
         kvs.iter()
-            .map(|kv| u64::from_be_bytes(kv.value.as_slice().try_into().unwrap()))
+            .map(|kv| u64::from_be_bytes(kv.value().try_into().unwrap()))
             .sum()
     };
     let readers: Vec<_> = (0..3)
@@ -507,13 +507,8 @@ fn scans_concurrent_with_puts_see_their_revision() {
         let got: Vec<(&[u8], KeyState<'_>)> = kvs
             .iter()
             .map(|kv| {
-                let state = (
-                    &kv.value[..],
-                    kv.create_revision,
-                    kv.mod_revision,
-                    kv.version,
-                );
-                (&kv.key[..], state)
+                let state = (kv.value(), kv.create_revision, kv.mod_revision, kv.version);
+                (kv.key(), state)
             })
             .collect();
         let want: Vec<(&[u8], KeyState<'_>)> = model.into_iter().collect();

@@ -35,9 +35,9 @@ fn fill(s: &Store<MemBackend>, round: u32) {
 fn expect_round(kvs: &[KeyValue], round: u32, what: &str) {
     assert_eq!(kvs.len(), KEYS as usize, "{what}: key count");
     for (i, kv) in kvs.iter().enumerate() {
-        assert_eq!(kv.key, key(i as u32), "{what}: key order");
+        assert_eq!(kv.key(), key(i as u32), "{what}: key order");
         assert_eq!(
-            kv.value,
+            kv.value(),
             format!("{round}-{i}").into_bytes(),
             "{what}: value of key {i}"
         );

@@ -16,7 +16,7 @@ fn put_range_delete_follow_etcd_revisions() {
     let kv = &r.kvs[0];
     assert_eq!(
         (
-            kv.value.as_slice(),
+            kv.value(),
             kv.create_revision,
             kv.mod_revision,
             kv.version,
@@ -25,7 +25,7 @@ fn put_range_delete_follow_etcd_revisions() {
         (&b"baz"[..], 1, 2, 2, 7)
     );
     let old = s.range(&RangeRequest::key(b"foo".to_vec()).at(1)).unwrap();
-    assert_eq!(old.kvs[0].value, b"bar");
+    assert_eq!(old.kvs[0].value(), b"bar");
     assert_eq!(old.revision, 1);
     let d = s.delete_range(b"foo", None).unwrap();
     assert_eq!((d.revision, d.deleted), (4, 1));
@@ -44,7 +44,7 @@ fn put_range_delete_follow_etcd_revisions() {
             ..PutRequest::new(b"foo".to_vec(), b"x".to_vec())
         })
         .unwrap();
-    assert_eq!(prev.prev_kv.unwrap().value, b"again");
+    assert_eq!(prev.prev_kv.unwrap().value(), b"again");
     let del = s
         .delete_with(&DeleteRangeRequest {
             prev_kv: true,
@@ -55,7 +55,7 @@ fn put_range_delete_follow_etcd_revisions() {
     assert_eq!(
         del.prev_kvs
             .iter()
-            .map(|kv| kv.key.clone())
+            .map(|kv| kv.key().to_vec())
             .collect::<Vec<_>>(),
         vec![b"foo".to_vec(), b"zoo".to_vec()]
     );
@@ -70,7 +70,7 @@ fn ranges_follow_etcd_conventions() {
     let keys = |r: keel_mvcc::RangeResponse| {
         r.kvs
             .into_iter()
-            .map(|kv| String::from_utf8(kv.key).unwrap())
+            .map(|kv| String::from_utf8(kv.key().to_vec()).unwrap())
             .collect::<Vec<_>>()
     };
     assert_eq!(
@@ -118,7 +118,7 @@ fn ranges_follow_etcd_conventions() {
             ..RangeRequest::key(b"a".to_vec())
         })
         .unwrap();
-    assert_eq!(keys_only.kvs[0].value, b"");
+    assert_eq!(keys_only.kvs[0].value(), b"");
     assert_eq!(keys_only.kvs[0].mod_revision, 1);
 }
 
@@ -192,5 +192,5 @@ fn handles_cross_threads() {
     let got = std::thread::spawn(move || view.range(&RangeRequest::key(b"k".to_vec())).unwrap())
         .join()
         .unwrap();
-    assert_eq!(got.kvs[0].value, b"v");
+    assert_eq!(got.kvs[0].value(), b"v");
 }

@@ -24,8 +24,8 @@ fn all(store: &Store<MemBackend>, revision: u64) -> Vec<Row> {
         .into_iter()
         .map(|kv| {
             (
-                kv.key,
-                kv.value,
+                kv.key().to_vec(),
+                kv.value().to_vec(),
                 kv.create_revision,
                 kv.mod_revision,
                 kv.version,

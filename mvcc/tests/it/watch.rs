@@ -66,8 +66,8 @@ fn events_arrive_in_revision_order_with_prev_values() {
         ]
     );
     assert_eq!(ev[0].prev_kv(), None);
-    assert_eq!(ev[1].prev_kv().unwrap().value, b"x");
-    assert_eq!(ev[3].prev_kv().unwrap().value, b"y");
+    assert_eq!(ev[1].prev_kv().unwrap().value(), b"x");
+    assert_eq!(ev[3].prev_kv().unwrap().value(), b"y");
     assert_eq!(w.try_recv().unwrap(), None, "no event for other keys");
 }
 
@@ -95,7 +95,7 @@ fn past_revisions_are_caught_up_from_the_store() {
     let past = collect(&w, 11);
     let revs: Vec<u64> = past.iter().map(|e| e.mod_revision()).collect();
     assert_eq!(revs, (8..=58).step_by(5).collect::<Vec<u64>>());
-    assert_eq!(past[1].prev_kv().unwrap().value, b"7");
+    assert_eq!(past[1].prev_kv().unwrap().value(), b"7");
     s.put(b"k2", b"live", 0).unwrap();
     let live = collect(&w, 1);
     assert_eq!(
@@ -372,7 +372,7 @@ fn seen(events: &[Event], prev_kv: bool) -> Vec<Seen> {
                 e.key().to_vec(),
                 e.value().to_vec(),
                 if prev_kv {
-                    e.prev_kv().map(|p| p.value.clone())
+                    e.prev_kv().map(|p| p.value().to_vec())
                 } else {
                     None
                 },

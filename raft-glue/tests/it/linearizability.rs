@@ -228,7 +228,7 @@ fn run_round(seed: u64) -> Vec<String> {
                         Ok(r) => {
                             let v = r.kvs.first().map(|kv| {
                                 let mut a = [0u8; 8];
-                                a.copy_from_slice(&kv.value);
+                                a.copy_from_slice(kv.value());
                                 u64::from_le_bytes(a)
                             });
                             Some(Op {

@@ -96,7 +96,7 @@ pub fn assert_acknowledged_applied_once(
     let present: BTreeSet<String> = r
         .kvs
         .iter()
-        .map(|kv| String::from_utf8_lossy(&kv.key).into_owned())
+        .map(|kv| String::from_utf8_lossy(kv.key()).into_owned())
         .collect();
     let missing: Vec<&String> = keys.difference(&present).take(5).collect();
     assert!(
@@ -110,7 +110,7 @@ pub fn assert_acknowledged_applied_once(
             1,
             "member {}: key {:?} was put once, applied once",
             n.id(),
-            String::from_utf8_lossy(&kv.key)
+            String::from_utf8_lossy(kv.key())
         );
     }
     assert_eq!(
