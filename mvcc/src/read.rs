@@ -203,9 +203,7 @@ impl<T: ReadTxn> Sources<'_, T> {
     /// [`fetch`](Self::fetch), given with `keys` the tags of the keys the index names for
     /// the revisions, which each record's key is checked against.
     ///
-    /// Each entry's key and value are copied out one after the other, so the two
-    /// allocations of an entry sit side by side and are freed together, as a caller drops
-    /// the results entry by entry.
+    /// Each entry's key and value are copied out into one allocation.
     pub fn fetch_into(
         &self,
         compacted: impl Fn() -> u64,
