@@ -1023,38 +1023,13 @@ fn receive_loop<B: Backend>(
     prepared_slot: apply::PreparedSlot<B>,
 ) {
     let id = shared.id;
-    let idle = shared.options.snapshot_idle_timeout;
     // The transfer being restored while it arrives, if any.
     let mut live: Option<snapshot::LiveRestore<B>> = None;
     loop {
         if rx.is_empty() {
             // Nothing is queued, so every chunk that has arrived was taken: a transfer idle
             // now was really left without chunks, not kept waiting behind this loop.
-            for dropped in assembler.drop_idle(Instant::now(), idle) {
-                let (from, transfer) = dropped.key;
-                if live.as_ref().is_some_and(|l| l.key == dropped.key) {
-                    live = None;
-                }
-                let reason = format!(
-                    "no chunk for {} ms: the transfer was dropped after {} chunks ({} bytes)",
-                    idle.as_millis(),
-                    dropped.chunks,
-                    dropped.bytes
-                );
-                tracing::warn!(
-                    member = id,
-                    from,
-                    transfer,
-                    "incoming snapshot transfer dropped: {reason}"
-                );
-                shared.snapshots_refused.fetch_add(1, Ordering::Relaxed);
-                let _ = transport.send_snapshot(SnapshotFrame::Ack(SnapshotAck {
-                    from: id,
-                    to: from,
-                    transfer,
-                    error: Some(reason),
-                }));
-            }
+            drop_idle_transfers(&shared, &*transport, &mut assembler, &mut live);
         }
         let frame = match rx.recv_timeout(Duration::from_millis(100)) {
             Ok(f) => f,
@@ -1075,12 +1050,39 @@ fn receive_loop<B: Backend>(
         };
         let (from, transfer) = (chunk.from, chunk.transfer);
         let key = (from, transfer);
-        // A dropped transfer is not started again (the assembler refuses its chunks).
-        if chunk.seq == 0 && !assembler.was_dropped(key) {
-            // One restore at a time: a new transfer replaces the one in progress, which
-            // then completes (if ever) through the stored file. The old restore ends, and
-            // a prepared snapshot raft-rs did not take is closed, before the new restore
-            // clears their directories.
+        if chunk.seq == 0 {
+            // A transfer left without chunks is not in the way of a new one.
+            drop_idle_transfers(&shared, &*transport, &mut assembler, &mut live);
+            let admitted = snapshot::check_sender(&receiver_view(&shared), &chunk)
+                .map_err(|reason| NodeError::Snapshot {
+                    from,
+                    to: id,
+                    reason,
+                })
+                .and_then(|()| assembler.admit(&chunk));
+            for (old, reason) in assembler.take_replaced() {
+                if live.as_ref().is_some_and(|l| l.key == old) {
+                    live = None;
+                }
+                tracing::info!(
+                    member = id,
+                    from = old.0,
+                    transfer = old.1,
+                    "incoming snapshot transfer {reason}"
+                );
+                shared.snapshots_refused.fetch_add(1, Ordering::Relaxed);
+                answer_transfer(&*transport, id, old, Some(reason));
+            }
+            if let Err(e) = admitted {
+                tracing::warn!(member = id, from, transfer, error = %e, "snapshot transfer refused");
+                assembler.refuse(key, &e);
+                shared.snapshots_refused.fetch_add(1, Ordering::Relaxed);
+                answer_transfer(&*transport, id, key, Some(e.to_string()));
+                continue;
+            }
+            // One restore at a time: the admitted transfer replaces the one in progress
+            // (refused above). The old restore ends, and a prepared snapshot raft-rs did not
+            // take is closed, before the new restore clears their directories.
             drop(live.take());
             drop(prepared_slot.lock().take());
             live = match snapshot::LiveRestore::<B>::start(key, &dir, &backend_options) {
@@ -1132,7 +1134,7 @@ fn receive_loop<B: Backend>(
                         None => Err(NodeError::Snapshot {
                             from,
                             to: id,
-                            reason: "its restore was displaced by a newer transfer".into(),
+                            reason: "its restore was abandoned".into(),
                         }),
                     }
                 }
@@ -1174,12 +1176,62 @@ fn receive_loop<B: Backend>(
                 Some(e.to_string())
             }
         };
-        let _ = transport.send_snapshot(SnapshotFrame::Ack(SnapshotAck {
-            from: id,
-            to: from,
+        answer_transfer(&*transport, id, key, error);
+    }
+}
+
+/// What this member knows of its term, leader and configuration, for
+/// [`snapshot::check_sender`].
+fn receiver_view<B: Backend>(shared: &Shared<B>) -> snapshot::ReceiverView {
+    let s = shared.status.read();
+    snapshot::ReceiverView {
+        id: shared.id,
+        term: s.term,
+        leader: s.leader,
+        members: s.voters.iter().chain(&s.learners).copied().collect(),
+    }
+}
+
+/// Answers the sender of transfer `key` (`(from, transfer)`): installed when `error` is
+/// `None`, refused for `error` otherwise.
+fn answer_transfer(transport: &dyn Transport, id: u64, key: (u64, u64), error: Option<String>) {
+    let _ = transport.send_snapshot(SnapshotFrame::Ack(SnapshotAck {
+        from: id,
+        to: key.0,
+        transfer: key.1,
+        error,
+    }));
+}
+
+/// Drops every incoming transfer that has had no chunk for `snapshot_idle_timeout` (its
+/// restore with it) and answers its sender with a refusal.
+fn drop_idle_transfers<B: Backend>(
+    shared: &Shared<B>,
+    transport: &dyn Transport,
+    assembler: &mut Assembler,
+    live: &mut Option<snapshot::LiveRestore<B>>,
+) {
+    let id = shared.id;
+    let idle = shared.options.snapshot_idle_timeout;
+    for dropped in assembler.drop_idle(Instant::now(), idle) {
+        let (from, transfer) = dropped.key;
+        if live.as_ref().is_some_and(|l| l.key == dropped.key) {
+            *live = None;
+        }
+        let reason = format!(
+            "no chunk for {} ms: the transfer was dropped after {} chunks ({} bytes)",
+            idle.as_millis(),
+            dropped.chunks,
+            dropped.bytes
+        );
+        tracing::warn!(
+            member = id,
+            from,
             transfer,
-            error,
-        }));
+            "incoming snapshot transfer dropped: {reason}"
+        );
+        shared.snapshots_refused.fetch_add(1, Ordering::Relaxed);
+        answer_transfer(transport, id, dropped.key, Some(reason));
     }
 }
 

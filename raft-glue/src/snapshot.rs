@@ -40,8 +40,7 @@
 //! that parses the stream itself does so inside them), and back to the reader's pool of
 //! receive buffers ([`buffers`]) once loaded: the stream's bytes are copied only from the
 //! socket into those buffers and from there into the backend's frames. The file is used only
-//! when no restore could be started; a transfer whose restore was displaced by a newer
-//! transfer is refused, and the leader sends it again.
+//! when no restore could be started.
 //! The key index is built from the pairs as they are loaded, on a thread of its own
 //! ([`IndexBuilder::on_thread`]), without recomputing each record's own checksum (the
 //! stream's covers those bytes; see [`IndexBuilder::for_checked_stream`]). Only once the
@@ -51,12 +50,21 @@
 //! The ack goes back once the switch is done. An aborted transfer drops its restore; the
 //! partial directory is never installed and is removed with it.
 //!
+//! Only the leader's transfer is taken (`check_sender`): a first chunk whose snapshot is
+//! of a term already past, or of the member's term from a sender other than the leader it
+//! knows there, is refused at once. One transfer runs at a time: a new one replaces the one
+//! under way only when it comes from the same sender with a newer transfer, or with a newer
+//! term (a leader elected since, whose snapshot is the one raft-rs wants); the replaced
+//! transfer's sender is answered with a refusal. Any other first chunk is refused and the
+//! transfer under way goes on.
+//!
 //! A transfer that has had no chunk for `snapshot_idle_timeout` (its sender died, or gave
-//! up mid-stream) is dropped the same way, and the sender is answered with a refusal. The
-//! receiver remembers the transfers it dropped so that a late chunk of one, even a first
-//! chunk delivered late, is refused rather than taken as the start of a new transfer. A
-//! sender stops streaming as soon as its transfer is answered, so a refused transfer costs
-//! it at most the chunk under way.
+//! up mid-stream) is dropped as an aborted one is, and the sender is answered with a
+//! refusal. The receiver remembers the transfers it refused (dropped, replaced, aborted or
+//! not from the leader) so that a late chunk of one, even a first chunk delivered late, is
+//! refused rather than taken as the start of a new transfer. A sender stops streaming as
+//! soon as its transfer is answered, so a refused transfer costs it at most the chunk under
+//! way.
 
 use std::collections::{HashMap, VecDeque};
 use std::fs::{self, File};
@@ -332,6 +340,8 @@ pub(crate) struct Received {
 }
 
 struct Incoming {
+    /// The term of the `MsgSnapshot` its first chunk carried (its sender led that term).
+    term: u64,
     /// `None` when the stream is not stored (it is restored while it arrives).
     file: Option<File>,
     path: PathBuf,
@@ -353,18 +363,87 @@ pub(crate) struct Dropped {
     pub bytes: u64,
 }
 
-/// Dropped transfers remembered, so that their late chunks are refused. Transfer numbers
-/// are not reused by a sender, and a late chunk follows its transfer's drop within the
+/// Refused transfers remembered, so that their late chunks are refused. Transfer numbers
+/// are not reused by a sender, and a late chunk follows its transfer's refusal within the
 /// sender's own timeout: a short memory suffices.
-const DROPPED_KEPT: usize = 64;
+const REFUSED_KEPT: usize = 64;
 
-/// Reassembles incoming transfers.
+/// What this member knows when a transfer's first chunk arrives, to tell whether its sender
+/// may be sending it a snapshot: its id, its term, the leader it knows in that term, and the
+/// members of its configuration (voters and learners; none before it joined).
+pub(crate) struct ReceiverView {
+    /// This member.
+    pub id: u64,
+    /// Its current term.
+    pub term: u64,
+    /// The leader it knows in that term.
+    pub leader: Option<u64>,
+    /// The members of its configuration.
+    pub members: Vec<u64>,
+}
+
+/// Whether the transfer whose first chunk is `c` comes from a member that may be this
+/// member's leader, as raft-rs would judge its `MsgSnapshot`: only a leader sends one, and
+/// there is one leader per term. A snapshot of a term already past is refused (raft-rs
+/// would ignore it), as is one of the current term from a sender that is not the leader
+/// known in it, or, while no leader is known, from a sender outside the configuration. A
+/// snapshot of a newer term is taken from any sender: it comes from a leader elected since
+/// this member last heard from the cluster, which a member behind the log may not know as a
+/// member yet (added after what it applied), and raft-rs follows that leader.
+pub(crate) fn check_sender(view: &ReceiverView, c: &SnapshotChunk) -> Result<(), String> {
+    let Some(m) = c.message.as_deref() else {
+        return Err("its first chunk carries no snapshot message".into());
+    };
+    if m.get_msg_type() != raft::eraftpb::MessageType::MsgSnapshot
+        || m.from != c.from
+        || m.to != view.id
+    {
+        return Err(format!(
+            "its first chunk carries a {:?} from member {} to member {}, not a snapshot from \
+             member {} to member {}",
+            m.get_msg_type(),
+            m.from,
+            m.to,
+            c.from,
+            view.id
+        ));
+    }
+    if m.term < view.term {
+        return Err(format!(
+            "a snapshot of term {} from member {}: this member is at term {}",
+            m.term, c.from, view.term
+        ));
+    }
+    if m.term > view.term {
+        return Ok(());
+    }
+    match view.leader {
+        Some(leader) if leader != c.from => Err(format!(
+            "member {} is not the leader of term {} (member {leader} is)",
+            c.from, m.term
+        )),
+        Some(_) => Ok(()),
+        None if view.members.is_empty() || view.members.contains(&c.from) => Ok(()),
+        None => Err(format!(
+            "member {} is not the leader of term {}: it is not a member, and no leader is \
+             known in that term",
+            c.from, m.term
+        )),
+    }
+}
+
+/// Reassembles incoming transfers, one at a time: the first chunk of a new transfer replaces
+/// the one under way only when it comes from the same sender with a newer transfer, or with
+/// a newer term (a new leader; see [`admit`](Assembler::admit)). A transfer left without
+/// chunks is dropped by [`drop_idle`](Assembler::drop_idle).
 pub(crate) struct Assembler {
     dir: PathBuf,
+    /// The transfer under way, if any (never more than one).
     incoming: HashMap<(u64, u64), Incoming>,
-    /// The latest transfers dropped for want of chunks, with the idle timeout that dropped
-    /// them, oldest first.
-    dropped: VecDeque<((u64, u64), Duration)>,
+    /// The latest transfers refused, with what their late chunks are told, oldest first.
+    refused: VecDeque<((u64, u64), String)>,
+    /// Transfers replaced by a newer one, whose senders have not been told yet.
+    replaced: Vec<((u64, u64), String)>,
 }
 
 fn fsync_dir(dir: &Path) -> Result<(), NodeError> {
@@ -387,14 +466,107 @@ impl Assembler {
         Ok(Assembler {
             dir,
             incoming: HashMap::new(),
-            dropped: VecDeque::new(),
+            refused: VecDeque::new(),
+            replaced: Vec::new(),
         })
     }
 
-    /// Whether transfer `key` (`(from, transfer)`) was dropped by [`drop_idle`](Self::drop_idle):
-    /// its chunks are refused.
-    pub fn was_dropped(&self, key: (u64, u64)) -> bool {
-        self.dropped.iter().any(|(k, _)| *k == key)
+    /// Whether transfer `key` (`(from, transfer)`) was refused (dropped by
+    /// [`drop_idle`](Self::drop_idle), replaced, or aborted): its chunks are refused.
+    pub fn was_refused(&self, key: (u64, u64)) -> bool {
+        self.refused.iter().any(|(k, _)| *k == key)
+    }
+
+    /// Refuses transfer `key` for `e`: drops it if it is under way (its temporary file is
+    /// removed) and refuses its later chunks. Returns whether it was not refused before.
+    pub fn refuse(&mut self, key: (u64, u64), e: &NodeError) -> bool {
+        let reason = match e {
+            NodeError::Snapshot { reason, .. } => reason.clone(),
+            other => other.to_string(),
+        };
+        let late = if reason.starts_with("transfer ") {
+            reason
+        } else {
+            format!("transfer {} was refused: {reason}", key.1)
+        };
+        self.remember(key, late)
+    }
+
+    /// Drops transfer `key` if it is under way and refuses its later chunks with `late`.
+    /// Returns whether it was not refused before.
+    fn remember(&mut self, key: (u64, u64), late: String) -> bool {
+        if let Some(inc) = self.incoming.remove(&key)
+            && inc.file.is_some()
+        {
+            let _ = fs::remove_file(&inc.path);
+        }
+        if self.was_refused(key) {
+            return false;
+        }
+        if self.refused.len() == REFUSED_KEPT {
+            self.refused.pop_front();
+        }
+        self.refused.push_back((key, late));
+        true
+    }
+
+    /// The transfers a newer one replaced since the last call, with the reason to tell
+    /// their senders.
+    pub fn take_replaced(&mut self) -> Vec<((u64, u64), String)> {
+        std::mem::take(&mut self.replaced)
+    }
+
+    /// Admits the transfer whose first chunk is `c`, if it may start: it was not refused
+    /// before, and no transfer is under way that it may not replace. It replaces the one
+    /// under way when it comes from the same sender with a newer transfer of the same term,
+    /// or with a newer term, whoever sends it (a leader elected since, whose snapshot raft-rs
+    /// wants; the old leader's is of no use any more): the replaced transfer is refused
+    /// and listed by [`take_replaced`](Self::take_replaced). Otherwise the newcomer is
+    /// refused: a sender of the same term that is not the one under way's is no leader, and
+    /// an older transfer of the same sender is a late one. Admitting does not start it: its
+    /// first chunk goes to [`chunk`](Self::chunk).
+    pub fn admit(&mut self, c: &SnapshotChunk) -> Result<(), NodeError> {
+        let key = (c.from, c.transfer);
+        let fail = |reason: String| NodeError::Snapshot {
+            from: c.from,
+            to: c.to,
+            reason,
+        };
+        if let Some((_, late)) = self.refused.iter().find(|(k, _)| *k == key) {
+            return Err(fail(late.clone()));
+        }
+        let term = c
+            .message
+            .as_deref()
+            .map(|m| m.term)
+            .ok_or_else(|| fail("first chunk carries no snapshot message".into()))?;
+        let rivals: Vec<((u64, u64), u64)> = self
+            .incoming
+            .iter()
+            .filter(|(k, _)| **k != key)
+            .map(|(k, inc)| (*k, inc.term))
+            .collect();
+        for ((from, transfer), cur_term) in rivals {
+            let newer =
+                term > cur_term || (from == c.from && term == cur_term && c.transfer > transfer);
+            if !newer {
+                return Err(fail(format!(
+                    "transfer {} (term {term}) refused: transfer {transfer} from member {from} \
+                     (term {cur_term}) is under way",
+                    c.transfer
+                )));
+            }
+            let reason = format!(
+                "replaced by transfer {} from member {} (term {term})",
+                c.transfer, c.from
+            );
+            self.remember(
+                (from, transfer),
+                format!("transfer {transfer} was {reason}"),
+            );
+            self.replaced.push(((from, transfer), reason));
+        }
+        Ok(())
     }
 
     /// Drops every transfer that has had no chunk for `idle` at `now`: its temporary file is
@@ -414,10 +586,14 @@ impl Assembler {
             if inc.file.is_some() {
                 let _ = fs::remove_file(&inc.path);
             }
-            if self.dropped.len() == DROPPED_KEPT {
-                self.dropped.pop_front();
-            }
-            self.dropped.push_back((key, idle));
+            self.remember(
+                key,
+                format!(
+                    "transfer {} was dropped after {} ms without a chunk",
+                    key.1,
+                    idle.as_millis()
+                ),
+            );
             dropped.push(Dropped {
                 key,
                 chunks: inc.next,
@@ -428,9 +604,11 @@ impl Assembler {
     }
 
     /// Takes one chunk. Returns `Ok(Some(_))` when a transfer completed and verified,
-    /// `Ok(None)` when more chunks are expected, `Err` when the transfer is aborted (its
-    /// temporary file is gone). `store` (read on a transfer's first chunk) says whether the
-    /// stream is kept in a file; without one only its order and checksums are checked.
+    /// `Ok(None)` when more chunks are expected, `Err` when the transfer is refused (its
+    /// temporary file is gone, and its later chunks are refused too). A first chunk starts
+    /// its transfer only as [`admit`](Self::admit) allows. `store` (read on a transfer's
+    /// first chunk) says whether the stream is kept in a file; without one only its order
+    /// and checksums are checked.
     pub fn chunk(&mut self, c: &SnapshotChunk, store: bool) -> Result<Option<Received>, NodeError> {
         let key = (c.from, c.transfer);
         let fail = |reason: String| NodeError::Snapshot {
@@ -439,10 +617,8 @@ impl Assembler {
             reason,
         };
         let res = self.take(key, c, store, &fail);
-        if res.is_err()
-            && let Some(inc) = self.incoming.remove(&key)
-        {
-            let _ = fs::remove_file(&inc.path);
+        if let Err(e) = &res {
+            self.refuse(key, e);
         }
         res
     }
@@ -454,17 +630,17 @@ impl Assembler {
         store: bool,
         fail: &dyn Fn(String) -> NodeError,
     ) -> Result<Option<Received>, NodeError> {
-        if let Some((_, idle)) = self.dropped.iter().find(|(k, _)| *k == key) {
-            return Err(fail(format!(
-                "transfer {} was dropped after {} ms without a chunk",
-                c.transfer,
-                idle.as_millis()
-            )));
+        if let Some((_, late)) = self.refused.iter().find(|(k, _)| *k == key) {
+            return Err(fail(late.clone()));
         }
         if c.seq == 0 {
-            if let Some(old) = self.incoming.remove(&key) {
-                let _ = fs::remove_file(&old.path);
+            if let Some(inc) = self.incoming.get(&key) {
+                return Err(fail(format!(
+                    "chunk 0 arrived again, {} expected",
+                    inc.next
+                )));
             }
+            self.admit(c)?;
             let path = self.dir.join(format!("{}-{}.tmp", c.from, c.transfer));
             let file = if store {
                 Some(File::create(&path).map_err(|e| NodeError::io(&path, "create", e))?)
@@ -479,6 +655,7 @@ impl Assembler {
             self.incoming.insert(
                 key,
                 Incoming {
+                    term: message.term,
                     file,
                     path,
                     next: 0,
@@ -816,6 +993,14 @@ mod tests {
         assert!(to_3.try_recv().is_err(), "the transfer to 3 goes on");
     }
 
+    /// Chunk `seq` of transfer `transfer` (a sender never reuses a transfer's number).
+    fn chunk_of(transfer: u64, seq: u32, data: &[u8], end: Option<(u64, u32)>) -> SnapshotChunk {
+        SnapshotChunk {
+            transfer,
+            ..chunk(seq, data, end)
+        }
+    }
+
     #[test]
     fn assembles_verifies_and_refuses_damage() {
         let dir = tempfile::tempdir().expect("tempdir");
@@ -835,28 +1020,32 @@ mod tests {
         assert_eq!(fs::read(&path).expect("read"), all);
         assert!(path.ends_with("10-2.snap"));
 
-        // A corrupted chunk aborts and leaves no temporary file.
-        let mut bad = chunk(0, &all[..5], None);
+        // A corrupted chunk aborts and leaves no temporary file; the rest of the transfer
+        // is refused.
+        let mut bad = chunk_of(6, 0, &all[..5], None);
         bad.data[0] ^= 1;
         assert!(a.chunk(&bad, true).is_err());
         assert!(
-            a.chunk(&chunk(1, &all[5..], end), true).is_err(),
-            "unknown transfer"
+            a.chunk(&chunk_of(6, 1, &all[5..], end), true).is_err(),
+            "refused transfer"
         );
         // A missing chunk aborts.
         assert!(
-            a.chunk(&chunk(0, &all[..5], None), true)
+            a.chunk(&chunk_of(7, 0, &all[..5], None), true)
                 .expect("ok")
                 .is_none()
         );
-        assert!(a.chunk(&chunk(2, &all[5..], end), true).is_err());
+        assert!(a.chunk(&chunk_of(7, 2, &all[5..], end), true).is_err());
         // A wrong end marker aborts.
         assert!(
-            a.chunk(&chunk(0, &all[..5], None), true)
+            a.chunk(&chunk_of(8, 0, &all[..5], None), true)
                 .expect("ok")
                 .is_none()
         );
-        assert!(a.chunk(&chunk(1, &all[5..], Some((11, 0))), true).is_err());
+        assert!(
+            a.chunk(&chunk_of(8, 1, &all[5..], Some((11, 0))), true)
+                .is_err()
+        );
         let tmp: Vec<_> = fs::read_dir(dir.path().join("snap"))
             .expect("dir")
             .flatten()
@@ -868,18 +1057,21 @@ mod tests {
         // against the end marker (their data is checked by the restore).
         fs::remove_file(&path).expect("remove");
         assert!(
-            a.chunk(&chunk(0, &all[..5], None), false)
+            a.chunk(&chunk_of(9, 0, &all[..5], None), false)
                 .expect("ok")
                 .is_none()
         );
-        assert!(a.chunk(&chunk(1, &all[5..], Some((11, 0))), false).is_err());
         assert!(
-            a.chunk(&chunk(0, &all[..5], None), false)
+            a.chunk(&chunk_of(9, 1, &all[5..], Some((11, 0))), false)
+                .is_err()
+        );
+        assert!(
+            a.chunk(&chunk_of(10, 0, &all[..5], None), false)
                 .expect("ok")
                 .is_none()
         );
         let got = a
-            .chunk(&chunk(1, &all[5..], end), false)
+            .chunk(&chunk_of(10, 1, &all[5..], end), false)
             .expect("ok")
             .expect("done");
         assert!(got.path.is_none());
@@ -888,6 +1080,128 @@ mod tests {
             0,
             "nothing stored"
         );
+    }
+
+    /// A first chunk of `transfer` from `from`, of a snapshot of `term`.
+    fn first(from: u64, transfer: u64, term: u64) -> SnapshotChunk {
+        let mut c = chunk(0, b"hello", None);
+        c.from = from;
+        c.transfer = transfer;
+        if let Some(m) = c.message.as_deref_mut() {
+            m.set_msg_type(raft::eraftpb::MessageType::MsgSnapshot);
+            m.from = from;
+            m.term = term;
+        }
+        c
+    }
+
+    /// One transfer at a time: a newer transfer of the same sender and term, or any
+    /// transfer of a newer term, replaces the one under way (listed for its sender to be
+    /// told, and its late chunks refused); another sender of the same term, or an older
+    /// transfer of the same sender, is refused and changes nothing.
+    #[test]
+    fn a_transfer_is_replaced_only_by_its_senders_newer_one_or_a_newer_terms() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut a = Assembler::new(dir.path().join("snap")).expect("assembler");
+        a.chunk(&first(1, 5, 3), false).expect("starts");
+        for (c, why) in [
+            (first(3, 9, 3), "another sender of the same term"),
+            (first(1, 4, 3), "an older transfer of the same sender"),
+            (first(3, 9, 2), "an older term"),
+        ] {
+            match a.chunk(&c, false) {
+                Err(e) => assert!(e.to_string().contains("under way"), "{why}: {e}"),
+                Ok(_) => panic!("{why} was taken"),
+            }
+        }
+        assert!(a.take_replaced().is_empty());
+        let next = |a: &mut Assembler, c: SnapshotChunk| a.chunk(&c, false).map(|_| ());
+        next(&mut a, chunk(1, b" ", None)).expect("transfer 5 goes on");
+
+        a.chunk(&first(1, 6, 3), false)
+            .expect("a newer transfer of the same sender");
+        let replaced = a.take_replaced();
+        assert_eq!(replaced.len(), 1);
+        assert_eq!(replaced[0].0, (1, 5));
+        assert!(
+            replaced[0]
+                .1
+                .contains("replaced by transfer 6 from member 1")
+        );
+        let late = SnapshotChunk {
+            seq: 2,
+            ..chunk(2, b"w", None)
+        };
+        match a.chunk(&late, false) {
+            Err(e) => assert!(e.to_string().contains("was replaced"), "{e}"),
+            Ok(_) => panic!("a late chunk of a replaced transfer was taken"),
+        }
+
+        a.chunk(&first(2, 1, 4), false)
+            .expect("a new leader's transfer");
+        let replaced = a.take_replaced();
+        assert_eq!(replaced.len(), 1);
+        assert_eq!(replaced[0].0, (1, 6));
+        assert!(a.was_refused((1, 6)));
+        let mut c = first(2, 1, 4);
+        c.seq = 1;
+        c.message = None;
+        next(&mut a, c).expect("the new leader's transfer goes on");
+    }
+
+    /// A snapshot comes from the leader of its term: one of a past term, or of this
+    /// member's term from anyone but the leader it knows there (from a non-member while it
+    /// knows none), is refused; a newer term's is taken from any sender, and a member that
+    /// knows no configuration yet (it is joining) takes one from any sender.
+    #[test]
+    fn only_a_leader_of_the_current_or_a_newer_term_may_send_a_snapshot() {
+        let view = |term, leader: Option<u64>, members: &[u64]| ReceiverView {
+            id: 2,
+            term,
+            leader,
+            members: members.to_vec(),
+        };
+        let to_2 = |from, term| {
+            let mut c = first(from, 1, term);
+            c.to = 2;
+            if let Some(m) = c.message.as_deref_mut() {
+                m.to = 2;
+            }
+            c
+        };
+        let cases = [
+            (view(5, Some(1), &[1, 2, 3]), to_2(1, 5), Ok(())),
+            (
+                view(5, Some(1), &[1, 2, 3]),
+                to_2(3, 5),
+                Err("not the leader"),
+            ),
+            (view(5, Some(1), &[1, 2, 3]), to_2(1, 4), Err("at term 5")),
+            (view(5, Some(1), &[1, 2, 3]), to_2(9, 6), Ok(())),
+            (view(5, None, &[1, 2, 3]), to_2(3, 5), Ok(())),
+            (view(5, None, &[1, 2, 3]), to_2(9, 5), Err("not a member")),
+            (view(0, None, &[]), to_2(9, 0), Ok(())),
+        ];
+        for (v, c, want) in cases {
+            let got = check_sender(&v, &c);
+            match (want, &got) {
+                (Ok(()), Ok(())) => {}
+                (Err(text), Err(e)) => assert!(e.contains(text), "{e}"),
+                _ => panic!(
+                    "from {} at term {:?} to a member at term {} (leader {:?}): {got:?}",
+                    c.from,
+                    c.message.as_ref().map(|m| m.term),
+                    v.term,
+                    v.leader
+                ),
+            }
+        }
+        let mut wrong = to_2(1, 5);
+        if let Some(m) = wrong.message.as_deref_mut() {
+            m.from = 3;
+        }
+        let e = check_sender(&view(5, Some(1), &[1, 2, 3]), &wrong).expect_err("mismatch");
+        assert!(e.contains("not a snapshot from member 1"), "{e}");
     }
 
     /// A transfer without a chunk for the idle timeout is dropped (its temporary file with
@@ -918,7 +1232,7 @@ mod tests {
             ((1, 5), 1, 5)
         );
         assert!(!tmp.exists(), "its temporary file is removed");
-        assert!(a.was_dropped((1, 5)));
+        assert!(a.was_refused((1, 5)));
         for c in [chunk(1, &all[5..], end), chunk(0, &all[..5], None)] {
             match a.chunk(&c, true) {
                 Err(e) => assert!(e.to_string().contains("was dropped after 60000 ms"), "{e}"),

@@ -135,19 +135,22 @@ fn an_abandoned_incoming_transfer_is_dropped_and_its_late_chunks_refused() {
     keel_mvcc::backend::snapshot::write(&txn, &mut stream).expect("stream");
     drop(txn);
     let (head, tail) = stream.split_at(stream.len() / 2);
-    // Member 9 plays a leader that dies after its first chunk.
+    // Member 9 plays a leader elected since (its snapshot's term is past the member's, so
+    // the member takes it from a sender it does not know) that dies after its first chunk.
     let (sender, mailbox) = c.net.register(9);
-    let chunk = |seq: u32, data: &[u8]| {
-        SnapshotFrame::Chunk(SnapshotChunk {
+    let (term, index) = (n.status().term + 1, n.status().applied);
+    let chunk = |seq: u32, data: &[u8]| match seq {
+        0 => first_chunk(9, 77, term, index, data),
+        _ => SnapshotFrame::Chunk(SnapshotChunk {
             from: 9,
             to: 1,
             transfer: 77,
             seq,
-            message: (seq == 0).then(Box::default),
+            message: None,
             data: data.to_vec(),
             crc: crc32fast::hash(data),
             end: None,
-        })
+        }),
     };
     let answer = || -> SnapshotAck {
         match mailbox.snapshots.recv_timeout(T) {
@@ -185,5 +188,107 @@ fn an_abandoned_incoming_transfer_is_dropped_and_its_late_chunks_refused() {
         "the dropped transfer did not restart"
     );
     assert_eq!(n.status().snapshots_refused, 3);
+    c.put(b"after", b"1", T).expect("the member goes on");
+}
+
+/// A transfer's first chunk as member `from` sends it to member 1: a `MsgSnapshot` of
+/// `term` at index `index`, carrying `data`.
+fn first_chunk(from: u64, transfer: u64, term: u64, index: u64, data: &[u8]) -> SnapshotFrame {
+    let mut m = raft::eraftpb::Message::default();
+    m.set_msg_type(raft::eraftpb::MessageType::MsgSnapshot);
+    m.from = from;
+    m.to = 1;
+    m.term = term;
+    m.mut_snapshot().mut_metadata().index = index;
+    m.mut_snapshot().mut_metadata().term = term;
+    m.mut_snapshot().mut_metadata().mut_conf_state().voters = vec![1];
+    SnapshotFrame::Chunk(SnapshotChunk {
+        from,
+        to: 1,
+        transfer,
+        seq: 0,
+        message: Some(Box::new(m)),
+        data: data.to_vec(),
+        crc: crc32fast::hash(data),
+        end: None,
+    })
+}
+
+/// The next answer to a transfer in `mailbox`.
+fn answer_in(mailbox: &keel_raft_glue::Mailbox) -> SnapshotAck {
+    match mailbox.snapshots.recv_timeout(T) {
+        Ok(SnapshotFrame::Ack(a)) => a,
+        other => panic!("expected an answer to a transfer, got {other:?}"),
+    }
+}
+
+/// Only the leader's transfer is taken. A first chunk from a sender that is not the leader
+/// of its term (here not even a member), or of a term already past, is refused at once.
+/// While a transfer of a newer term (a new leader's) is under way, a first chunk from
+/// another sender of that same term is refused and the transfer goes on; one of a newer
+/// term still (the leader changed again) replaces it, and its sender is told.
+#[test]
+fn only_the_leaders_transfer_is_taken_and_a_new_leaders_replaces_it() {
+    crate::init_tracing();
+    let opts = NodeOptions {
+        // No transfer here is dropped for want of chunks.
+        snapshot_idle_timeout: Duration::from_secs(600),
+        ..options()
+    };
+    let c = Cluster::<TestBackend>::new(1, opts, 25).expect("cluster");
+    c.wait_leader(T).expect("leader");
+    c.put(b"k", b"v", T).expect("put");
+    let n = c.node(1).expect("runs");
+    let term = n.status().term;
+    let index = n.status().applied;
+    let data = [1u8; 64];
+    let (nine, nine_box) = c.net.register(9);
+    let (eight, eight_box) = c.net.register(8);
+
+    // Member 1 leads this term: a snapshot of it from 9 is no leader's.
+    nine.send_snapshot(first_chunk(9, 70, term, index, &data))
+        .expect("send");
+    let ack = answer_in(&nine_box);
+    assert_eq!((ack.from, ack.to, ack.transfer), (1, 9, 70));
+    let error = ack.error.expect("a refusal");
+    assert!(error.contains("not the leader"), "{error}");
+    // A term already past.
+    nine.send_snapshot(first_chunk(9, 71, term - 1, index, &data))
+        .expect("send");
+    let error = answer_in(&nine_box).error.expect("a refusal");
+    assert!(error.contains(&format!("term {}", term - 1)), "{error}");
+
+    // 9 as the leader of the next term: its transfer starts (no answer yet).
+    nine.send_snapshot(first_chunk(9, 72, term + 1, index, &data))
+        .expect("send");
+    // 8 claiming the same term while it runs: refused, 9's transfer untouched.
+    eight
+        .send_snapshot(first_chunk(8, 80, term + 1, index, &data))
+        .expect("send");
+    let ack = answer_in(&eight_box);
+    assert_eq!((ack.from, ack.to, ack.transfer), (1, 8, 80));
+    let error = ack.error.expect("a refusal");
+    assert!(error.contains("under way"), "{error}");
+    assert!(
+        nine_box.snapshots.is_empty(),
+        "9's transfer was answered: {:?}",
+        nine_box.snapshots.try_recv()
+    );
+    // 8 as the leader of the term after: its transfer replaces 9's, and 9 is told.
+    eight
+        .send_snapshot(first_chunk(8, 81, term + 2, index, &data))
+        .expect("send");
+    let ack = answer_in(&nine_box);
+    assert_eq!((ack.from, ack.to, ack.transfer), (1, 9, 72));
+    let error = ack.error.expect("a refusal");
+    assert!(
+        error.contains("replaced by transfer 81 from member 8"),
+        "{error}"
+    );
+    assert!(
+        eight_box.snapshots.is_empty(),
+        "8's new transfer was answered: {:?}",
+        eight_box.snapshots.try_recv()
+    );
     c.put(b"after", b"1", T).expect("the member goes on");
 }
