@@ -305,8 +305,14 @@ enum Cmd {
 }
 
 enum Event {
-    /// A transfer ended; `ok` when the receiver acknowledged it.
-    SnapshotSent { to: u64, index: u64, ok: bool },
+    /// A transfer begun as the leader of `term` ended; `ok` when the receiver acknowledged
+    /// it.
+    SnapshotSent {
+        to: u64,
+        index: u64,
+        term: u64,
+        ok: bool,
+    },
     SnapshotReceived {
         received: Box<Received>,
         done: Sender<bool>,
@@ -1700,7 +1706,28 @@ impl<B: Backend> Driver<B> {
 
     fn event(&mut self, e: Event) -> Option<Sender<bool>> {
         match e {
-            Event::SnapshotSent { to, index, ok } => {
+            Event::SnapshotSent {
+                to,
+                index,
+                term,
+                ok,
+            } => {
+                if self.raw.raft.state != StateRole::Leader || self.raw.raft.term != term {
+                    // Begun under a leadership that has ended (it was cancelled then): raft-rs
+                    // tracks no transfer of it any more, and a report now would act on the
+                    // progress of a later leadership's transfer.
+                    if ok {
+                        self.snapshots_sent += 1;
+                    }
+                    tracing::debug!(
+                        member = self.id,
+                        to,
+                        term,
+                        ok,
+                        "snapshot transfer of an earlier leadership ended"
+                    );
+                    return None;
+                }
                 if self.raw.raft.prs().get(to).is_none() {
                     // Removed while the transfer ran (it was cancelled): raft-rs has nothing
                     // to be told, and the promotion gate keeps no state for a member that
@@ -1746,6 +1773,18 @@ impl<B: Backend> Driver<B> {
     fn send_snapshot(&mut self, m: Message) {
         let to = m.to;
         let index = m.get_snapshot().get_metadata().index;
+        if self.raw.raft.state != StateRole::Leader || self.raw.raft.term != m.term {
+            // Made before this member stepped down (raft-rs keeps the messages it queued):
+            // its transfers were cancelled then, and raft-rs tracks none of it any more.
+            tracing::debug!(
+                member = self.id,
+                to,
+                index,
+                term = m.term,
+                "snapshot of a leadership that ended not sent"
+            );
+            return;
+        }
         let store = self.sm.store();
         let began = Instant::now();
         let txn = (|| {
@@ -1797,6 +1836,7 @@ impl<B: Backend> Driver<B> {
         let id = self.id;
         let limiter = self.limiter.clone();
         let shared = self.shared.clone();
+        let term = self.raw.raft.term;
         // The stream is about as long as the live data: the estimate behind the ETA.
         let expected = store.backend().size().ok().map(|s| s.in_use);
         shared
@@ -1835,6 +1875,7 @@ impl<B: Backend> Driver<B> {
             let _ = events.send(Event::SnapshotSent {
                 to,
                 index,
+                term,
                 ok: r.is_ok(),
             });
         });
@@ -1860,6 +1901,9 @@ impl<B: Backend> Driver<B> {
             tracing::debug!(member = self.id, leader = ss.leader_id, role = ?ss.raft_state, "soft state changed");
             (ss.leader_id != raft::INVALID_ID).then_some(ss.leader_id)
         });
+        if rd.ss().is_some_and(|ss| ss.raft_state != StateRole::Leader) {
+            self.cancel_outgoing_transfers();
+        }
         if rd.snapshot().is_empty() {
             self.on_ready_async(rd)?;
         } else {
@@ -2451,6 +2495,25 @@ impl<B: Backend> Driver<B> {
                 member = self.id,
                 to = id,
                 "snapshot transfer to a removed member cancelled"
+            );
+        }
+    }
+
+    /// Cancels every snapshot transfer this member is sending, once it no longer leads: only a
+    /// leader's snapshot is of use to raft-rs (the new leader sends its own), and the
+    /// senders would otherwise stream the rest of the backend, holding a read transaction on
+    /// it, and wait for acks nobody will report.
+    fn cancel_outgoing_transfers(&mut self) {
+        let reason = format!(
+            "member {} is no longer the leader (term {})",
+            self.id, self.raw.raft.term
+        );
+        let cancelled = snapshot::cancel_all(&self.acks, self.id, &reason);
+        if cancelled > 0 {
+            tracing::info!(
+                member = self.id,
+                cancelled,
+                "snapshot transfers of a leadership that ended cancelled"
             );
         }
     }

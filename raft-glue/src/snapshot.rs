@@ -913,12 +913,25 @@ pub(crate) fn route_ack(acks: &AckWaiters, ack: SnapshotAck) {
 /// its next chunk (or stops waiting for the ack) and ends, releasing its read transaction.
 /// Returns how many transfers were cancelled.
 pub(crate) fn cancel_to(acks: &AckWaiters, from: u64, to: u64, reason: &str) -> usize {
+    cancel(acks, from, Some(to), reason)
+}
+
+/// Cancels every transfer from member `from` that is under way, whoever it goes to, as
+/// [`cancel_to`] does.
+pub(crate) fn cancel_all(acks: &AckWaiters, from: u64, reason: &str) -> usize {
+    cancel(acks, from, None, reason)
+}
+
+fn cancel(acks: &AckWaiters, from: u64, to: Option<u64>, reason: &str) -> usize {
     let waiters = acks.lock();
     let mut cancelled = 0;
-    for (&transfer, (_, tx)) in waiters.iter().filter(|(_, (member, _))| *member == to) {
+    let chosen = waiters
+        .iter()
+        .filter(|(_, (member, _))| to.is_none_or(|to| *member == to));
+    for (&transfer, (member, tx)) in chosen {
         // A full channel holds the receiver's own answer, which ends the sender as well.
         let _ = tx.try_send(SnapshotAck {
-            from: to,
+            from: *member,
             to: from,
             transfer,
             error: Some(format!("cancelled: {reason}")),
@@ -991,6 +1004,13 @@ mod tests {
         let error = ack.error.expect("a refusal");
         assert_eq!(error, "cancelled: member 2 was removed");
         assert!(to_3.try_recv().is_err(), "the transfer to 3 goes on");
+        assert_eq!(cancel_all(&acks, 1, "member 1 no longer leads"), 2);
+        let ack = to_3.try_recv().expect("answered");
+        assert_eq!((ack.from, ack.to, ack.transfer), (3, 1, 8));
+        assert_eq!(
+            ack.error.as_deref(),
+            Some("cancelled: member 1 no longer leads")
+        );
     }
 
     /// Chunk `seq` of transfer `transfer` (a sender never reuses a transfer's number).

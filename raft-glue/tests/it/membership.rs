@@ -2,7 +2,7 @@
 //! runtime reconfiguration guide, forwarding from a follower, learners refusing what they
 //! must, removed members stopping for good, promotion only after the snapshot is applied,
 //! transfer progress in member status and paced snapshots, and the end of a transfer to a
-//! member that is removed.
+//! member that is removed or from a leader that steps down.
 
 use std::sync::Arc;
 use std::thread;
@@ -334,9 +334,9 @@ fn snapshots_are_paced_on_the_in_memory_network() {
 
 /// Member `id` played by the test: it refuses the leader's appends (an empty log, so the
 /// leader must send it a snapshot), never acknowledges a snapshot, and records the chunks
-/// it receives: `(when, whether the chunk ends its stream)`.
+/// it receives: `(when, whether the chunk ends its stream, sender)`.
 struct SnapshotSink {
-    chunks: Arc<std::sync::Mutex<Vec<(Instant, bool)>>>,
+    chunks: Arc<std::sync::Mutex<Vec<(Instant, bool, u64)>>>,
     stop: Arc<std::sync::atomic::AtomicBool>,
     handle: Option<thread::JoinHandle<()>>,
 }
@@ -368,7 +368,7 @@ impl SnapshotSink {
                     }
                     recv(mailbox.snapshots) -> f => {
                         if let Ok(SnapshotFrame::Chunk(c)) = f {
-                            seen.lock().expect("lock").push((Instant::now(), c.end.is_some()));
+                            seen.lock().expect("lock").push((Instant::now(), c.end.is_some(), c.from));
                         }
                     }
                     default(Duration::from_millis(10)) => {}
@@ -382,8 +382,23 @@ impl SnapshotSink {
         }
     }
 
+    /// Every chunk received: `(when, whether it ends its stream)`.
     fn chunks(&self) -> Vec<(Instant, bool)> {
-        self.chunks.lock().expect("lock").clone()
+        self.chunks_where(|_| true)
+    }
+
+    /// The chunks received from member `from`.
+    fn chunks_from(&self, from: u64) -> Vec<(Instant, bool)> {
+        self.chunks_where(|f| f == from)
+    }
+
+    fn chunks_where(&self, keep: impl Fn(u64) -> bool) -> Vec<(Instant, bool)> {
+        let chunks = self.chunks.lock().expect("lock");
+        chunks
+            .iter()
+            .filter(|(_, _, from)| keep(*from))
+            .map(|(at, end, _)| (*at, *end))
+            .collect()
     }
 }
 
@@ -449,4 +464,62 @@ fn removing_a_member_stops_the_snapshot_transfer_to_it() {
         leader.status().transfers
     );
     leader.put(b"after", b"1").expect("the leader goes on");
+}
+
+/// A leader that loses its leadership stops the snapshot transfers it was sending: the
+/// receiver gets nothing more from it once it has stepped down, instead of the rest of a
+/// stream that raft-rs, no longer leading, has no use for (the new leader sends its own).
+#[test]
+fn a_leader_that_steps_down_stops_its_snapshot_transfers() {
+    crate::init_tracing();
+    let opts = NodeOptions {
+        snapshot_chunk_bytes: 4 * 1024,
+        ..options()
+    };
+    let mut c = Cluster::<TestBackend>::with_membership(3, opts, manual(), 11).expect("cluster");
+    let l = c.node(c.wait_leader(T).expect("leader")).expect("runs");
+    for i in 0..300u32 {
+        l.put(format!("s{i:04}").as_bytes(), &[6u8; 1000])
+            .expect("put");
+    }
+    drop(l);
+    // Restarted with a limiter: a stream (over 300 kB) takes about 5 s.
+    c.snapshot_limiter = Some(Arc::new(RateLimiter::new(64 * 1024, 4 * 1024)));
+    for id in c.ids() {
+        c.kill(id);
+        c.start(id).expect("restart with a limiter");
+    }
+    let old = c.node(c.wait_leader(T).expect("leader")).expect("runs");
+    let sink = SnapshotSink::start(&c, 4);
+    old.add_learner(4).expect("learner");
+    wait_until("the transfer to 4 under way", || {
+        sink.chunks_from(old.id()).len() >= 3
+    });
+    // Cut off from the voters, the leader steps down (check quorum); 4 still hears it.
+    let others: Vec<u64> = c.ids().into_iter().filter(|&i| i != old.id()).collect();
+    c.net.partition(&[old.id()], &others);
+    wait_until("the leader steps down", || {
+        old.status().role != keel_raft_glue::Role::Leader
+    });
+    let at_step_down = sink.chunks_from(old.id());
+    assert!(
+        !at_step_down.iter().any(|(_, end)| *end),
+        "the stream ended before the leader stepped down: it is too short for this test"
+    );
+    wait_until("a second without chunks from the old leader", || {
+        sink.chunks_from(old.id())
+            .last()
+            .is_some_and(|(at, _)| at.elapsed() >= Duration::from_secs(1))
+    });
+    let all = sink.chunks_from(old.id());
+    let after = all.len() - at_step_down.len();
+    assert!(
+        !all.iter().any(|(_, end)| *end),
+        "the whole stream was sent to member 4 after the leader stepped down ({after} more \
+         chunks)"
+    );
+    assert!(
+        after <= 2,
+        "{after} chunks were sent to member 4 after the leader stepped down"
+    );
 }
