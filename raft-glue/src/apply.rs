@@ -28,10 +28,11 @@
 //! the next generation's directory (`begin_restore`), completed and synced there
 //! (`finish_restore`) and kept open as a prepared store; installing it
 //! (`StateMachine::install_prepared`) replaces `CURRENT` atomically and swaps that same open
-//! store in, then removes the previous generation. Opening repairs a crash at any step: only
-//! the generation `CURRENT` names is kept. Directories of an older layout (`backend.new`,
-//! `backend.old`, `backend.tmp`) are repaired as before: a lone `backend.new` becomes
-//! `backend`, the others are removed.
+//! store in, then removes the previous generation; a prepared store raft-rs does not take is
+//! closed and its directory removed (`discard_prepared`). Opening repairs a crash at any
+//! step: only the generation `CURRENT` names is kept. Directories of an older layout
+//! (`backend.new`, `backend.old`, `backend.tmp`) are repaired as before: a lone
+//! `backend.new` becomes `backend`, the others are removed.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -275,14 +276,14 @@ pub(crate) fn prepare_snapshot<B: Backend>(
     )
 }
 
-/// Removes a prepared snapshot that raft-rs did not take.
-pub(crate) fn discard_prepared(dir: &Path) {
-    let new = dir.join(BACKEND_NEW);
-    if new.exists()
-        && let Err(e) = fs::remove_dir_all(&new)
-    {
-        tracing::warn!(path = %new.display(), error = %e, "cannot remove a prepared snapshot");
-    }
+/// Closes a prepared snapshot that raft-rs did not take and removes its generation's
+/// directory. That generation is never the current one: installing a prepared snapshot
+/// takes it out of its slot before making its generation current.
+pub(crate) fn discard_prepared<B: Backend>(dir: &Path, prepared: Prepared<B>) {
+    let generation = prepared.generation;
+    // Closed first: closing waits for the backend's background work in that directory.
+    drop(prepared);
+    generation::remove(dir, generation);
 }
 
 /// The store and the lessor over it; both are replaced together when a snapshot is

@@ -1088,9 +1088,12 @@ fn receive_loop<B: Backend>(
             }
             // One restore at a time: the admitted transfer replaces the one in progress
             // (refused above). The old restore ends, and a prepared snapshot raft-rs did not
-            // take is closed, before the new restore clears their directories.
+            // take is discarded, before the new restore begins.
             drop(live.take());
-            drop(prepared_slot.lock().take());
+            let stale = prepared_slot.lock().take();
+            if let Some(stale) = stale {
+                apply::discard_prepared(&dir, stale);
+            }
             live = match snapshot::LiveRestore::<B>::start(key, &dir, &backend_options) {
                 Ok(l) => Some(l),
                 Err(e) => {
@@ -1159,8 +1162,11 @@ fn receive_loop<B: Backend>(
                 .map_err(|_| NodeError::Stopped { id, reason: None })?;
             let installed = done_rx.recv().unwrap_or(false);
             if !installed {
-                // Not taken by raft-rs: close it; the next restore removes its directory.
-                drop(prepared_slot.lock().take());
+                // Not taken by raft-rs: close it and remove its generation's directory.
+                let refused = prepared_slot.lock().take();
+                if let Some(refused) = refused {
+                    apply::discard_prepared(&dir, refused);
+                }
             }
             tracing::info!(
                 member = id,
@@ -1423,11 +1429,8 @@ impl<B: Backend> Driver<B> {
                     return Err(self.removed_self());
                 }
                 if let Some(done) = pending_snapshot_done {
-                    let installed = self.snapshots_installed > installed_before;
-                    if !installed {
-                        apply::discard_prepared(&self.dir);
-                    }
-                    let _ = done.send(installed);
+                    // The receiver discards a prepared snapshot raft-rs did not take.
+                    let _ = done.send(self.snapshots_installed > installed_before);
                 }
                 if last_sweep.elapsed() >= Duration::from_secs(1) {
                     self.sweep();

@@ -292,3 +292,68 @@ fn only_the_leaders_transfer_is_taken_and_a_new_leaders_replaces_it() {
     );
     c.put(b"after", b"1", T).expect("the member goes on");
 }
+
+/// A snapshot restored whole that raft-rs does not take (its index is behind what the
+/// member has committed since) leaves no backend directory behind: the prepared
+/// generation is closed and its directory removed, and only the current one remains.
+#[test]
+fn a_prepared_snapshot_raft_does_not_take_leaves_no_directory() {
+    crate::init_tracing();
+    let c = Cluster::<TestBackend>::new(1, options(), 26).expect("cluster");
+    c.wait_leader(T).expect("leader");
+    for i in 0..50u32 {
+        c.put(format!("p{i:03}").as_bytes(), &[3u8; 100], T)
+            .expect("put");
+    }
+    let n = c.node(1).expect("runs");
+    n.store().force_commit().expect("commit");
+    let index = n.store().consistent_index();
+    let mut stream = Vec::new();
+    let txn = n.store().backend().read_txn().expect("read txn");
+    keel_mvcc::backend::snapshot::write(&txn, &mut stream).expect("stream");
+    drop(txn);
+    assert_eq!(n.store().consistent_index(), index, "a quiet member");
+    // The member commits past the stream's index before it arrives.
+    c.put(b"later", b"1", T).expect("put");
+    let term = n.status().term + 1;
+
+    // Member 9 plays a leader of the next term sending the whole stream.
+    let (sender, mailbox) = c.net.register(9);
+    let pieces: Vec<&[u8]> = stream.chunks(2048).collect();
+    let end = (stream.len() as u64, crc32fast::hash(&stream));
+    for (seq, piece) in pieces.iter().enumerate() {
+        let frame = match seq {
+            0 => first_chunk(9, 90, term, index, piece),
+            _ => SnapshotFrame::Chunk(SnapshotChunk {
+                from: 9,
+                to: 1,
+                transfer: 90,
+                seq: seq as u32,
+                message: None,
+                data: piece.to_vec(),
+                crc: crc32fast::hash(piece),
+                end: (seq + 1 == pieces.len()).then_some(end),
+            }),
+        };
+        sender.send_snapshot(frame).expect("send");
+    }
+    let ack = answer_in(&mailbox);
+    assert_eq!((ack.from, ack.to, ack.transfer), (1, 9, 90));
+    assert_eq!(ack.error, None, "the stream was received whole");
+    assert_eq!(n.status().snapshots_installed, 0, "raft-rs did not take it");
+    let dir = c.dir(1).expect("dir");
+    let mut backends: Vec<String> = std::fs::read_dir(&dir)
+        .expect("read dir")
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|name| name.starts_with("backend"))
+        .collect();
+    backends.sort();
+    assert_eq!(
+        backends,
+        ["backend"],
+        "only the current backend remains in {}",
+        dir.display()
+    );
+    c.put(b"after", b"1", T).expect("the member goes on");
+}
