@@ -202,7 +202,9 @@ pub struct NodeStatus {
     pub snapshots_installed: u64,
     /// Snapshots sent successfully since start.
     pub snapshots_sent: u64,
-    /// Incoming snapshot transfers refused (corrupt, incomplete, unusable) since start.
+    /// Incoming snapshot transfers refused (corrupt, incomplete, unusable, not from the
+    /// leader, replaced by a newer one) since start, each counted once however many of its
+    /// chunks were refused.
     pub snapshots_refused: u64,
     /// Snapshot transfers this member sent or is sending, one per receiver (the latest):
     /// bytes sent, rate, estimated time left.
@@ -1080,9 +1082,11 @@ fn receive_loop<B: Backend>(
                 answer_transfer(&*transport, id, old, Some(reason));
             }
             if let Err(e) = admitted {
-                tracing::warn!(member = id, from, transfer, error = %e, "snapshot transfer refused");
-                assembler.refuse(key, &e);
-                shared.snapshots_refused.fetch_add(1, Ordering::Relaxed);
+                // A late first chunk of a transfer refused before is not counted again.
+                if assembler.refuse(key, &e) {
+                    tracing::warn!(member = id, from, transfer, error = %e, "snapshot transfer refused");
+                    shared.snapshots_refused.fetch_add(1, Ordering::Relaxed);
+                }
                 answer_transfer(&*transport, id, key, Some(e.to_string()));
                 continue;
             }
@@ -1104,6 +1108,8 @@ fn receive_loop<B: Backend>(
         }
         // A transfer restored while it arrives is not stored in a file as well.
         let store = live.as_ref().is_none_or(|l| l.key != key);
+        // A transfer refused before has its late chunks refused, not counted again.
+        let refused_before = assembler.was_refused(key);
         let accepted = assembler.chunk(&chunk, store);
         match (&accepted, live.as_ref()) {
             (Ok(_), Some(l)) if l.key == key => l.feed(chunk.data),
@@ -1183,8 +1189,15 @@ fn receive_loop<B: Backend>(
             Ok(false) => continue,
             Ok(true) => None,
             Err(e) => {
-                tracing::warn!(member = id, from, error = %e, "snapshot transfer refused");
-                shared.snapshots_refused.fetch_add(1, Ordering::Relaxed);
+                // Refused as it ended (it could not be prepared) or by its chunk (the
+                // assembler refused it already); its later chunks, if any, are refused.
+                assembler.refuse(key, &e);
+                if refused_before {
+                    tracing::debug!(member = id, from, transfer, error = %e, "late chunk of a refused snapshot transfer");
+                } else {
+                    tracing::warn!(member = id, from, error = %e, "snapshot transfer refused");
+                    shared.snapshots_refused.fetch_add(1, Ordering::Relaxed);
+                }
                 Some(e.to_string())
             }
         };

@@ -114,7 +114,8 @@ fn snapshotted_follower_restarts_from_its_installed_state() {
 /// An incoming transfer whose sender goes silent mid-stream is dropped once it has had no
 /// chunk for `snapshot_idle_timeout`: its restore is abandoned and the next generation's
 /// directory removed, the sender is answered with a refusal, and later chunks of it, the
-/// first one included, are refused instead of starting it again.
+/// first one included, are refused instead of starting it again (it counts as one refused
+/// transfer).
 #[test]
 fn an_abandoned_incoming_transfer_is_dropped_and_its_late_chunks_refused() {
     crate::init_tracing();
@@ -187,7 +188,11 @@ fn an_abandoned_incoming_transfer_is_dropped_and_its_late_chunks_refused() {
         !restore_dir.exists(),
         "the dropped transfer did not restart"
     );
-    assert_eq!(n.status().snapshots_refused, 3);
+    assert_eq!(
+        n.status().snapshots_refused,
+        1,
+        "one transfer was refused, however many of its chunks"
+    );
     c.put(b"after", b"1", T).expect("the member goes on");
 }
 
@@ -290,6 +295,22 @@ fn only_the_leaders_transfer_is_taken_and_a_new_leaders_replaces_it() {
         "8's new transfer was answered: {:?}",
         eight_box.snapshots.try_recv()
     );
+    // A late chunk of a refused transfer is refused again, and not counted again: four
+    // transfers were refused (70, 71, 80 and the replaced 72).
+    nine.send_snapshot(SnapshotFrame::Chunk(SnapshotChunk {
+        from: 9,
+        to: 1,
+        transfer: 70,
+        seq: 1,
+        message: None,
+        data: data.to_vec(),
+        crc: crc32fast::hash(&data),
+        end: None,
+    }))
+    .expect("send");
+    let error = answer_in(&nine_box).error.expect("a refusal");
+    assert!(error.contains("transfer 70 was refused"), "{error}");
+    assert_eq!(n.status().snapshots_refused, 4);
     c.put(b"after", b"1", T).expect("the member goes on");
 }
 
