@@ -2366,13 +2366,16 @@ impl<B: Backend> Driver<B> {
             .map_err(|e| self.propose_error(e))
     }
 
-    /// The leader's view of learner `id` for the promotion gate.
-    /// Records that member `to` was sent a snapshot at `index`, keeping the highest.
+    /// Records, for the promotion gate, that member `to` was sent a snapshot at `index`,
+    /// keeping the highest.
     fn note_snapshot_index(&mut self, to: u64, index: u64) {
         let known = self.snap_idx.entry(to).or_insert(index);
         *known = (*known).max(index);
     }
 
+    /// The leader's view of learner `id` for the promotion gate at `now`: its progress in
+    /// raft-rs's tracker, the highest snapshot index it was sent, the applied index it last
+    /// reported, and whether it was heard from within the active window.
     fn learner_progress(&self, id: u64, now: Instant) -> LearnerProgress {
         LearnerProgress::from_tracker(
             id,
