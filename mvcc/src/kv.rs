@@ -123,10 +123,12 @@ impl KeyValue {
         self.bytes = bytes.into_boxed_slice();
     }
 
-    /// The key and the value, copied out.
+    /// The key and the value, apart: the key copied out, the value moved to the front of the
+    /// pair's own allocation.
     pub fn into_parts(self) -> (Vec<u8>, Vec<u8>) {
-        let mut key = Vec::from(self.bytes);
-        let value = key.split_off(self.key_len);
+        let key = self.key().to_vec();
+        let mut value = Vec::from(self.bytes);
+        value.drain(..self.key_len);
         (key, value)
     }
 }
@@ -507,6 +509,10 @@ mod tests {
         // Where the key ends matters, not only the bytes.
         assert_ne!(KeyValue::new(b"ab", b"c"), KeyValue::new(b"a", b"bc"));
         assert_eq!(KeyValue::new(b"", b"").into_parts(), (vec![], vec![]));
+        // The key does not keep the value's room.
+        let (key, value) = KeyValue::new(b"k", &[7; 4096]).into_parts();
+        assert!(key.capacity() < 64, "{}", key.capacity());
+        assert_eq!(value, vec![7; 4096]);
         assert!(format!("{kv:?}").contains("key: [107, 101, 121]"));
     }
 

@@ -717,9 +717,13 @@ const LOCKED_CHANGES: usize = 64;
 const GATHER_RECORD: usize = 2 << 10;
 /// Bytes of records gathered before they are sent. An event keeps the whole buffer its
 /// record is in alive, so this (plus one record of at most [`GATHER_RECORD`]) bounds what
-/// one event held by a consumer keeps: a few records of its own size, not its revision's
-/// run, which may be most of a busy store's writes.
+/// one event held by a consumer keeps, however small its own record: up to 18 KiB, where
+/// an event with a record of its own would keep the record alone.
 const GATHER_BYTES: usize = 16 << 10;
+/// Deliveries gathered before they are sent (each revision adds one per matching
+/// watcher, so many watchers of one prefix fill this long before the records fill
+/// [`GATHER_BYTES`]); also what the gathering keeps allocated between batches.
+const GATHER_SENDS: usize = 4096;
 
 /// Deliveries of revisions of one change, gathered while a batch is dispatched and sent
 /// together: their records are copied into one buffer that every event made from them
@@ -937,7 +941,9 @@ impl WatchHub {
                     if let Some((_, changes, n)) = locked.as_mut() {
                         *n += 1;
                         if gathered.gather(&mut st, changes, d) {
-                            if gathered.bytes.len() >= GATHER_BYTES {
+                            if gathered.bytes.len() >= GATHER_BYTES
+                                || gathered.sends.len() >= GATHER_SENDS
+                            {
                                 locked = None;
                                 self.send_gathered(&mut st, &mut gathered);
                             }
@@ -992,6 +998,9 @@ impl WatchHub {
             }
         }
         gathered.sends.clear();
+        // One revision matched by very many watchers may have grown the list far past
+        // GATHER_SENDS: do not keep that.
+        gathered.sends.shrink_to(GATHER_SENDS);
         for id in gone {
             if st.remove(id).is_some() {
                 self.shared.count.fetch_sub(1, Ordering::AcqRel);
@@ -1377,4 +1386,53 @@ fn watch_in<B: Backend>(
         end: info,
         hub: Arc::downgrade(&hub.shared),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::mem_store;
+
+    /// A run of puts matched by many watchers of one prefix is sent in parts, and the
+    /// gathering keeps no more than [`GATHER_SENDS`] deliveries' room between batches.
+    #[test]
+    fn gathering_for_many_watchers_stays_bounded() {
+        let (_d, s) = mem_store(StoreOptions {
+            watch_channel_capacity: 512,
+            ..StoreOptions::default()
+        });
+        let watchers: Vec<_> = (0..2_000)
+            .map(|_| s.watch(WatchRequest::prefix(b"p".to_vec())).unwrap())
+            .collect();
+        let hub = &s.inner.watch;
+        {
+            // Held, the notifier cannot dispatch: the puts queue up as one batch.
+            let _hold = hub.dispatching.lock();
+            for i in 0..256u32 {
+                s.put(format!("p{i}").as_bytes(), b"v", 0).unwrap();
+            }
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while !hub.queue_is_empty() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the queue never drained"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        drop(hub.dispatching.lock());
+        let kept = hub.shared.state.lock().gathered.sends.capacity();
+        assert!(kept <= GATHER_SENDS, "{kept} deliveries' room kept");
+        // Every watcher still got every put, in order.
+        for w in &watchers {
+            let mut seen = 0u32;
+            while let Some(events) = w.try_recv().unwrap() {
+                for e in &events {
+                    assert_eq!(e.key(), format!("p{seen}").as_bytes());
+                    seen += 1;
+                }
+            }
+            assert_eq!(seen, 256);
+        }
+    }
 }
