@@ -891,6 +891,8 @@ fn fan_out() {
     // CPU µs per put of the whole process (writer, committer, consumers, catch-up), from the
     // first put until the puts are done and (with watchers) every event was consumed.
     let mut process_cpu: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+    // CPU µs per put by thread name (schedstat), over the same span: [without, with].
+    let mut thread_cpu: [std::collections::BTreeMap<String, Vec<f64>>; 2] = Default::default();
     for round in 0..rounds {
         for with_watchers in [false, true] {
             let dir = tempfile::tempdir().unwrap();
@@ -960,6 +962,7 @@ fn fan_out() {
             }
             let cpu_before = thread_run_ns();
             let process_before = process_cpu_time();
+            let threads_before = sched_all();
             let start = Instant::now();
             for i in 0..puts {
                 s.put(&keys[(i % watchers) as usize], &value, 0)
@@ -980,6 +983,18 @@ fn fan_out() {
             RECORDER.record(name, put_time, puts);
             if !with_watchers && let (Some(a), Some(b)) = (process_before, process_cpu_time()) {
                 process_cpu[0].push((b - a).as_secs_f64() * 1e6 / puts as f64);
+            }
+            let mut note_threads = |with: bool| {
+                for (name, after) in sched_all() {
+                    let before = threads_before.get(&name).map_or(0, |b| b[0]);
+                    thread_cpu[usize::from(with)]
+                        .entry(name)
+                        .or_default()
+                        .push(after[0].saturating_sub(before) as f64 / 1e3 / puts as f64);
+                }
+            };
+            if !with_watchers {
+                note_threads(false);
             }
             if with_watchers && late {
                 spawn_consumers(std::mem::take(&mut parked), &mut consumers);
@@ -1002,6 +1017,7 @@ fn fan_out() {
                 if let (Some(a), Some(b)) = (process_before, process_cpu_time()) {
                     process_cpu[1].push((b - a).as_secs_f64() * 1e6 / puts as f64);
                 }
+                note_threads(true);
                 assert_eq!(
                     checksum.load(Ordering::Relaxed),
                     expected_sum,
@@ -1036,6 +1052,19 @@ fn fan_out() {
         println!(
             "REPORT watch fan-out: process CPU per put, all threads (10 ms ticks), median {with:.2} us with {watchers} watchers (events consumed), {without:.2} us without (without/with {:.2}x)",
             without / with
+        );
+    }
+    let by_thread = |m: &std::collections::BTreeMap<String, Vec<f64>>| {
+        m.iter()
+            .map(|(name, v)| format!("{name} {:.3}", median(v.clone())))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    if !thread_cpu[1].is_empty() {
+        println!(
+            "REPORT watch fan-out: CPU per put in us by thread (schedstat, medians; the main thread puts), with {watchers} watchers until every event was consumed: {}; without: {}",
+            by_thread(&thread_cpu[1]),
+            by_thread(&thread_cpu[0])
         );
     }
     RECORDER.ratio(
