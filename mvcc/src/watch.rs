@@ -20,7 +20,8 @@
 //! copied out of the write buffer once, and shared: the records of revisions with one change
 //! (puts, single deletes) are gathered, for a run of them, into one buffer sent to every
 //! watcher that matched any of them, each with where its record lies (one allocation for the
-//! run, and one read lock of the write buffer per run instead of per revision); a revision
+//! run; the record is copied out under the write buffer's read lock and matched after, so
+//! a writer committing meanwhile is not kept waiting); a revision
 //! with more gathers its matched records once into a shared [`RevChanges`] sent with the
 //! positions each watcher should see. Every [`Event`] holds its record and reads its key and
 //! value from it, so a revision costs one channel send per matching watcher and the receiver
@@ -63,13 +64,13 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError, TrySendError};
-use parking_lot::{Mutex, RwLockReadGuard};
+use parking_lot::Mutex;
 
 use crate::backend::Backend;
 use crate::error::MvccError;
 use crate::kv::{KeyValue, LeaseId, RECORD_CRC, RecordRef, decode_record_unchecked};
 use crate::options::StoreOptions;
-use crate::pending::{Changes, Pending};
+use crate::pending::Pending;
 use crate::read::ReadView;
 use crate::request::{RangeRequest, check_range};
 use crate::revision::Revision;
@@ -738,22 +739,37 @@ struct Gathered {
 }
 
 impl Gathered {
-    /// Matches the one change of `d` (its write buffer read-locked as `changes`) and
-    /// gathers its deliveries; false if the revision needs the general path instead: a
-    /// matched watcher wants previous pairs, or the record is over [`GATHER_RECORD`].
-    fn gather(&mut self, st: &mut HubState, changes: &Changes, d: &Dispatch) -> bool {
+    /// Matches the one change of `d` and gathers its deliveries; false if the revision
+    /// needs the general path instead: a matched watcher wants previous pairs, or the
+    /// record is over [`GATHER_RECORD`].
+    ///
+    /// The record is copied out first, under a read lock of the write buffer held for
+    /// that alone: the writer takes that buffer's write lock for every commit, and a
+    /// notifier matching under the read lock (a hash lookup into a large table, a cache
+    /// miss) would make it wait, and often sleep, at every other commit.
+    fn gather(&mut self, st: &mut HubState, d: &Dispatch) -> bool {
         st.last_notified = st.last_notified.max(d.revision);
-        debug_assert!(changes.revs.len() > d.start, "a queued revision's change");
-        let Some(record) = changes.revs.get(d.start).map(|p| changes.record(p)) else {
-            return true;
-        };
+        let at = self.bytes.len();
+        {
+            let changes = d.buf.changes.read();
+            debug_assert!(changes.revs.len() > d.start, "a queued revision's change");
+            let Some(record) = changes.revs.get(d.start).map(|p| changes.record(p)) else {
+                return true;
+            };
+            if record.len() > GATHER_RECORD {
+                return false;
+            }
+            self.bytes.extend_from_slice(record);
+        }
+        let record = &self.bytes[at..];
         let Some(key) = record_key(record) else {
+            self.bytes.truncate(at);
             return true;
         };
         let first = self.sends.len();
-        // Below GATHER_BYTES + GATHER_RECORD once checked below.
-        let start = self.bytes.len() as u32;
-        let end = start.wrapping_add(record.len() as u32);
+        // At most GATHER_BYTES + GATHER_RECORD.
+        let start = at as u32;
+        let end = self.bytes.len() as u32;
         let mut any_prev = false;
         let watchers = &st.watchers;
         st.matcher.for_each_match(key, |slot| {
@@ -765,15 +781,13 @@ impl Gathered {
                 self.sends.push((slot, d.revision, start, end));
             }
         });
-        if self.sends.len() == first {
-            return true;
-        }
-        if any_prev || record.len() > GATHER_RECORD {
+        if any_prev {
             self.sends.truncate(first);
-            return false;
         }
-        self.bytes.extend_from_slice(record);
-        true
+        if self.sends.len() == first {
+            self.bytes.truncate(at);
+        }
+        !any_prev
     }
 }
 
@@ -915,49 +929,27 @@ impl WatchHub {
     ///
     /// Revisions of one change (a put, a delete of one key) take a short path: their
     /// matched records are gathered into one buffer ([`Gathered`]) and sent once it is full
-    /// or the batch ends, and consecutive ones from the same write buffer are read under one
-    /// read lock of it (for at most [`LOCKED_CHANGES`] of them). A revision of several
-    /// changes, or one a watcher wants previous pairs for, sends what was gathered first,
-    /// then goes through [`dispatch_one`](WatchHub::dispatch_one).
+    /// or the batch ends. A revision of several changes, or one a watcher wants previous
+    /// pairs for, sends what was gathered first, then goes through
+    /// [`dispatch_one`](WatchHub::dispatch_one).
     fn drain_locked<B: Backend>(&self, inner: &Arc<Inner<B>>, batch: &mut Vec<Dispatch>) {
         std::mem::swap(&mut *self.queue.lock(), batch);
         for chunk in batch.chunks(DISPATCH_BATCH) {
             let mut st = self.shared.state.lock();
             let mut gathered = std::mem::take(&mut st.gathered);
-            // The write buffer read-locked for the short path, and how many changes were
-            // read under that lock.
-            let mut locked: Option<(&Arc<Pending>, RwLockReadGuard<'_, Changes>, usize)> = None;
             for d in chunk {
-                if let QueuedPrevs::One(_) = d.prevs {
-                    if !locked
-                        .as_ref()
-                        .is_some_and(|(buf, _, n)| Arc::ptr_eq(buf, &d.buf) && *n < LOCKED_CHANGES)
+                if let QueuedPrevs::One(_) = d.prevs
+                    && gathered.gather(&mut st, d)
+                {
+                    if gathered.bytes.len() >= GATHER_BYTES || gathered.sends.len() >= GATHER_SENDS
                     {
-                        // One read lock at a time: a second one of the same buffer
-                        // would wait behind a writer waiting for the first.
-                        drop(locked.take());
-                        locked = Some((&d.buf, d.buf.changes.read(), 0));
+                        self.send_gathered(&mut st, &mut gathered);
                     }
-                    if let Some((_, changes, n)) = locked.as_mut() {
-                        *n += 1;
-                        if gathered.gather(&mut st, changes, d) {
-                            if gathered.bytes.len() >= GATHER_BYTES
-                                || gathered.sends.len() >= GATHER_SENDS
-                            {
-                                locked = None;
-                                self.send_gathered(&mut st, &mut gathered);
-                            }
-                            continue;
-                        }
-                    }
+                    continue;
                 }
-                // Never hold a buffer's read lock while sending or resolving previous pairs
-                // (see `dispatch_one`).
-                locked = None;
                 self.send_gathered(&mut st, &mut gathered);
                 self.dispatch_one(inner, &mut st, d);
             }
-            drop(locked);
             self.send_gathered(&mut st, &mut gathered);
             st.gathered = gathered;
         }
