@@ -870,15 +870,22 @@ impl<B: keel_mvcc::Backend> LiveRestore<B> {
 
     /// Ends the stream and waits for the restore: the generation and the backend holding the
     /// whole stream, checked against its own end frame and checksum, with the store's key
-    /// index built from the pairs as they were loaded.
+    /// index built from the pairs as they were loaded. A restore that failed leaves no
+    /// generation directory behind.
     pub fn finish(mut self) -> Result<Restored<B>, NodeError> {
         self.tx = None;
-        match self.handle.take().map(|h| h.join()) {
+        let result = match self.handle.take().map(|h| h.join()) {
             Some(Ok(result)) => result,
             _ => Err(NodeError::Store(
                 "the snapshot restore thread did not complete".into(),
             )),
+        };
+        // The thread has ended, and with it (on failure) the backend it restored into.
+        let generation = self.generation.load(Ordering::Acquire);
+        if result.is_err() && generation != 0 {
+            generation::remove(&self.dir, generation);
         }
+        result
     }
 }
 
@@ -1398,7 +1405,17 @@ mod tests {
                     let pairs = txn.range(&bucket, &[], None).expect("range").count();
                     assert_eq!(pairs, 2000);
                 }
-                (Some(_), Err(e)) => assert!(e.to_string().contains("snapshot"), "{e}"),
+                (Some(_), Err(e)) => {
+                    assert!(e.to_string().contains("snapshot"), "{e}");
+                    // The failed generation's directory is gone at once, not at the next
+                    // restore or restart.
+                    let left: Vec<_> = fs::read_dir(&node_dir)
+                        .expect("read dir")
+                        .map(|e| e.expect("entry").file_name())
+                        .filter(|n| n.to_string_lossy().starts_with("backend"))
+                        .collect();
+                    assert!(left.is_empty(), "left behind: {left:?}");
+                }
                 (d, r) => panic!("damaged {d:?}: restore {:?}", r.map(|_| ())),
             }
         }
