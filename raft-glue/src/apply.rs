@@ -589,23 +589,42 @@ impl<B: Backend> StateMachine<B> {
     /// that index.
     pub fn install_prepared(&self, index: u64) -> Result<(), NodeError> {
         let prepared = self.prepared.lock().take();
-        let Some(prepared) = prepared.filter(|p| p.index == index) else {
-            return Err(NodeError::Store(format!(
+        let none = || {
+            NodeError::Store(format!(
                 "no verified snapshot is prepared for index {index}"
-            )));
+            ))
         };
+        let Some(prepared) = prepared else {
+            return Err(none());
+        };
+        if prepared.index != index {
+            // Prepared for another index: raft-rs will not take it now.
+            discard_prepared(&self.dir, prepared);
+            return Err(none());
+        }
         let Prepared {
             generation: new_gen,
             store,
             ..
         } = prepared;
         let store = Arc::new(store);
-        let lessor = Lessor::open(
+        let lessor = match Lessor::open(
             store.clone(),
             self.lease.clock.clone(),
             self.lease.options.clone(),
-        )
-        .map_err(|e| NodeError::Lease(format!("opening the lessor: {e}")))?;
+        ) {
+            Ok(lessor) => lessor,
+            Err(e) => {
+                // Before the switch the current generation is as it was: the new one's
+                // directory goes, once its store is closed.
+                drop(store);
+                generation::remove(&self.dir, new_gen);
+                return Err(NodeError::Lease(format!("opening the lessor: {e}")));
+            }
+        };
+        // A failed switch may have got past its commit point (the rename) before failing to
+        // sync the directory: the new generation may be the current one after a restart,
+        // so its directory stays.
         generation::switch(&self.dir, new_gen, None)?;
         let current = Current {
             store,
@@ -673,5 +692,71 @@ mod tests {
             assert!(decode_conf_state(&d).is_err(), "flip at {i}");
         }
         assert!(decode_conf_state(&b[..b.len() - 1]).is_err());
+    }
+
+    /// A snapshot prepared for another index than the one raft-rs installs is refused and
+    /// its generation's directory removed; the current one is untouched.
+    #[cfg(feature = "backend-file")]
+    #[test]
+    fn a_prepared_snapshot_of_another_index_is_discarded_with_its_directory() {
+        type Fb = keel_backend_file::FileBackend;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let lease = || LeaseSetup {
+            clock: Arc::new(keel_lease::SystemClock::new()),
+            options: LessorOptions::default(),
+        };
+        let sm = StateMachine::<Fb>::open(
+            dir.path(),
+            Default::default(),
+            StoreOptions::default(),
+            lease(),
+        )
+        .expect("open");
+        sm.store().put(b"k", b"v", 0).expect("put");
+        sm.store().force_commit().expect("commit");
+        // A stream of another store, prepared for index 7.
+        let source = tempfile::tempdir().expect("tempdir");
+        let other = StateMachine::<Fb>::open(
+            source.path(),
+            Default::default(),
+            StoreOptions::default(),
+            lease(),
+        )
+        .expect("open");
+        {
+            let store = other.store();
+            let mut w = store.write();
+            w.put(b"x", b"y", 0).expect("put");
+            w.set_consistent_index(7).expect("index");
+            w.commit().expect("commit");
+            store.force_commit().expect("commit");
+        }
+        let file = source.path().join("stream");
+        let mut stream = Vec::new();
+        other.store().snapshot(&mut stream).expect("stream");
+        fs::write(&file, &stream).expect("write");
+        let prepared = prepare_snapshot::<Fb>(
+            dir.path(),
+            &Default::default(),
+            &StoreOptions::default(),
+            &file,
+            7,
+            1,
+            &ConfState::default(),
+        )
+        .expect("prepare");
+        let generation = prepared.generation;
+        assert!(generation::backend_dir(dir.path(), generation).exists());
+        *sm.prepared_slot().lock() = Some(prepared);
+        assert!(sm.install_prepared(8).is_err());
+        assert!(
+            !generation::backend_dir(dir.path(), generation).exists(),
+            "the prepared generation's directory is left"
+        );
+        assert!(sm.prepared_slot().lock().is_none());
+        let kv = sm
+            .store()
+            .range(&keel_mvcc::RangeRequest::key(b"k".to_vec()));
+        assert_eq!(kv.expect("range").kvs[0].value(), b"v");
     }
 }
