@@ -307,10 +307,11 @@ enum Cmd {
 }
 
 enum Event {
-    /// A transfer begun as the leader of `term` ended; `ok` when the receiver acknowledged
-    /// it.
+    /// Transfer number `transfer`, begun as the leader of `term`, ended; `ok` when the
+    /// receiver acknowledged it.
     SnapshotSent {
         to: u64,
+        transfer: u64,
         index: u64,
         term: u64,
         ok: bool,
@@ -546,6 +547,7 @@ impl<B: Backend> Node<B> {
             // Numbers from a random base, so a late ack of an earlier run's transfer is
             // unlikely to name one of this run's.
             transfer: incarnation_base(),
+            latest_transfer: HashMap::new(),
             snapshots_installed: 0,
             snapshots_sent: 0,
             dir: config.dir.clone(),
@@ -1359,6 +1361,9 @@ struct Driver<B: Backend> {
     applied_waits: Vec<(u64, ReadReply)>,
     last_snapshot_point: u64,
     transfer: u64,
+    /// Per member, the number of the last transfer begun to it: raft-rs tracks one
+    /// snapshot per member, and only that transfer's end is reported to it.
+    latest_transfer: HashMap<u64, u64>,
     snapshots_installed: u64,
     snapshots_sent: u64,
     dir: PathBuf,
@@ -1492,6 +1497,9 @@ impl<B: Backend> Driver<B> {
                 let _ = r.send(Err(err()));
             }
         }
+        // Outgoing transfers stop too: nothing would route their acks any more, and their
+        // read transactions hold the store being closed.
+        snapshot::cancel_all(&self.acks, self.id, "the member is stopping");
         if let Err(e) = self.sm.store().force_commit() {
             tracing::warn!(member = self.id, error = %e, "final backend commit failed");
         }
@@ -1724,10 +1732,29 @@ impl<B: Backend> Driver<B> {
         match e {
             Event::SnapshotSent {
                 to,
+                transfer,
                 index,
                 term,
                 ok,
             } => {
+                if self.latest_transfer.get(&to) != Some(&transfer) {
+                    // A later transfer to `to` began (and cancelled this one): raft-rs tracks
+                    // that one now, and this end reported would act on its progress (a
+                    // failure would make raft-rs start yet another, which would replace the
+                    // one under way, and so on).
+                    if ok {
+                        self.snapshots_sent += 1;
+                    }
+                    tracing::debug!(
+                        member = self.id,
+                        to,
+                        transfer,
+                        ok,
+                        "snapshot transfer replaced by a later one ended"
+                    );
+                    return None;
+                }
+                self.latest_transfer.remove(&to);
                 if self.raw.raft.state != StateRole::Leader || self.raw.raft.term != term {
                     // Begun under a leadership that has ended (it was cancelled then): raft-rs
                     // tracks no transfer of it any more, and a report now would act on the
@@ -1841,6 +1868,25 @@ impl<B: Backend> Driver<B> {
         self.note_snapshot_index(to, index);
         self.transfer += 1;
         let transfer = self.transfer;
+        // raft-rs asks for a new snapshot only once it has given up on the last one (or
+        // moved past it): a transfer to `to` still running is stale, and stopped.
+        if self.latest_transfer.insert(to, transfer).is_some() {
+            let cancelled = snapshot::cancel_to(
+                &self.acks,
+                self.id,
+                to,
+                "replaced by a later snapshot transfer to the same member",
+            );
+            if cancelled > 0 {
+                tracing::debug!(
+                    member = self.id,
+                    to,
+                    transfer,
+                    cancelled,
+                    "earlier snapshot transfer replaced"
+                );
+            }
+        }
         // Registered here, not on the sender's thread, so that a removal of `to` applied
         // from now on finds the transfer and cancels it.
         let answers = snapshot::expect_answer(&self.acks, transfer, to);
@@ -1890,6 +1936,7 @@ impl<B: Backend> Driver<B> {
             }
             let _ = events.send(Event::SnapshotSent {
                 to,
+                transfer,
                 index,
                 term,
                 ok: r.is_ok(),
@@ -1897,6 +1944,7 @@ impl<B: Backend> Driver<B> {
         });
         if spawned.is_err() {
             self.acks.lock().remove(&transfer);
+            self.latest_transfer.remove(&to);
             self.raw.report_snapshot(to, SnapshotStatus::Failure);
         }
     }
