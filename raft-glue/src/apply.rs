@@ -255,25 +255,32 @@ pub(crate) fn prepare_snapshot<B: Backend>(
     conf_state: &ConfState,
 ) -> Result<Prepared<B>, NodeError> {
     let (generation, backend) = begin_restore::<B>(dir, backend_options)?;
-    let mut input = std::io::BufReader::with_capacity(
-        1 << 20,
-        fs::File::open(file).map_err(|e| NodeError::io(file, "open", e))?,
-    );
-    let mut built = IndexBuilder::new();
-    backend
-        .restore_observed(&mut input, &mut |bucket, key, value| {
-            built.observe(bucket, key, value)
-        })
-        .map_err(|e| NodeError::Store(format!("restoring snapshot: {e}")))?;
-    finish_restore(
-        generation,
-        backend,
-        Some(built),
-        store_options,
-        index,
-        term,
-        conf_state,
-    )
+    let restored = (|| {
+        let mut input = std::io::BufReader::with_capacity(
+            1 << 20,
+            fs::File::open(file).map_err(|e| NodeError::io(file, "open", e))?,
+        );
+        let mut built = IndexBuilder::new();
+        backend
+            .restore_observed(&mut input, &mut |bucket, key, value| {
+                built.observe(bucket, key, value)
+            })
+            .map_err(|e| NodeError::Store(format!("restoring snapshot: {e}")))?;
+        finish_restore(
+            generation,
+            backend,
+            Some(built),
+            store_options,
+            index,
+            term,
+            conf_state,
+        )
+    })();
+    // A failed restore's backend is closed by now: its directory goes.
+    if restored.is_err() {
+        generation::remove(dir, generation);
+    }
+    restored
 }
 
 /// Closes a prepared snapshot that raft-rs did not take and removes its generation's
@@ -735,6 +742,26 @@ mod tests {
         let mut stream = Vec::new();
         other.store().snapshot(&mut stream).expect("stream");
         fs::write(&file, &stream).expect("write");
+        // Prepared for an index the stream does not hold: refused, and nothing left behind.
+        let backends = || {
+            fs::read_dir(dir.path())
+                .expect("read dir")
+                .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with("backend"))
+                .count()
+        };
+        let before = backends();
+        let refused = prepare_snapshot::<Fb>(
+            dir.path(),
+            &Default::default(),
+            &StoreOptions::default(),
+            &file,
+            8,
+            1,
+            &ConfState::default(),
+        );
+        assert!(refused.is_err());
+        assert_eq!(backends(), before, "a refused restore's directory is left");
         let prepared = prepare_snapshot::<Fb>(
             dir.path(),
             &Default::default(),

@@ -1126,8 +1126,9 @@ fn receive_loop<B: Backend>(
             let stream_end = Instant::now();
             let prepared = match live.take() {
                 Some(l) if l.key == key => l.finish().and_then(|restored| {
+                    let generation = restored.generation;
                     apply::finish_restore(
-                        restored.generation,
+                        generation,
                         restored.backend,
                         Some(restored.index),
                         &store_options,
@@ -1135,6 +1136,9 @@ fn receive_loop<B: Backend>(
                         meta.term,
                         meta.get_conf_state(),
                     )
+                    // Refused (it holds another index than its metadata says): the store
+                    // over it is closed by now, and its directory goes.
+                    .inspect_err(|_| snapshot::generation::remove(&dir, generation))
                 }),
                 other => {
                     drop(other);
