@@ -170,23 +170,30 @@ struct ChunkWriter<'a> {
 }
 
 impl ChunkWriter<'_> {
+    /// Fails if the transfer was answered before its end: refused (a damaged chunk, the
+    /// receiver dropped it) or cancelled, so the rest would be refused too.
+    fn check_answered(&mut self) -> Result<(), NodeError> {
+        let Ok(ack) = self.answers.try_recv() else {
+            return Ok(());
+        };
+        let reason = ack
+            .error
+            .unwrap_or_else(|| "acknowledged before its last chunk was sent".into());
+        self.stopped = Some(reason.clone());
+        Err(NodeError::Snapshot {
+            from: self.from,
+            to: self.to,
+            reason,
+        })
+    }
+
     fn flush_chunk(&mut self, end: bool) -> Result<(), NodeError> {
         let data = std::mem::take(&mut self.buf);
+        // Before the pacing too: a stopped transfer takes none of the shared budget.
+        self.check_answered()?;
         if let Some(l) = self.limiter {
             l.acquire(data.len() as u64);
-        }
-        if let Ok(ack) = self.answers.try_recv() {
-            // Answered before its end: refused (a damaged chunk, or the receiver dropped the
-            // transfer), so the rest would be refused too.
-            let reason = ack
-                .error
-                .unwrap_or_else(|| "acknowledged before its last chunk was sent".into());
-            self.stopped = Some(reason.clone());
-            return Err(NodeError::Snapshot {
-                from: self.from,
-                to: self.to,
-                reason,
-            });
+            self.check_answered()?;
         }
         (self.progress)(data.len() as u64);
         // The data is hashed once; the stream's CRC is extended by combination.
@@ -1360,6 +1367,61 @@ mod tests {
             "nothing sent after the refusal"
         );
         assert!(acks.lock().is_empty(), "the sender no longer waits");
+    }
+
+    /// A transfer cancelled before its next chunk stops without waiting for, or taking, the
+    /// pacing budget that chunk would have needed.
+    #[test]
+    fn a_cancelled_transfer_takes_no_pacing_budget() {
+        use keel_mvcc::{Backend, Bucket, WriteBatch};
+
+        struct Nowhere;
+        impl Transport for Nowhere {
+            fn send(&self, _: Message) {}
+            fn send_snapshot(&self, _: SnapshotFrame) -> Result<(), NodeError> {
+                Ok(())
+            }
+        }
+
+        let dir = tempfile::tempdir().expect("tempdir");
+        let source =
+            keel_backend_file::FileBackend::open(dir.path(), &Default::default()).expect("open");
+        let bucket = Bucket::from_name("data".to_owned()).expect("bucket");
+        let mut batch = WriteBatch::new();
+        for i in 0..50u32 {
+            batch.put(&bucket, format!("k{i:05}").into_bytes(), vec![1; 100]);
+        }
+        source.commit(&batch).expect("commit");
+        // A budget of 1 KiB/s, already spent: a chunk of 1 KiB waits about a second for it.
+        let limiter = crate::tcp::RateLimiter::new(1024, 1024);
+        limiter.acquire(1024);
+        let acks: AckWaiters = Arc::new(Mutex::new(HashMap::new()));
+        let answers = expect_answer(&acks, 9, 2);
+        assert_eq!(cancel_to(&acks, 1, 2, "replaced"), 1);
+        let msg = Message {
+            from: 1,
+            to: 2,
+            ..Message::default()
+        };
+        let started = Instant::now();
+        let result = send(
+            &Nowhere,
+            &acks,
+            answers,
+            9,
+            msg,
+            source.read_txn().expect("txn"),
+            1024,
+            Duration::from_secs(60),
+            Some(&limiter),
+            &|_| {},
+        );
+        assert!(result.is_err(), "a cancelled transfer succeeded");
+        assert!(
+            started.elapsed() < Duration::from_millis(500),
+            "the cancelled sender waited {:?} for pacing",
+            started.elapsed()
+        );
     }
 
     /// A transfer restored while it arrives is hashed once, by the restore: a damaged chunk
