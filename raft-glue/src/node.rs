@@ -1356,8 +1356,9 @@ struct Driver<B: Backend> {
     events: Sender<Event>,
     /// Proposals made on this member, by sequence number.
     waiters: HashMap<u64, (Instant, Reply)>,
-    /// Read-index rounds in flight, by context.
-    reads: HashMap<u64, (Instant, Vec<ReadReply>)>,
+    /// Read-index rounds in flight, by context: when each was sent, and the leader it was
+    /// sent under (this member's leader then).
+    reads: HashMap<u64, (Instant, u64, Vec<ReadReply>)>,
     /// Reads queued in this loop turn.
     read_batch: Vec<ReadReply>,
     read_ctx: u64,
@@ -1482,7 +1483,7 @@ impl<B: Backend> Driver<B> {
         for (_, (_, r)) in self.waiters.drain() {
             let _ = r.send(Err(err()));
         }
-        for (_, (_, rs)) in self.reads.drain() {
+        for (_, (_, _, rs)) in self.reads.drain() {
             for r in rs {
                 let _ = r.send(Err(err()));
             }
@@ -1515,14 +1516,17 @@ impl<B: Backend> Driver<B> {
     fn sweep(&mut self) {
         let limit = self.shared.options.request_timeout * 2;
         self.waiters.retain(|_, (t, _)| t.elapsed() < limit);
-        self.reads.retain(|_, (t, _)| t.elapsed() < limit);
+        self.reads.retain(|_, (t, _, _)| t.elapsed() < limit);
         if self.leader().is_some() {
-            let stale: Vec<u64> = self
-                .reads
-                .iter()
-                .filter(|(_, (t, _))| t.elapsed() >= Duration::from_millis(500))
-                .map(|(ctx, _)| *ctx)
-                .collect();
+            let leader = self.raw.raft.leader_id;
+            let mut stale = Vec::new();
+            for (ctx, (t, sent_under, _)) in &mut self.reads {
+                if t.elapsed() >= Duration::from_millis(500) {
+                    // Asked again, of the leader known now.
+                    *sent_under = leader;
+                    stale.push(*ctx);
+                }
+            }
             for ctx in stale {
                 self.raw.read_index(ctx.to_le_bytes().to_vec());
             }
@@ -1713,7 +1717,7 @@ impl<B: Backend> Driver<B> {
         // issued as soon as it is answered (or after a tick, should it be lost), so a busy
         // member sends one heartbeat round per batch of reads rather than per loop turn.
         let tick = self.shared.options.tick_interval;
-        if self.reads.values().any(|(t, _)| t.elapsed() < tick) {
+        if self.reads.values().any(|(t, _, _)| t.elapsed() < tick) {
             return;
         }
         let batch = std::mem::take(&mut self.read_batch);
@@ -1729,7 +1733,8 @@ impl<B: Backend> Driver<B> {
         self.read_ctx += 1;
         let ctx = self.read_ctx;
         self.raw.read_index(ctx.to_le_bytes().to_vec());
-        self.reads.insert(ctx, (Instant::now(), batch));
+        let leader = self.raw.raft.leader_id;
+        self.reads.insert(ctx, (Instant::now(), leader, batch));
     }
 
     fn event(&mut self, e: Event) -> Option<Sender<bool>> {
@@ -2685,7 +2690,7 @@ impl<B: Backend> Driver<B> {
             let mut a = [0u8; 8];
             a.copy_from_slice(&rs.request_ctx);
             let ctx = u64::from_le_bytes(a);
-            if let Some((_, replies)) = self.reads.remove(&ctx) {
+            if let Some((_, _, replies)) = self.reads.remove(&ctx) {
                 for r in replies {
                     self.applied_waits.push((rs.index, r));
                 }
@@ -2701,19 +2706,38 @@ impl<B: Backend> Driver<B> {
     /// retry at once, here or on another member. Reads not yet sent wait for the next
     /// round (to the new leader, or refused at once while none is known), and reads whose
     /// index is already confirmed complete as the apply reaches it.
+    ///
+    /// Only rounds that cannot be answered any more fail: those sent under another leader
+    /// than the one now known, and, while none is known, those this member sent as the
+    /// leader. A round sent under the leader known again (a member that lost its leader for
+    /// a moment and heard from it again), or under a leader this member merely stopped
+    /// hearing from, still waits for its answer (or its timeout).
     fn fail_reads_in_flight(&mut self, leader: Option<u64>) {
         if self.reads.is_empty() {
             return;
         }
+        let id = self.id;
+        let stale: Vec<u64> = self
+            .reads
+            .iter()
+            .filter(|(_, (_, sent_under, _))| match leader {
+                Some(l) => *sent_under != l,
+                None => *sent_under == id,
+            })
+            .map(|(ctx, _)| *ctx)
+            .collect();
         let mut failed = 0;
-        for (_, (_, replies)) in self.reads.drain() {
+        for ctx in stale {
+            let Some((_, _, replies)) = self.reads.remove(&ctx) else {
+                continue;
+            };
             for r in replies {
                 failed += 1;
-                let _ = r.send(Err(NodeError::NotLeader {
-                    id: self.id,
-                    leader,
-                }));
+                let _ = r.send(Err(NodeError::NotLeader { id, leader }));
             }
+        }
+        if failed == 0 {
+            return;
         }
         tracing::debug!(
             member = self.id,
