@@ -2707,11 +2707,11 @@ impl<B: Backend> Driver<B> {
     /// round (to the new leader, or refused at once while none is known), and reads whose
     /// index is already confirmed complete as the apply reaches it.
     ///
-    /// Only rounds that cannot be answered any more fail: those sent under another leader
-    /// than the one now known, and, while none is known, those this member sent as the
-    /// leader. A round sent under the leader known again (a member that lost its leader for
-    /// a moment and heard from it again), or under a leader this member merely stopped
-    /// hearing from, still waits for its answer (or its timeout).
+    /// A round sent under the leader now known (its heartbeat stepped in the same loop turn
+    /// as the round was asked) still waits for its answer; every other round fails, and
+    /// every round while no leader is known: a pre-candidate, or a member in a later term,
+    /// drops the old leader's answer, and a round is asked again only once a leader is
+    /// known.
     fn fail_reads_in_flight(&mut self, leader: Option<u64>) {
         if self.reads.is_empty() {
             return;
@@ -2720,10 +2720,7 @@ impl<B: Backend> Driver<B> {
         let stale: Vec<u64> = self
             .reads
             .iter()
-            .filter(|(_, (_, sent_under, _))| match leader {
-                Some(l) => *sent_under != l,
-                None => *sent_under == id,
-            })
+            .filter(|(_, (_, sent_under, _))| leader != Some(*sent_under))
             .map(|(ctx, _)| *ctx)
             .collect();
         let mut failed = 0;

@@ -364,3 +364,40 @@ fn reads_waiting_on_a_leader_that_steps_down_fail_as_not_leader() {
     );
     assert_ne!(leader.status().role, Role::Leader);
 }
+
+/// A follower cut off from the others, its read asked of a leader it then stops hearing from,
+/// fails the read with `NotLeader` once it has no leader (it campaigns, or pre-campaigns):
+/// the old leader's answer would be dropped, and nothing asks again until a leader is known.
+#[test]
+fn reads_of_a_follower_that_loses_its_leader_fail_as_not_leader() {
+    crate::init_tracing();
+    for pre_vote in [true, false] {
+        let options = NodeOptions {
+            request_timeout: Duration::from_secs(20),
+            pre_vote,
+            ..fast_options()
+        };
+        let c = Cluster::<TestBackend>::new(3, options, 7).expect("cluster");
+        let leader = c.wait_leader(Duration::from_secs(10)).expect("leader");
+        let id = c
+            .ids()
+            .into_iter()
+            .find(|&i| i != leader)
+            .expect("a follower");
+        let node = c.node(id).expect("runs");
+        node.read_index().expect("a read while connected");
+        c.net.isolate(id);
+        let started = Instant::now();
+        let r = node.read_index();
+        assert!(
+            matches!(r, Err(NodeError::NotLeader { .. })),
+            "pre_vote {pre_vote}: {r:?} after {:?}",
+            started.elapsed()
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "pre_vote {pre_vote}: failed only after {:?}",
+            started.elapsed()
+        );
+    }
+}
