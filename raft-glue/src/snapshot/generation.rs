@@ -139,11 +139,20 @@ pub(crate) fn repair(dir: &Path) -> Result<u64, NodeError> {
 }
 
 /// Prepares the directory of a new generation to restore into: removes every backend
-/// directory but the current one (leftovers of abandoned restores) and returns the next
+/// directory past the current one (leftovers of abandoned restores) and returns the next
 /// generation, whose directory does not exist.
+///
+/// Generations before the current one are left alone: the one a switch replaced is removed
+/// once its store is closed (and the switch durable), and a switch whose directory sync
+/// failed may be undone by a crash, bringing that generation back as the current one.
+/// [`repair`], at open, removes whatever is left.
 pub(crate) fn next(dir: &Path) -> Result<u64, NodeError> {
     let g = current(dir)?;
-    remove_others(dir, g)?;
+    for (other, path) in backend_dirs(dir)? {
+        if other > g {
+            fs::remove_dir_all(&path).map_err(|e| NodeError::io(&path, "remove", e))?;
+        }
+    }
     Ok(g + 1)
 }
 
@@ -278,5 +287,26 @@ mod tests {
             assert_eq!(n, cur + 1);
             assert!(!backend_dir(dir, n).exists());
         }
+    }
+
+    /// `next` clears what abandoned restores left past the current generation, and never a
+    /// generation before it: a switch whose directory sync failed may still be undone by a
+    /// crash, and that generation would then be the current one again.
+    #[test]
+    fn next_keeps_generations_before_the_current_one() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let dir = root.path();
+        for g in [1, 2, 3, 4] {
+            fs::create_dir_all(backend_dir(dir, g)).expect("mkdir");
+        }
+        switch(dir, 2, None).expect("switch");
+        assert_eq!(next(dir).expect("next"), 3);
+        let mut left: Vec<u64> = backend_dirs(dir)
+            .expect("list")
+            .into_iter()
+            .map(|(g, _)| g)
+            .collect();
+        left.sort_unstable();
+        assert_eq!(left, [1, 2]);
     }
 }
