@@ -1291,12 +1291,26 @@ mod tests {
         assert_eq!(fs::read(got.path.expect("stored")).expect("read"), all);
     }
 
+    /// A file backend in `dir` holding `pairs` pairs of 100-byte values: a stream to send.
+    #[cfg(feature = "backend-file")]
+    fn source_of(dir: &Path, pairs: u32) -> keel_backend_file::FileBackend {
+        use keel_mvcc::{Backend, Bucket, WriteBatch};
+        let source = keel_backend_file::FileBackend::open(dir, &Default::default()).expect("open");
+        let bucket = Bucket::from_name("data".to_owned()).expect("bucket");
+        let mut batch = WriteBatch::new();
+        for i in 0..pairs {
+            batch.put(&bucket, format!("k{i:05}").into_bytes(), vec![1; 100]);
+        }
+        source.commit(&batch).expect("commit");
+        source
+    }
+
     /// A sender stops streaming once its transfer is refused: the chunk after the refusal
     /// is not sent, and the refusal is its result.
     #[cfg(feature = "backend-file")]
     #[test]
     fn a_refused_transfer_stops_its_sender() {
-        use keel_mvcc::{Backend, Bucket, WriteBatch};
+        use keel_mvcc::Backend;
 
         /// Refuses transfer 7 when its chunk 2 arrives, as a receiver that dropped it.
         struct Refusing {
@@ -1325,14 +1339,7 @@ mod tests {
         }
 
         let dir = tempfile::tempdir().expect("tempdir");
-        let source =
-            keel_backend_file::FileBackend::open(dir.path(), &Default::default()).expect("open");
-        let bucket = Bucket::from_name("data".to_owned()).expect("bucket");
-        let mut batch = WriteBatch::new();
-        for i in 0..200u32 {
-            batch.put(&bucket, format!("k{i:05}").into_bytes(), vec![1; 100]);
-        }
-        source.commit(&batch).expect("commit");
+        let source = source_of(dir.path(), 200);
         let acks: AckWaiters = Arc::new(Mutex::new(HashMap::new()));
         let transport = Refusing {
             acks: acks.clone(),
@@ -1371,9 +1378,10 @@ mod tests {
 
     /// A transfer cancelled before its next chunk stops without waiting for, or taking, the
     /// pacing budget that chunk would have needed.
+    #[cfg(feature = "backend-file")]
     #[test]
     fn a_cancelled_transfer_takes_no_pacing_budget() {
-        use keel_mvcc::{Backend, Bucket, WriteBatch};
+        use keel_mvcc::Backend;
 
         struct Nowhere;
         impl Transport for Nowhere {
@@ -1384,14 +1392,7 @@ mod tests {
         }
 
         let dir = tempfile::tempdir().expect("tempdir");
-        let source =
-            keel_backend_file::FileBackend::open(dir.path(), &Default::default()).expect("open");
-        let bucket = Bucket::from_name("data".to_owned()).expect("bucket");
-        let mut batch = WriteBatch::new();
-        for i in 0..50u32 {
-            batch.put(&bucket, format!("k{i:05}").into_bytes(), vec![1; 100]);
-        }
-        source.commit(&batch).expect("commit");
+        let source = source_of(dir.path(), 50);
         // A budget of 1 KiB/s, already spent: a chunk of 1 KiB waits about a second for it.
         let limiter = crate::tcp::RateLimiter::new(1024, 1024);
         limiter.acquire(1024);

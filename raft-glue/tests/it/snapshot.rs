@@ -22,9 +22,9 @@ fn options() -> NodeOptions {
     }
 }
 
-fn far_behind(corrupt: u32, seed: u64) {
-    crate::init_tracing();
-    let mut c = Cluster::<TestBackend>::new(3, options(), seed).expect("cluster");
+/// Stops a follower of `c` once it has the first write, puts keys `key-0000` to `key-0299`
+/// (values `value`) without it, and returns it, still stopped.
+fn leave_a_follower_behind(c: &mut Cluster<TestBackend>, value: &[u8]) -> u64 {
     let leader = c.wait_leader(T).expect("leader");
     let lagging = c
         .ids()
@@ -34,11 +34,17 @@ fn far_behind(corrupt: u32, seed: u64) {
     c.put(b"early", b"1", T).expect("put");
     c.wait_converged(1, T).expect("converged");
     c.kill(lagging);
-    let value = vec![0xabu8; 200];
     for i in 0..300u32 {
-        c.put(format!("key-{i:04}").as_bytes(), &value, T)
+        c.put(format!("key-{i:04}").as_bytes(), value, T)
             .expect("put");
     }
+    lagging
+}
+
+fn far_behind(corrupt: u32, seed: u64) {
+    crate::init_tracing();
+    let mut c = Cluster::<TestBackend>::new(3, options(), seed).expect("cluster");
+    let lagging = leave_a_follower_behind(&mut c, &[0xab; 200]);
     let l = c
         .node(c.wait_leader(T).expect("leader"))
         .expect("leader runs");
@@ -401,20 +407,8 @@ fn a_follower_catching_up_under_writes_converges_though_transfers_are_replaced()
         128 * 1024,
         8 * 1024,
     )));
-    let leader = c.wait_leader(T).expect("leader");
-    let lagging = c
-        .ids()
-        .into_iter()
-        .find(|&i| i != leader)
-        .expect("follower");
-    c.put(b"early", b"1", T).expect("put");
-    c.wait_converged(1, T).expect("converged");
-    c.kill(lagging);
     let value = vec![0x5au8; 512];
-    for i in 0..300u32 {
-        c.put(format!("key-{i:04}").as_bytes(), &value, T)
-            .expect("put");
-    }
+    let lagging = leave_a_follower_behind(&mut c, &value);
     c.start(lagging).expect("restart the lagging follower");
     // Writes go on for a while as it catches up.
     let until = Instant::now() + Duration::from_secs(3);
