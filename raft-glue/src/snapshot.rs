@@ -280,7 +280,10 @@ pub(crate) fn send<T: keel_mvcc::ReadTxn>(
     lower_thread_priority();
     let started = std::time::Instant::now();
     let (from, to) = (msg.from, msg.to);
-    let result = (|| {
+    // A panic while streaming (a transport's, a backend's) still ends the transfer with a
+    // result: the Raft thread reports it to raft-rs, which otherwise keeps waiting for the
+    // snapshot and sends that member nothing.
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         let mut w = ChunkWriter {
             transport,
             from,
@@ -332,7 +335,15 @@ pub(crate) fn send<T: keel_mvcc::ReadTxn>(
                 reason: format!("no acknowledgement within {} ms", timeout.as_millis()),
             }),
         }
-    })();
+    }))
+    .unwrap_or_else(|_| {
+        tracing::error!(from, to, transfer, "the snapshot sender panicked");
+        Err(NodeError::Snapshot {
+            from,
+            to,
+            reason: "the sender panicked".into(),
+        })
+    });
     acks.lock().remove(&transfer);
     result
 }
@@ -1373,6 +1384,48 @@ mod tests {
             [0, 1, 2],
             "nothing sent after the refusal"
         );
+        assert!(acks.lock().is_empty(), "the sender no longer waits");
+    }
+
+    /// A sender whose transport panics ends with an error, its answer no longer awaited.
+    #[cfg(feature = "backend-file")]
+    #[test]
+    fn a_panicking_sender_ends_with_an_error() {
+        use keel_mvcc::Backend;
+
+        struct Panicking;
+        impl Transport for Panicking {
+            fn send(&self, _: Message) {}
+            fn send_snapshot(&self, _: SnapshotFrame) -> Result<(), NodeError> {
+                panic!("transport bug");
+            }
+        }
+
+        let dir = tempfile::tempdir().expect("tempdir");
+        let source = source_of(dir.path(), 10);
+        let acks: AckWaiters = Arc::new(Mutex::new(HashMap::new()));
+        let answers = expect_answer(&acks, 3, 2);
+        let msg = Message {
+            from: 1,
+            to: 2,
+            ..Message::default()
+        };
+        let result = send(
+            &Panicking,
+            &acks,
+            answers,
+            3,
+            msg,
+            source.read_txn().expect("txn"),
+            1024,
+            Duration::from_secs(60),
+            None,
+            &|_| {},
+        );
+        match result {
+            Err(e) => assert!(e.to_string().contains("panicked"), "{e}"),
+            Ok(()) => panic!("a panicking transfer succeeded"),
+        }
         assert!(acks.lock().is_empty(), "the sender no longer waits");
     }
 
