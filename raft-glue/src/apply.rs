@@ -750,28 +750,21 @@ mod tests {
                 .filter(|n| n.starts_with("backend"))
                 .count()
         };
+        let prepare = |index| {
+            prepare_snapshot::<Fb>(
+                dir.path(),
+                &Default::default(),
+                &StoreOptions::default(),
+                &file,
+                index,
+                1,
+                &ConfState::default(),
+            )
+        };
         let before = backends();
-        let refused = prepare_snapshot::<Fb>(
-            dir.path(),
-            &Default::default(),
-            &StoreOptions::default(),
-            &file,
-            8,
-            1,
-            &ConfState::default(),
-        );
-        assert!(refused.is_err());
+        assert!(prepare(8).is_err());
         assert_eq!(backends(), before, "a refused restore's directory is left");
-        let prepared = prepare_snapshot::<Fb>(
-            dir.path(),
-            &Default::default(),
-            &StoreOptions::default(),
-            &file,
-            7,
-            1,
-            &ConfState::default(),
-        )
-        .expect("prepare");
+        let prepared = prepare(7).expect("prepare");
         let generation = prepared.generation;
         assert!(generation::backend_dir(dir.path(), generation).exists());
         *sm.prepared_slot().lock() = Some(prepared);

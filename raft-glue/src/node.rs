@@ -1746,37 +1746,33 @@ impl<B: Backend> Driver<B> {
                 term,
                 ok,
             } => {
-                if self.latest_transfer.get(&to) != Some(&transfer) {
-                    // A later transfer to `to` began (and cancelled this one): raft-rs tracks
-                    // that one now, and this end reported would act on its progress (a
-                    // failure would make raft-rs start yet another, which would replace the
-                    // one under way, and so on).
+                let latest = self.latest_transfer.get(&to) == Some(&transfer);
+                if latest {
+                    self.latest_transfer.remove(&to);
+                }
+                let leading =
+                    self.raw.raft.state == StateRole::Leader && self.raw.raft.term == term;
+                if !latest || !leading {
+                    // Replaced by a later transfer to `to` (which cancelled it), or begun under
+                    // a leadership that has ended (cancelled then): raft-rs tracks the later
+                    // transfer, or none of this leadership's, and this end reported would act
+                    // on the progress of another transfer (a failure would make raft-rs start
+                    // yet another, which would replace the one under way, and so on).
                     if ok {
                         self.snapshots_sent += 1;
                     }
+                    let why = if latest {
+                        "begun under a leadership that has ended"
+                    } else {
+                        "replaced by a later one"
+                    };
                     tracing::debug!(
                         member = self.id,
                         to,
                         transfer,
-                        ok,
-                        "snapshot transfer replaced by a later one ended"
-                    );
-                    return None;
-                }
-                self.latest_transfer.remove(&to);
-                if self.raw.raft.state != StateRole::Leader || self.raw.raft.term != term {
-                    // Begun under a leadership that has ended (it was cancelled then): raft-rs
-                    // tracks no transfer of it any more, and a report now would act on the
-                    // progress of a later leadership's transfer.
-                    if ok {
-                        self.snapshots_sent += 1;
-                    }
-                    tracing::debug!(
-                        member = self.id,
-                        to,
                         term,
                         ok,
-                        "snapshot transfer of an earlier leadership ended"
+                        "snapshot transfer ended, not reported: {why}"
                     );
                     return None;
                 }

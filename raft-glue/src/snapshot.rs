@@ -1316,13 +1316,43 @@ mod tests {
         source
     }
 
+    /// Streams `source` as transfer `transfer` from member 1 to member 2 in 1 KiB chunks,
+    /// its answer awaited on `answers` (see [`expect_answer`]) for up to a minute.
+    #[cfg(feature = "backend-file")]
+    fn send_from(
+        source: &keel_backend_file::FileBackend,
+        transport: &dyn Transport,
+        acks: &AckWaiters,
+        answers: Receiver<SnapshotAck>,
+        transfer: u64,
+        limiter: Option<&crate::tcp::RateLimiter>,
+    ) -> Result<(), NodeError> {
+        use keel_mvcc::Backend;
+        let msg = Message {
+            from: 1,
+            to: 2,
+            ..Message::default()
+        };
+        let txn = source.read_txn().expect("txn");
+        send(
+            transport,
+            acks,
+            answers,
+            transfer,
+            msg,
+            txn,
+            1024,
+            Duration::from_secs(60),
+            limiter,
+            &|_| {},
+        )
+    }
+
     /// A sender stops streaming once its transfer is refused: the chunk after the refusal
     /// is not sent, and the refusal is its result.
     #[cfg(feature = "backend-file")]
     #[test]
     fn a_refused_transfer_stops_its_sender() {
-        use keel_mvcc::Backend;
-
         /// Refuses transfer 7 when its chunk 2 arrives, as a receiver that dropped it.
         struct Refusing {
             acks: AckWaiters,
@@ -1356,25 +1386,8 @@ mod tests {
             acks: acks.clone(),
             seqs: Mutex::new(Vec::new()),
         };
-        let msg = Message {
-            from: 1,
-            to: 2,
-            ..Message::default()
-        };
-        let txn = source.read_txn().expect("txn");
         let answers = expect_answer(&acks, 7, 2);
-        let result = send(
-            &transport,
-            &acks,
-            answers,
-            7,
-            msg,
-            txn,
-            1024,
-            Duration::from_secs(60),
-            None,
-            &|_| {},
-        );
+        let result = send_from(&source, &transport, &acks, answers, 7, None);
         match result {
             Err(e) => assert!(e.to_string().contains("dropped by the receiver"), "{e}"),
             Ok(()) => panic!("a refused transfer succeeded"),
@@ -1391,8 +1404,6 @@ mod tests {
     #[cfg(feature = "backend-file")]
     #[test]
     fn a_panicking_sender_ends_with_an_error() {
-        use keel_mvcc::Backend;
-
         struct Panicking;
         impl Transport for Panicking {
             fn send(&self, _: Message) {}
@@ -1405,23 +1416,7 @@ mod tests {
         let source = source_of(dir.path(), 10);
         let acks: AckWaiters = Arc::new(Mutex::new(HashMap::new()));
         let answers = expect_answer(&acks, 3, 2);
-        let msg = Message {
-            from: 1,
-            to: 2,
-            ..Message::default()
-        };
-        let result = send(
-            &Panicking,
-            &acks,
-            answers,
-            3,
-            msg,
-            source.read_txn().expect("txn"),
-            1024,
-            Duration::from_secs(60),
-            None,
-            &|_| {},
-        );
+        let result = send_from(&source, &Panicking, &acks, answers, 3, None);
         match result {
             Err(e) => assert!(e.to_string().contains("panicked"), "{e}"),
             Ok(()) => panic!("a panicking transfer succeeded"),
@@ -1434,8 +1429,6 @@ mod tests {
     #[cfg(feature = "backend-file")]
     #[test]
     fn a_cancelled_transfer_takes_no_pacing_budget() {
-        use keel_mvcc::Backend;
-
         struct Nowhere;
         impl Transport for Nowhere {
             fn send(&self, _: Message) {}
@@ -1452,24 +1445,8 @@ mod tests {
         let acks: AckWaiters = Arc::new(Mutex::new(HashMap::new()));
         let answers = expect_answer(&acks, 9, 2);
         assert_eq!(cancel_to(&acks, 1, 2, "replaced"), 1);
-        let msg = Message {
-            from: 1,
-            to: 2,
-            ..Message::default()
-        };
         let started = Instant::now();
-        let result = send(
-            &Nowhere,
-            &acks,
-            answers,
-            9,
-            msg,
-            source.read_txn().expect("txn"),
-            1024,
-            Duration::from_secs(60),
-            Some(&limiter),
-            &|_| {},
-        );
+        let result = send_from(&source, &Nowhere, &acks, answers, 9, Some(&limiter));
         assert!(result.is_err(), "a cancelled transfer succeeded");
         assert!(
             started.elapsed() < Duration::from_millis(500),
