@@ -31,6 +31,14 @@ pub(crate) enum Next<'a> {
         /// What check failed.
         reason: String,
     },
+    /// A whole record (its checksum holds) that cannot be: a batch whose lengths do not add
+    /// up, or a batch in a segment of a version without them. Never a torn write.
+    Invalid {
+        /// Offset of the record's header.
+        offset: u64,
+        /// What is wrong with it.
+        reason: String,
+    },
 }
 
 /// Reads the records of `[from, limit)` of a file in chunks of about `chunk` bytes.
@@ -42,6 +50,8 @@ pub(crate) struct SegmentReader<'f> {
     start: usize,
     end: usize,
     chunk: usize,
+    /// Whether batch records may appear (the segment's version has them).
+    batches: bool,
 }
 
 impl<'f> SegmentReader<'f> {
@@ -65,7 +75,14 @@ impl<'f> SegmentReader<'f> {
             start: 0,
             end: 0,
             chunk: chunk.max(4096),
+            batches: true,
         }
+    }
+
+    /// Whether batch records may appear: false for a segment of a version without them,
+    /// where one is [`Next::Invalid`]. Default: true.
+    pub(crate) fn allow_batches(&mut self, allow: bool) {
+        self.batches = allow;
     }
 
     /// Gives the buffer back for reuse.
@@ -176,12 +193,22 @@ impl<'f> SegmentReader<'f> {
                 reason: "non-zero record padding".into(),
             });
         }
-        self.start += len;
         let payload = &self.buf[body..body + plen];
+        let record = match Record::decode(ty, payload) {
+            Ok(Record::Batch(_)) if !self.batches => {
+                return Ok(Next::Invalid {
+                    offset,
+                    reason: "batch record in a segment of a format version without them".into(),
+                });
+            }
+            Ok(r) => r,
+            Err(reason) => return Ok(Next::Invalid { offset, reason }),
+        };
+        self.start += len;
         Ok(Next::Record {
             offset,
             crc: header.crc,
-            record: Record::decode(ty, payload),
+            record,
         })
     }
 }

@@ -14,11 +14,12 @@ use std::io::{self, IoSlice};
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use crate::index::Loc;
 use crate::io::{DIRECT_ALIGN, WalFile, read_full_at, write_all_at, write_all_vectored_at};
 use crate::record::{
     self, ENTRY_PREFIX, Entry, HEADER_LEN, HardState, Metadata, SnapshotMarker, padded,
 };
-use crate::segment::Writes;
+use crate::segment::{BATCH_VERSION, Writes};
 
 /// Ends the records of every write: a record header of zeros.
 const END_MARK: [u8; 8] = [0; 8];
@@ -58,6 +59,8 @@ pub(crate) struct SegmentWriter {
     pub direct: Option<Arc<dyn WalFile>>,
     /// Scratch for the direct writes `buf` cannot serve in place, aligned in place.
     pages: Vec<u8>,
+    /// Format version of the segment: its records are written in that version's format.
+    pub version: u32,
 }
 
 /// Memory the write buffer keeps once a direct write has used it: records up to about this
@@ -81,6 +84,8 @@ pub(crate) struct WriterStart {
     pub crc: u32,
     /// Size the segment was prepared with.
     pub size: u64,
+    /// Format version of the segment.
+    pub version: u32,
 }
 
 impl SegmentWriter {
@@ -100,6 +105,7 @@ impl SegmentWriter {
             side: Vec::new(),
             direct: start.direct,
             pages: Vec::new(),
+            version: start.version,
         }
     }
 
@@ -306,16 +312,49 @@ impl SegmentWriter {
         self.buf.reserve(bytes);
     }
 
-    /// Encodes an entry; returns (offset, crc seed it was chained from).
-    pub(crate) fn entry(&mut self, e: &Entry) -> (u64, u32) {
-        let at = self.end();
-        let prev = self.crc;
-        self.crc = record::encode_entry(&mut self.buf, e, prev);
-        (at, prev)
+    /// Encodes `entries` (consecutive indices), each run of one term that fits as a batch
+    /// record (see [`record::batch_run`]) and each other entry as an entry record, and
+    /// hands each entry's index and location to `each`, in order.
+    pub(crate) fn entries(&mut self, entries: &[Entry], mut each: impl FnMut(u64, Loc)) {
+        let batches = self.version >= BATCH_VERSION;
+        let mut rest = entries;
+        while !rest.is_empty() {
+            let n = if batches { record::batch_run(rest) } else { 1 };
+            let (run, after) = rest.split_at(n);
+            rest = after;
+            let at = self.end();
+            let prev = self.crc;
+            if n == 1 {
+                let e = &run[0];
+                self.crc = record::encode_entry(&mut self.buf, e, prev);
+                each(
+                    e.index,
+                    Loc::entry(e.term, self.seq, at, e.data.len(), prev),
+                );
+                continue;
+            }
+            self.crc = record::encode_batch(&mut self.buf, run, prev);
+            let len = record::batch_payload_len(run) as u32;
+            let mut data_at = (record::BATCH_PREFIX + 4 * n) as u32;
+            for e in run {
+                let data_len = e.data.len() as u32;
+                let loc = Loc {
+                    term: e.term,
+                    seq: self.seq,
+                    offset: at,
+                    len,
+                    prev_crc: prev,
+                    data_at,
+                    data_len,
+                };
+                data_at += data_len;
+                each(e.index, loc);
+            }
+        }
     }
 
     pub(crate) fn seed(&mut self, prev_crc: u32, first_index: u64) {
-        let chain = crate::segment::chain_seed(self.seq);
+        let chain = crate::segment::chain_seed(self.seq, self.version);
         self.crc = record::encode_seed(&mut self.buf, chain, prev_crc, first_index);
     }
 

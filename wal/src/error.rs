@@ -62,13 +62,16 @@ pub enum WalError {
         reason: String,
     },
     /// A segment was written by an unknown format version.
-    #[error("WAL segment {path} has format version {found}, this build reads version {expected}")]
+    #[error(
+        "WAL segment {path} has format version {found}, this build reads versions {oldest} to {expected}",
+        oldest = crate::segment::OLDEST_VERSION
+    )]
     UnknownVersion {
         /// The segment file.
         path: PathBuf,
         /// Version found in the header.
         found: u32,
-        /// Version this build writes and reads.
+        /// Version this build writes (the newest it reads).
         expected: u32,
     },
     /// The options are invalid.

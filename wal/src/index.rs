@@ -6,7 +6,8 @@ use std::collections::VecDeque;
 
 use crate::record::SnapshotMarker;
 
-/// Where an entry's record is.
+/// Where an entry is: its record (an entry record, or a batch record it shares with the
+/// entries around it) and its data in that record.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Loc {
     /// Term of the entry.
@@ -15,20 +16,39 @@ pub(crate) struct Loc {
     pub seq: u64,
     /// Offset of the record header in the segment.
     pub offset: u64,
-    /// Payload length (entry prefix + data).
+    /// Payload length of the record.
     pub len: u32,
     /// Crc of the record before it (the chain seed to verify it).
     pub prev_crc: u32,
+    /// Offset of the entry's data in the record's payload.
+    pub data_at: u32,
+    /// Bytes of entry data.
+    pub data_len: u32,
 }
 
 impl Loc {
+    /// An entry with a record of its own.
+    pub(crate) fn entry(term: u64, seq: u64, offset: u64, data_len: usize, prev_crc: u32) -> Loc {
+        let prefix = crate::record::ENTRY_PREFIX;
+        Loc {
+            term,
+            seq,
+            offset,
+            len: (prefix + data_len) as u32,
+            prev_crc,
+            data_at: prefix as u32,
+            data_len: data_len as u32,
+        }
+    }
+
     /// Offset just past the record.
     pub(crate) fn end(&self) -> u64 {
         self.offset + crate::record::record_len(self.len as usize) as u64
     }
+
     /// Bytes of entry data.
     pub(crate) fn data_len(&self) -> u64 {
-        u64::from(self.len) - crate::record::ENTRY_PREFIX as u64
+        u64::from(self.data_len)
     }
 }
 

@@ -24,7 +24,7 @@
 //!
 //! ```text
 //! 0   8  magic b"KEELWAL\0"
-//! 8   4  format version (u32) = 2
+//! 8   4  format version (u32) = 3 (2 is still read: no batch records)
 //! 12  4  zero
 //! 16  8  seq (u64)
 //! 24  4  zero
@@ -53,7 +53,17 @@
 //! 3 hard state  term | vote | commit
 //! 4 snapshot    index | term
 //! 5 metadata    cluster_id | member_id
+//! 6 batch       first_index | term | count (u32) | 4 zero bytes |
+//!               count data lengths (u32 each) | the entries' data, back to back
 //! ```
+//!
+//! A batch record (version 3 on) holds two or more entries of one term at consecutive
+//! indices, up to 64 KiB of payload: an append frames each such run as one record, with one
+//! header and one checksum pass, instead of one record per entry. A batch whose lengths do
+//! not add up to its payload, or one in a version-2 segment, is a [`WalError::Corrupt`]
+//! naming the file and offset, never a torn write. A version-2 segment that is the last one
+//! at open is appended to in its own format (entry records only); new segments are
+//! version 3.
 //!
 //! Every segment's records start with a seed record, whose own crc is seeded with the
 //! segment header's crc (bytes 28..32, which cover the sequence number) and whose payload
@@ -99,6 +109,6 @@ pub use error::WalError;
 pub use io::{DIRECT_ALIGN, FileSystem, RealFile, RealFs, WalFile};
 pub use options::WalOptions;
 pub use record::{Entry, HardState, MAX_PAYLOAD, Metadata, SnapshotMarker};
-pub use segment::{FORMAT_VERSION, SEGMENT_HEADER_LEN};
+pub use segment::{FORMAT_VERSION, OLDEST_VERSION, SEGMENT_HEADER_LEN};
 pub use stats::WalStats;
 pub use wal::{EntryRef, Wal};

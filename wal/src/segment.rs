@@ -10,7 +10,8 @@
 //! ```text
 //! offset  size  field
 //! 0       8     magic    b"KEELWAL\0"
-//! 8       4     version  u32 LE, currently 2
+//! 8       4     version  u32 LE, currently 3 (version 2, without batch records, is still
+//!                        read; a last segment left in version 2 is appended to in it)
 //! 12      4     zero
 //! 16      8     seq      u64 LE, equal to the sequence number in the name
 //! 24      4     zero
@@ -41,8 +42,13 @@ use crate::io::{FileSystem, WalFile, write_all_at};
 
 /// Size of the segment header.
 pub const SEGMENT_HEADER_LEN: u64 = 32;
-/// The format version this build writes and reads.
-pub const FORMAT_VERSION: u32 = 2;
+/// The format version this build writes (it reads this one and [`OLDEST_VERSION`] on).
+/// Version 3 added the batch record; version 2 segments never hold one.
+pub const FORMAT_VERSION: u32 = 3;
+/// The oldest format version this build reads.
+pub const OLDEST_VERSION: u32 = 2;
+/// The first version whose segments may hold batch records.
+pub(crate) const BATCH_VERSION: u32 = 3;
 const MAGIC: &[u8; 8] = b"KEELWAL\0";
 
 /// Final file name of a segment.
@@ -68,10 +74,10 @@ pub(crate) fn parse_segment_name(name: &str) -> Option<(u64, u64)> {
     ))
 }
 
-/// Where the crc chain of segment `seq` starts: the crc of its header, which its seed
-/// record's crc is seeded with.
-pub(crate) fn chain_seed(seq: u64) -> u32 {
-    crate::record::u32_at(&encode_header(seq), 28)
+/// Where the crc chain of segment `seq` of format `version` starts: the crc of its header,
+/// which its seed record's crc is seeded with.
+pub(crate) fn chain_seed(seq: u64, version: u32) -> u32 {
+    crate::record::u32_at(&encode_header_version(seq, version), 28)
 }
 
 /// Name a released segment file waits under until it is recycled.
@@ -90,9 +96,14 @@ pub(crate) fn parse_free_name(name: &str) -> Option<u64> {
 
 /// Encodes the header of segment `seq`.
 pub(crate) fn encode_header(seq: u64) -> [u8; SEGMENT_HEADER_LEN as usize] {
+    encode_header_version(seq, FORMAT_VERSION)
+}
+
+/// Encodes the header of segment `seq` in format `version`.
+pub(crate) fn encode_header_version(seq: u64, version: u32) -> [u8; SEGMENT_HEADER_LEN as usize] {
     let mut h = [0u8; SEGMENT_HEADER_LEN as usize];
     h[0..8].copy_from_slice(MAGIC);
-    h[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+    h[8..12].copy_from_slice(&version.to_le_bytes());
     h[16..24].copy_from_slice(&seq.to_le_bytes());
     let crc = crc32fast::hash(&h[0..28]);
     h[28..32].copy_from_slice(&crc.to_le_bytes());
@@ -108,8 +119,8 @@ pub(crate) enum HeaderError {
     Version(u32),
 }
 
-/// Checks a header and returns its sequence number.
-pub(crate) fn decode_header(h: &[u8]) -> Result<u64, HeaderError> {
+/// Checks a header and returns its sequence number and format version.
+pub(crate) fn decode_header(h: &[u8]) -> Result<(u64, u32), HeaderError> {
     if h.len() < SEGMENT_HEADER_LEN as usize {
         return Err(HeaderError::Damaged(format!(
             "segment header is {} bytes, expected {SEGMENT_HEADER_LEN}",
@@ -128,10 +139,10 @@ pub(crate) fn decode_header(h: &[u8]) -> Result<u64, HeaderError> {
         ));
     }
     let version = crate::record::u32_at(h, 8);
-    if version != FORMAT_VERSION {
+    if !(OLDEST_VERSION..=FORMAT_VERSION).contains(&version) {
         return Err(HeaderError::Version(version));
     }
-    Ok(crate::record::u64_at(h, 16))
+    Ok((crate::record::u64_at(h, 16), version))
 }
 
 /// A segment file prepared as `<seq>.tmp`, header durable, not yet part of the log.
@@ -297,7 +308,9 @@ mod tests {
     #[test]
     fn header_round_trip_and_damage() {
         let h = encode_header(7);
-        assert_eq!(decode_header(&h), Ok(7));
+        assert_eq!(decode_header(&h), Ok((7, FORMAT_VERSION)));
+        let old = encode_header_version(7, OLDEST_VERSION);
+        assert_eq!(decode_header(&old), Ok((7, OLDEST_VERSION)));
         for i in 0..h.len() {
             let mut d = h;
             d[i] ^= 0x10;

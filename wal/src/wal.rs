@@ -55,8 +55,8 @@ use crate::record::{
 };
 use crate::repair;
 use crate::segment::{
-    self, FORMAT_VERSION, Free, HeaderError, Prepared, SEGMENT_HEADER_LEN, Writes, parse_free_name,
-    parse_segment_name,
+    self, BATCH_VERSION, FORMAT_VERSION, Free, HeaderError, Prepared, SEGMENT_HEADER_LEN, Writes,
+    parse_free_name, parse_segment_name,
 };
 use crate::stats::WalStats;
 
@@ -204,6 +204,8 @@ struct LastSegment {
     end: u64,
     /// Whether its seed record was found.
     seeded: bool,
+    /// Its format version.
+    version: u32,
 }
 
 /// State rebuilt by scanning the segments at open.
@@ -317,9 +319,9 @@ impl Wal {
             let mut h = [0u8; SEGMENT_HEADER_LEN as usize];
             let got =
                 read_full_at(&*file, &mut h, 0).map_err(|e| WalError::io("read", &path, e))?;
-            match segment::decode_header(&h[..got]) {
-                Ok(s) if s == seq => {}
-                Ok(s) => {
+            let version = match segment::decode_header(&h[..got]) {
+                Ok((s, v)) if s == seq => v,
+                Ok((s, _)) => {
                     return Err(corrupt(
                         &path,
                         0,
@@ -348,7 +350,7 @@ impl Wal {
                     }
                     break;
                 }
-            }
+            };
             let len = file.len().map_err(|e| WalError::io("stat", &path, e))?;
             let mut reader = SegmentReader::with_buffer(
                 &*file,
@@ -357,12 +359,13 @@ impl Wal {
                 options.read_buffer,
                 std::mem::take(&mut scratch),
             );
+            reader.allow_batches(version >= BATCH_VERSION);
             let mut seeded = false;
             let end = loop {
                 let prev = if seeded {
                     st.crc
                 } else {
-                    segment::chain_seed(seq)
+                    segment::chain_seed(seq, version)
                 };
                 let next = reader
                     .next(prev)
@@ -420,19 +423,36 @@ impl Wal {
                                 return Err(corrupt(&path, offset, "seed record inside a segment"));
                             }
                             Record::Entry { index, term, data } => {
-                                let loc = Loc {
-                                    term,
-                                    seq,
-                                    offset,
-                                    len: (ENTRY_PREFIX + data.len()) as u32,
-                                    prev_crc: prev,
-                                };
+                                let loc = Loc::entry(term, seq, offset, data.len(), prev);
                                 if let Err(last) = st.index.push(index, loc) {
                                     return Err(corrupt(
                                         &path,
                                         offset,
                                         format!("entry {index} leaves a gap after entry {last}"),
                                     ));
+                                }
+                            }
+                            Record::Batch(b) => {
+                                let payload_len = b.payload_len() as u32;
+                                for (index, data_at, data) in b.entries() {
+                                    let loc = Loc {
+                                        term: b.term,
+                                        seq,
+                                        offset,
+                                        len: payload_len,
+                                        prev_crc: prev,
+                                        data_at: data_at as u32,
+                                        data_len: data.len() as u32,
+                                    };
+                                    if let Err(last) = st.index.push(index, loc) {
+                                        return Err(corrupt(
+                                            &path,
+                                            offset,
+                                            format!(
+                                                "entry {index} leaves a gap after entry {last}"
+                                            ),
+                                        ));
+                                    }
                                 }
                             }
                             Record::HardState(hs) => st.hard_state = Some(hs),
@@ -444,6 +464,10 @@ impl Wal {
                         }
                     }
                     Next::End { offset } => break offset,
+                    Next::Invalid { offset, reason } => {
+                        // Whole (its checksum holds), so no torn write: always an error.
+                        return Err(corrupt(&path, offset, reason));
+                    }
                     Next::Bad { offset, reason } => {
                         if !is_last || options.strict {
                             return Err(corrupt(&path, offset, reason));
@@ -473,6 +497,7 @@ impl Wal {
                 file,
                 end,
                 seeded,
+                version,
             });
         }
 
@@ -484,6 +509,7 @@ impl Wal {
                 file,
                 end,
                 seeded,
+                version,
             }) => {
                 let flen = file.len().map_err(|e| WalError::io("stat", &path, e))?;
                 let direct = direct_handle(&*fs, &options, &path);
@@ -495,6 +521,7 @@ impl Wal {
                     end,
                     crc: st.crc,
                     size: flen.max(size),
+                    version,
                 };
                 (SegmentWriter::new(start), seeded)
             }
@@ -530,6 +557,7 @@ impl Wal {
                     end: SEGMENT_HEADER_LEN,
                     crc: 0,
                     size,
+                    version: FORMAT_VERSION,
                 };
                 (SegmentWriter::new(start), false)
             }
@@ -769,6 +797,7 @@ impl Wal {
             end: SEGMENT_HEADER_LEN,
             crc: 0,
             size: self.options.segment_size,
+            version: FORMAT_VERSION,
         });
         g.writer.seed(prev, first);
         write_state(g);
@@ -837,15 +866,16 @@ impl Wal {
                 g.stats.direct_writes += 1;
                 for (e, (offset, prev_crc)) in entries.iter().zip(locs) {
                     // Checked above: consecutive and not past last + 1.
-                    let _ = g.index.push(e.index, entry_loc(e, seq, offset, prev_crc));
+                    let loc = Loc::entry(e.term, seq, offset, e.data.len(), prev_crc);
+                    let _ = g.index.push(e.index, loc);
                 }
             } else {
                 g.writer.reserve(bytes as usize);
-                for e in entries {
-                    let (offset, prev_crc) = g.writer.entry(e);
+                let Inner { writer, index, .. } = &mut *g;
+                writer.entries(entries, |i, loc| {
                     // Checked above: consecutive and not past last + 1.
-                    let _ = g.index.push(e.index, entry_loc(e, seq, offset, prev_crc));
-                }
+                    let _ = index.push(i, loc);
+                });
                 if let Some(hs) = hs {
                     g.writer.hard_state(hs);
                 }
@@ -1337,6 +1367,13 @@ impl Wal {
                             continue;
                         }
                         let index = lo + (start + want) as u64;
+                        let expected = || {
+                            corrupt(
+                                path,
+                                offset,
+                                format!("expected entry {index} at offset {}", run[want].offset),
+                            )
+                        };
                         match record {
                             Record::Entry {
                                 index: x,
@@ -1351,18 +1388,40 @@ impl Wal {
                                     return Ok(());
                                 }
                             }
-                            _ => {
-                                return Err(corrupt(
-                                    path,
-                                    offset,
-                                    format!(
-                                        "expected entry {index} at offset {}",
-                                        run[want].offset
-                                    ),
-                                ));
+                            Record::Batch(b)
+                                if offset == run[want].offset
+                                    && b.term == run[want].term
+                                    && (b.first_index..=b.last_index()).contains(&index) =>
+                            {
+                                // The wanted entries this batch holds, from `index` on.
+                                let skip = (index - b.first_index) as usize;
+                                for (x, data_at, data) in b.entries().skip(skip) {
+                                    let Some(loc) = run.get(want).filter(|l| l.offset == offset)
+                                    else {
+                                        break;
+                                    };
+                                    let index = lo + (start + want) as u64;
+                                    if x != index
+                                        || data_at != loc.data_at as usize
+                                        || data.len() != loc.data_len as usize
+                                    {
+                                        return Err(corrupt(
+                                            path,
+                                            offset,
+                                            format!("batch does not hold entry {index} as indexed"),
+                                        ));
+                                    }
+                                    want += 1;
+                                    let term = b.term;
+                                    if f(EntryRef { index, term, data }).is_break() {
+                                        return Ok(());
+                                    }
+                                }
                             }
+                            _ => return Err(expected()),
                         }
                     }
+                    Next::Invalid { offset, reason } => return Err(corrupt(path, offset, reason)),
                     Next::End { offset } => {
                         return Err(corrupt(path, offset, "record expected, found zeros"));
                     }
@@ -1542,16 +1601,6 @@ fn check_poison(g: &Inner) -> Result<(), WalError> {
 
 /// Where entry `e`'s record, written at `offset` of segment `seq` after a record whose crc is
 /// `prev_crc`, is.
-fn entry_loc(e: &Entry, seq: u64, offset: u64, prev_crc: u32) -> Loc {
-    Loc {
-        term: e.term,
-        seq,
-        offset,
-        len: (ENTRY_PREFIX + e.data.len()) as u32,
-        prev_crc,
-    }
-}
-
 /// The active segment's handle for direct writes, when they are on and the file system
 /// takes them.
 fn direct_handle(
@@ -1613,7 +1662,9 @@ fn adopt(fs: &dyn FileSystem, path: &Path, seq: u64, size: u64) -> Option<Prepar
         return None;
     }
     let mut h = [0u8; SEGMENT_HEADER_LEN as usize];
-    if read_full_at(&*file, &mut h, 0).ok()? != h.len() || segment::decode_header(&h) != Ok(seq) {
+    if read_full_at(&*file, &mut h, 0).ok()? != h.len()
+        || segment::decode_header(&h) != Ok((seq, FORMAT_VERSION))
+    {
         return None;
     }
     // No record may follow the header yet: an end marker (zeros) must.

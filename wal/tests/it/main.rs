@@ -1,6 +1,7 @@
 //! Integration tests of keel-wal, one module per theme.
 
 mod basic;
+mod batch;
 mod corruption;
 mod crash;
 mod direct;

@@ -1,10 +1,11 @@
-//! Pins down torn-tail repair: a write cut at every byte offset of the final record, or of
+//! Pins down torn-tail repair: a write cut at every byte offset of the final record (an
+//! entry record, or a batch record), or of
 //! the final segment's header, reopens to the last whole record (keeping a `.broken` copy),
 //! and strict mode refuses instead.
 
 use std::path::Path;
 
-use keel_wal::{Wal, WalError, WalOptions};
+use keel_wal::{Entry, Wal, WalError, WalOptions};
 
 use crate::util::{entries, entry, files, segments};
 
@@ -26,6 +27,19 @@ fn copy_dir(from: &Path, to: &Path) {
 
 #[test]
 fn torn_final_record_at_every_offset() {
+    // An entry record of its own.
+    torn_final_append_at_every_offset(&[entry(21, 1)]);
+}
+
+#[test]
+fn torn_final_batch_record_at_every_offset() {
+    // A batch record of three entries.
+    torn_final_append_at_every_offset(&entries(21, 24, 1));
+}
+
+/// Appends `last` (entries from 21 on, of term 1, written as one record) after 20 entries,
+/// then reopens copies of the log with that record's write cut at every byte.
+fn torn_final_append_at_every_offset(last: &[Entry]) {
     let base = tempfile::tempdir().unwrap();
     let before_dir = base.path().join("before");
     let want = entries(1, 21, 1);
@@ -37,17 +51,23 @@ fn torn_final_record_at_every_offset() {
     let before = std::fs::read(&seg).unwrap();
     let after_dir = base.path().join("after");
     copy_dir(&before_dir, &after_dir);
-    let last = entry(21, 1);
     {
         let wal = Wal::open(&after_dir, opts()).unwrap();
-        wal.append(std::slice::from_ref(&last), None, true).unwrap();
+        wal.append(last, None, true).unwrap();
     }
     let after = std::fs::read(after_dir.join(seg.file_name().unwrap())).unwrap();
     let first_diff = before.iter().zip(&after).position(|(a, b)| a != b).unwrap();
     let start = first_diff & !7;
-    let rec_len = 8 + (16 + last.data.len()).div_ceil(8) * 8;
+    let data: usize = last.iter().map(|e| e.data.len()).sum();
+    let payload = if last.len() == 1 {
+        16 + data
+    } else {
+        24 + 4 * last.len() + data
+    };
+    let rec_len = 8 + payload.div_ceil(8) * 8;
     // From here on only zero padding is missing, and the padding is zeros already.
-    let whole = 8 + 16 + last.data.len();
+    let whole = 8 + payload;
+    let new_last = 20 + last.len() as u64;
     assert!(
         after[start + rec_len..start + rec_len + 64]
             .iter()
@@ -78,11 +98,11 @@ fn torn_final_record_at_every_offset() {
             );
         }
         let wal = Wal::open(&dir, opts()).unwrap();
-        let expect_last = if cut >= whole { 21 } else { 20 };
+        let expect_last = if cut >= whole { new_last } else { 20 };
         assert_eq!(wal.last_index(), expect_last, "cut {cut}");
         let mut expect = want.clone();
         if cut >= whole {
-            expect.push(last.clone());
+            expect.extend_from_slice(last);
         }
         assert_eq!(
             wal.entries(1, expect_last + 1, None).unwrap(),
