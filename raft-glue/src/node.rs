@@ -1330,6 +1330,17 @@ fn persist_loop(
     }
 }
 
+/// The last snapshot transfer begun to a member.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct LatestTransfer {
+    /// Its number.
+    transfer: u64,
+    /// The term this member led when it began it.
+    term: u64,
+    /// When it began.
+    began: Instant,
+}
+
 struct Driver<B: Backend> {
     id: u64,
     shared: Arc<Shared<B>>,
@@ -1366,9 +1377,10 @@ struct Driver<B: Backend> {
     applied_waits: Vec<(u64, ReadReply)>,
     last_snapshot_point: u64,
     transfer: u64,
-    /// Per member, the number of the last transfer begun to it: raft-rs tracks one
-    /// snapshot per member, and only that transfer's end is reported to it.
-    latest_transfer: HashMap<u64, u64>,
+    /// Per member, the last transfer begun to it: raft-rs tracks one snapshot per member,
+    /// and only that transfer's end is reported to it (or its stall, see
+    /// [`give_up_stalled_transfers`](Self::give_up_stalled_transfers)).
+    latest_transfer: HashMap<u64, LatestTransfer>,
     snapshots_installed: u64,
     snapshots_sent: u64,
     dir: PathBuf,
@@ -1407,7 +1419,10 @@ impl<B: Backend> Driver<B> {
                         Ok(c) => self.command(c),
                     },
                     recv(msgs) -> m => if let Ok(m) = m { self.step(m) },
-                    recv(ticker) -> _ => { self.raw.tick(); },
+                    recv(ticker) -> _ => {
+                        self.raw.tick();
+                        self.give_up_stalled_transfers();
+                    },
                     recv(events) -> e => if let Ok(e) = e {
                         pending_snapshot_done = self.event(e);
                     },
@@ -1746,15 +1761,19 @@ impl<B: Backend> Driver<B> {
                 term,
                 ok,
             } => {
-                let latest = self.latest_transfer.get(&to) == Some(&transfer);
+                let latest = self
+                    .latest_transfer
+                    .get(&to)
+                    .is_some_and(|l| l.transfer == transfer);
                 if latest {
                     self.latest_transfer.remove(&to);
                 }
                 let leading =
                     self.raw.raft.state == StateRole::Leader && self.raw.raft.term == term;
                 if !latest || !leading {
-                    // Replaced by a later transfer to `to` (which cancelled it), or begun under
-                    // a leadership that has ended (cancelled then): raft-rs tracks the later
+                    // Replaced by a later transfer to `to` (which cancelled it), given up for
+                    // want of progress (reported failed and cancelled then), or begun under a
+                    // leadership that has ended (cancelled then): raft-rs tracks the later
                     // transfer, or none of this leadership's, and this end reported would act
                     // on the progress of another transfer (a failure would make raft-rs start
                     // yet another, which would replace the one under way, and so on).
@@ -1764,7 +1783,7 @@ impl<B: Backend> Driver<B> {
                     let why = if latest {
                         "begun under a leadership that has ended"
                     } else {
-                        "replaced by a later one"
+                        "replaced by a later one, or given up as stalled"
                     };
                     tracing::debug!(
                         member = self.id,
@@ -1875,7 +1894,12 @@ impl<B: Backend> Driver<B> {
         let transfer = self.transfer;
         // raft-rs asks for a new snapshot only once it has given up on the last one (or
         // moved past it): a transfer to `to` still running is stale, and stopped.
-        if self.latest_transfer.insert(to, transfer).is_some() {
+        let latest = LatestTransfer {
+            transfer,
+            term: self.raw.raft.term,
+            began: Instant::now(),
+        };
+        if self.latest_transfer.insert(to, latest).is_some() {
             let cancelled = snapshot::cancel_to(
                 &self.acks,
                 self.id,
@@ -2568,6 +2592,64 @@ impl<B: Backend> Driver<B> {
                 to = id,
                 "snapshot transfer to a removed member cancelled"
             );
+        }
+    }
+
+    /// Once per tick on the leader: gives up on each latest transfer of this leadership that
+    /// has made no progress for `snapshot_timeout` (no chunk handed to the transport since,
+    /// and its sender has not ended: no answer ended it either). Its sender is blocked for
+    /// good in the transport (a send that never returns, a peer that never reads), and
+    /// raft-rs, never told the transfer ended, would keep the member paused in its snapshot
+    /// state until the leadership changes. The transfer is reported failed to raft-rs, once
+    /// (it is no longer the latest, so its late end, should its sender ever wake, is not
+    /// reported again), and cancelled, so a sender that wakes stops at its next chunk;
+    /// raft-rs then sends a fresh snapshot. A transfer to a member raft-rs no longer tracks
+    /// (removed: its transfer was cancelled then) is left alone.
+    fn give_up_stalled_transfers(&mut self) {
+        if self.latest_transfer.is_empty() || self.raw.raft.state != StateRole::Leader {
+            return;
+        }
+        let timeout = self.shared.options.snapshot_timeout;
+        let term = self.raw.raft.term;
+        let now = Instant::now();
+        let running: Vec<(u64, LatestTransfer)> = {
+            // A sender that has ended is no longer waiting for its answer: its end is on its
+            // way to this thread and is reported from there.
+            let acks = self.acks.lock();
+            let prs = self.raw.raft.prs();
+            self.latest_transfer
+                .iter()
+                .filter(|(to, l)| {
+                    l.term == term && acks.contains_key(&l.transfer) && prs.get(**to).is_some()
+                })
+                .map(|(&to, &l)| (to, l))
+                .collect()
+        };
+        let stalled: Vec<(u64, u64, Duration)> = {
+            let progress = self.shared.transfers.lock();
+            running
+                .into_iter()
+                .filter_map(|(to, l)| {
+                    let last = progress.get(&to).map_or(l.began, |p| p.last.max(l.began));
+                    let idle = now.saturating_duration_since(last);
+                    (idle >= timeout).then_some((to, l.transfer, idle))
+                })
+                .collect()
+        };
+        for (to, transfer, idle) in stalled {
+            self.latest_transfer.remove(&to);
+            let idle_ms = idle.as_millis() as u64;
+            let reason = format!("no progress for {idle_ms} ms");
+            snapshot::cancel_to(&self.acks, self.id, to, &reason);
+            tracing::warn!(
+                member = self.id,
+                to,
+                transfer,
+                idle_ms,
+                "snapshot transfer made no progress for snapshot_timeout: reported failed to \
+                 raft-rs and cancelled"
+            );
+            self.raw.report_snapshot(to, SnapshotStatus::Failure);
         }
     }
 

@@ -38,8 +38,13 @@ pub struct NodeOptions {
     pub request_timeout: Duration,
     /// Bytes per chunk of a streamed snapshot. Default: 1 MiB.
     pub snapshot_chunk_bytes: usize,
-    /// How long a snapshot sender waits for the receiver to confirm the transfer.
-    /// Default: 60 s.
+    /// How long an outgoing snapshot transfer may go without progress: the sender waits
+    /// this long for the receiver to confirm the transfer once its last chunk is sent, and
+    /// the leader gives up on a transfer that has handed no chunk to the transport for this
+    /// long and has not ended (its sender blocked for good in the transport: a send that
+    /// never returns, a peer that never reads). A transfer given up is reported failed to
+    /// raft-rs, which sends a fresh snapshot later, and cancelled, so its sender stops should
+    /// it ever wake. Must be greater than zero. Default: 60 s.
     pub snapshot_timeout: Duration,
     /// How long an incoming snapshot transfer may go without a chunk before the receiver
     /// drops it: its restore is abandoned and the partial backend directory (or temporary
@@ -113,6 +118,9 @@ impl NodeOptions {
                 "snapshot_chunk_bytes ({}) must be between 1 and 64 MiB",
                 self.snapshot_chunk_bytes
             ));
+        }
+        if self.snapshot_timeout.is_zero() {
+            return bad("snapshot_timeout must be greater than zero".into());
         }
         if self.snapshot_idle_timeout.is_zero() {
             return bad("snapshot_idle_timeout must be greater than zero".into());

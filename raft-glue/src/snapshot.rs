@@ -13,7 +13,9 @@
 //! receiver's [`SnapshotAck`]. The stream is hashed once: each chunk's CRC-32 is computed as
 //! it is cut, and both the stream's own checksum (its end frame) and the end marker's are
 //! combined from those. The outcome is reported to raft-rs (`report_snapshot`); on
-//! failure raft-rs probes again and a new transfer starts.
+//! failure raft-rs probes again and a new transfer starts. A transfer whose sender makes no
+//! progress for `snapshot_timeout` (blocked for good in its transport) is reported failed
+//! by the Raft thread and cancelled, so raft-rs does not wait for it for ever.
 //!
 //! # Receiver
 //!

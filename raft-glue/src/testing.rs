@@ -411,6 +411,8 @@ impl<B: Backend> Cluster<B> {
 
 impl<B: Backend> Drop for Cluster<B> {
     fn drop(&mut self) {
+        // A snapshot sender stalled in the network ends with its member.
+        self.net.release_stalled_snapshot_chunks();
         let ids: Vec<u64> = self.nodes.keys().copied().collect();
         for id in ids {
             self.kill(id);

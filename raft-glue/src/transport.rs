@@ -14,7 +14,8 @@
 //!
 //! [`MemNetwork`] is the in-memory implementation used by the simulation harness and the
 //! benchmarks, with fault injection: a drop rate, a random delay, one-way and two-way
-//! partitions, isolating a member, and corrupting snapshot chunks in flight.
+//! partitions, isolating a member, corrupting snapshot chunks in flight, and stalling a
+//! snapshot sender inside `send_snapshot` (a peer that never reads).
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, HashSet};
@@ -161,9 +162,22 @@ impl Ord for Delayed {
     }
 }
 
+/// Snapshot chunks made to stall (see [`MemNetwork::stall_snapshot_chunks`]).
+#[derive(Default)]
+struct Stalls {
+    /// Per receiver, how many of its next chunks stall.
+    pending: HashMap<u64, u32>,
+    /// Chunks that have stalled so far.
+    stalled: u64,
+    /// Bumped by each release: a sender stalled before it goes on.
+    epoch: u64,
+}
+
 struct Inner {
     endpoints: RwLock<HashMap<u64, Endpoint>>,
     faults: Mutex<Faults>,
+    stalls: Mutex<Stalls>,
+    released: parking_lot::Condvar,
     rng: Mutex<StdRng>,
     delayer: Sender<Delayed>,
     seq: AtomicU64,
@@ -191,6 +205,8 @@ impl MemNetwork {
         let inner = Arc::new(Inner {
             endpoints: RwLock::new(HashMap::new()),
             faults: Mutex::new(Faults::default()),
+            stalls: Mutex::new(Stalls::default()),
+            released: parking_lot::Condvar::new(),
             rng: Mutex::new(StdRng::seed_from_u64(seed)),
             delayer: tx,
             seq: AtomicU64::new(0),
@@ -273,9 +289,50 @@ impl MemNetwork {
         self.inner.faults.lock().cut.clear();
     }
 
-    /// Removes every fault.
+    /// Removes every fault, and releases the stalled snapshot senders (see
+    /// [`release_stalled_snapshot_chunks`](Self::release_stalled_snapshot_chunks)).
     pub fn clear_faults(&self) {
         *self.inner.faults.lock() = Faults::default();
+        self.release_stalled_snapshot_chunks();
+    }
+
+    /// Makes each of the next `n` snapshot chunks addressed to member `to` (while it is
+    /// attached) stall: its sender blocks inside `send_snapshot`, as on a connection whose
+    /// peer never reads, until
+    /// [`release_stalled_snapshot_chunks`](Self::release_stalled_snapshot_chunks), and the
+    /// chunk is then lost.
+    pub fn stall_snapshot_chunks(&self, to: u64, n: u32) {
+        self.inner.stalls.lock().pending.insert(to, n);
+    }
+
+    /// Snapshot chunks that have stalled so far.
+    pub fn stalled_snapshot_chunks(&self) -> u64 {
+        self.inner.stalls.lock().stalled
+    }
+
+    /// Wakes every sender stalled in `send_snapshot` (its chunk is lost) and cancels the
+    /// stalls not begun yet.
+    pub fn release_stalled_snapshot_chunks(&self) {
+        let mut stalls = self.inner.stalls.lock();
+        stalls.pending.clear();
+        stalls.epoch += 1;
+        self.inner.released.notify_all();
+    }
+
+    /// Blocks the caller if a chunk to `to` is due to stall, until it is released; returns
+    /// whether it stalled.
+    fn stall(&self, to: u64) -> bool {
+        let mut stalls = self.inner.stalls.lock();
+        match stalls.pending.get_mut(&to) {
+            Some(n) if *n > 0 => *n -= 1,
+            _ => return false,
+        }
+        stalls.stalled += 1;
+        let epoch = stalls.epoch;
+        while stalls.epoch == epoch {
+            self.inner.released.wait(&mut stalls);
+        }
+        true
     }
 
     /// Flips one byte in each of the next `n` snapshot chunks that carry data.
@@ -382,6 +439,9 @@ impl Transport for MemTransport {
                 to,
                 reason: "not attached to the network".into(),
             });
+        }
+        if matches!(frame, SnapshotFrame::Chunk(_)) && self.net.stall(to) {
+            return Ok(());
         }
         let Some(delay) = self.net.fate(from, to) else {
             return Ok(());

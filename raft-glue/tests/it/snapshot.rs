@@ -1,6 +1,7 @@
 //! A follower behind the compacted log receives the leader's backend as a checksummed stream,
 //! installs it and converges (same `hash_kv`); corrupted transfers are refused and retried;
-//! a transfer abandoned mid-stream is dropped after its idle timeout.
+//! a transfer abandoned mid-stream is dropped after its idle timeout; one whose sender is
+//! stuck in its transport is given up after the snapshot timeout and a new one sent.
 
 use std::thread;
 use std::time::{Duration, Instant};
@@ -426,4 +427,51 @@ fn a_follower_catching_up_under_writes_converges_though_transfers_are_replaced()
         .expect("the follower converged after the writes stopped");
     let st = c.node(lagging).expect("runs").status();
     assert!(st.snapshots_installed >= 1, "{st:?}");
+}
+
+/// A snapshot sender that blocks for good in its transport (here its first chunk never
+/// leaves: the network stalls it, as a peer that never reads would) is given up by the
+/// leader once the transfer has made no progress for `snapshot_timeout`: raft-rs is told
+/// it failed, which otherwise keeps the follower paused in its snapshot state for as long
+/// as the leadership lasts, and sends a fresh snapshot, which brings the follower up to
+/// date.
+#[test]
+fn a_transfer_stuck_in_its_transport_is_given_up_and_a_new_one_sent() {
+    crate::init_tracing();
+    let opts = NodeOptions {
+        snapshot_timeout: Duration::from_secs(1),
+        ..options()
+    };
+    let mut c = Cluster::<TestBackend>::new(3, opts, 27).expect("cluster");
+    let lagging = leave_a_follower_behind(&mut c, &[0xcd; 200]);
+    let leader = c.wait_leader(T).expect("leader");
+    let s = c.node(leader).expect("leader runs").status();
+    assert!(
+        s.first_index > 20,
+        "the leader compacted its log (first index {})",
+        s.first_index
+    );
+    c.net.stall_snapshot_chunks(lagging, 1);
+    c.start(lagging).expect("restart the lagging follower");
+    // Well within the time a leadership lasts here, and a few snapshot timeouts.
+    c.wait_converged(s.applied, Duration::from_secs(8))
+        .expect("the follower caught up through a second transfer");
+    assert_eq!(
+        c.net.stalled_snapshot_chunks(),
+        1,
+        "the first transfer's first chunk stalled"
+    );
+    assert_eq!(
+        c.wait_leader(T).expect("leader"),
+        leader,
+        "the same leadership made the second transfer"
+    );
+    // The stalled transfer never reached the follower: what it installed came whole from a
+    // later one.
+    let st = c.node(lagging).expect("runs").status();
+    assert!(st.snapshots_installed >= 1, "{st:?}");
+    assert_eq!(
+        c.get(lagging, b"key-0299").expect("read"),
+        Some(vec![0xcd; 200])
+    );
 }
