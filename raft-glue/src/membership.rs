@@ -38,6 +38,12 @@
 //!   &mut txn)` in the transaction that sets the consistent index; on `Ok(Changed)` apply the
 //!   Raft conf change, on `Ok(NoOp)` or `Err` skip it (do not apply an empty `ConfChangeV2`:
 //!   that means "leave joint"); then `auto.on_applied(op.id())`.
+//! - **Applying a raw conf change** (a [`Request::ConfChange`](crate::Request), no
+//!   operation): every member the applied configuration no longer lists (in its voters,
+//!   learners or outgoing voters) is removed with `members.remove_departed(id, index, &mut
+//!   txn)` in the transaction that records the entry's index and the conf state, then
+//!   forgotten (its transfer cancelled, no gate state kept); an outgoing voter of a joint
+//!   configuration stays until the configuration leaves it.
 //! - **Each loop turn on the leader**: build the gate verdict of every learner and call
 //!   `auto.tick(now, &gates, raft.pending_conf_index > raft_log.applied, &options)`; propose
 //!   `MemberOp::Promote { id, automatic: true }` for the id it returns (`auto.on_failed` if

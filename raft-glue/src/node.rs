@@ -998,6 +998,18 @@ fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>
         .map_err(|e| NodeError::io(name, "spawn thread", e))
 }
 
+/// Every member configuration `cs` lists: its voters, its learners and, in a joint
+/// configuration, its outgoing voters (with the learners-to-be among them).
+fn configured(cs: &ConfState) -> BTreeSet<u64> {
+    cs.voters
+        .iter()
+        .chain(&cs.learners)
+        .chain(&cs.voters_outgoing)
+        .chain(&cs.learners_next)
+        .copied()
+        .collect()
+}
+
 fn conf_change(changes: &[MemberChange]) -> ConfChangeV2 {
     let mut cc = ConfChangeV2::default();
     cc.set_transition(ConfChangeTransition::Auto);
@@ -1852,6 +1864,17 @@ impl<B: Backend> Driver<B> {
             );
             return;
         }
+        if self.raw.raft.prs().get(to).is_none() || self.members.is_removed(to) {
+            // Made before member `to` left the configuration (held until the ready that
+            // carried it was durable): it was forgotten then, and gets no new transfer.
+            tracing::debug!(
+                member = self.id,
+                to,
+                index,
+                "snapshot to a member that left the configuration not sent"
+            );
+            return;
+        }
         let store = self.sm.store();
         let began = Instant::now();
         let txn = (|| {
@@ -2250,31 +2273,64 @@ impl<B: Backend> Driver<B> {
         }
         let before = self.raw.raft.prs().conf().to_conf_state();
         let result = self.raw.apply_conf_change(&cc);
-        let (cs, answer) = match result {
+        let (cs, answer, departed) = match result {
             Ok(cs) => {
                 let answer = Ok(Response::ConfChange {
                     voters: cs.voters.clone(),
                     learners: cs.learners.clone(),
                 });
-                (cs, answer)
+                // Only a member the configuration no longer lists at all has left: one
+                // removed in a joint configuration is still an outgoing voter, counted in
+                // its quorum and replicated to, until the configuration leaves it.
+                let now = configured(&cs);
+                let departed: Vec<u64> = configured(&before)
+                    .into_iter()
+                    .filter(|id| !now.contains(id))
+                    .collect();
+                (cs, answer, departed)
             }
             Err(err) => (
                 self.storage.conf_state(),
                 Err(NodeError::Membership(err.to_string())),
+                Vec::new(),
             ),
         };
-        self.sm.apply_conf_state(e.index, &cs)?;
-        self.storage.set_applied(e.index, Some(&cs));
-        for id in before.voters.iter().chain(&before.learners) {
-            if !cs.voters.contains(id) && !cs.learners.contains(id) {
-                self.forget_member(*id);
+        if departed.is_empty() {
+            self.sm.apply_conf_state(e.index, &cs)?;
+        } else {
+            // Removed from the members as a membership operation removes them, in the
+            // transaction that records the entry's index and the conf state.
+            let store = self.sm.store();
+            let mut txn = store.write();
+            txn.set_consistent_index(e.index).map_err(store_err)?;
+            let mut members = self.members.clone();
+            for &id in &departed {
+                members.remove_departed(id, e.index, &mut txn)?;
             }
+            StateMachine::<B>::stage_conf_state(&mut txn, &cs)?;
+            txn.commit().map_err(store_err)?;
+            self.members = members;
+        }
+        self.storage.set_applied(e.index, Some(&cs));
+        for &id in &departed {
+            self.forget_member(id);
+        }
+        if !departed.is_empty() {
+            self.publish_members();
+            tracing::info!(
+                member = self.id,
+                index = e.index,
+                ?departed,
+                "members left the configuration through a conf change"
+            );
         }
         if let Some(env) = env {
             self.answer(env.origin, env.seq, answer);
         }
-        let member = cs.voters.contains(&self.id) || cs.learners.contains(&self.id);
-        if !member && !cs.voters.is_empty() {
+        if departed.contains(&self.id) {
+            return Err(self.removed_self());
+        }
+        if !configured(&cs).contains(&self.id) && !cs.voters.is_empty() {
             return Err(NodeError::Stopped {
                 id: self.id,
                 reason: Some("this member was removed from the cluster".into()),
@@ -2444,8 +2500,11 @@ impl<B: Backend> Driver<B> {
     }
 
     /// Records, for the promotion gate, that member `to` was sent a snapshot at `index`,
-    /// keeping the highest.
+    /// keeping the highest. Nothing is kept for a member the configuration no longer lists.
     fn note_snapshot_index(&mut self, to: u64, index: u64) {
+        if self.raw.raft.prs().get(to).is_none() {
+            return;
+        }
         let known = self.snap_idx.entry(to).or_insert(index);
         *known = (*known).max(index);
     }

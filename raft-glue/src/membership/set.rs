@@ -349,6 +349,29 @@ impl MemberSet {
         Ok(Applied::Changed)
     }
 
+    /// Records that member `id` left the Raft configuration at entry `index` through a conf
+    /// change that carried no membership operation (a raw one): it is removed as
+    /// [`MemberOp::Remove`] removes it, whether or not it was listed (a member added through
+    /// a raw conf change never was), staged into `txn`. Returns whether anything changed
+    /// (nothing when `id` was removed before).
+    pub fn remove_departed<B: Backend>(
+        &mut self,
+        id: u64,
+        index: u64,
+        txn: &mut WriteTxn<'_, B>,
+    ) -> Result<bool, MembershipError> {
+        if self.is_removed(id) {
+            return Ok(false);
+        }
+        txn.delete_aux(&MEMBERS_BUCKET, &id.to_be_bytes())
+            .map_err(store_err)?;
+        txn.put_aux(&REMOVED_BUCKET, &id.to_be_bytes(), &removed_value(index))
+            .map_err(store_err)?;
+        self.members.remove(&id);
+        self.removed.insert(id, index);
+        Ok(true)
+    }
+
     /// The membership after forcing a new cluster of member `id` alone (etcd's
     /// `--force-new-cluster`): every other member is recorded as removed at `index`; `id`
     /// stays (as a voter), or `fallback` is used when it is not a member.

@@ -1,8 +1,9 @@
 //! Membership operations with etcd's semantics and error texts: the error cases of etcd's
 //! runtime reconfiguration guide, forwarding from a follower, learners refusing what they
 //! must, removed members stopping for good, promotion only after the snapshot is applied,
-//! transfer progress in member status and paced snapshots, and the end of a transfer to a
-//! member that is removed or from a leader that steps down.
+//! transfer progress in member status and paced snapshots, the end of a transfer to a
+//! member that is removed or from a leader that steps down, and removals made through raw
+//! conf changes.
 
 use std::sync::Arc;
 use std::thread;
@@ -11,7 +12,9 @@ use std::time::{Duration, Instant};
 use keel_mvcc::RangeRequest;
 use keel_raft_glue::membership::MembershipOptions;
 use keel_raft_glue::testing::{Cluster, TestBackend, fast_options};
-use keel_raft_glue::{Node, NodeOptions, RateLimiter, ReadConsistency};
+use keel_raft_glue::{
+    MemberChange, Node, NodeOptions, RateLimiter, ReadConsistency, Request, Response,
+};
 
 const T: Duration = Duration::from_secs(10);
 
@@ -522,4 +525,113 @@ fn a_leader_that_steps_down_stops_its_snapshot_transfers() {
         after <= 2,
         "{after} chunks were sent to member 4 after the leader stepped down"
     );
+}
+
+/// A member removed through a raw conf change (a [`Request::ConfChange`], not a membership
+/// operation) leaves the members as one removed by `member_remove` does, once the
+/// configuration no longer lists it at all. Removing it along with two additions goes
+/// through a joint configuration, held here until one of the added voters runs (the
+/// incoming voters 1, 2, 5 and 6 have no quorum before): meanwhile it is an outgoing voter,
+/// still replicated to, and the snapshot transfer under way to it goes on. Once the
+/// configuration leaves it, no member lists it, the leader keeps no transfer to it, its id
+/// cannot be added again, and it stops for good.
+#[test]
+fn a_member_removed_by_a_raw_conf_change_leaves_the_members() {
+    crate::init_tracing();
+    let opts = NodeOptions {
+        snapshot_count: 40,
+        snapshot_catch_up_entries: 10,
+        snapshot_chunk_bytes: 4 * 1024,
+        // The leader keeps leading while the incoming voters have no quorum.
+        check_quorum: false,
+        ..fast_options()
+    };
+    let mut c = Cluster::<TestBackend>::with_membership(3, opts, manual(), 12).expect("cluster");
+    // Restarted with a limiter: a stream (over 100 kB) takes more than a second.
+    c.snapshot_limiter = Some(Arc::new(RateLimiter::new(64 * 1024, 4 * 1024)));
+    for id in c.ids() {
+        c.kill(id);
+        c.start(id).expect("restart with a limiter");
+    }
+    let leader = c.node(c.wait_leader(T).expect("leader")).expect("runs");
+    let gone = follower_of(&c, &leader).id();
+    leader.put(b"early", b"1").expect("put");
+    c.wait_converged(1, T).expect("converged");
+    c.kill(gone);
+    for i in 0..120u32 {
+        leader
+            .put(format!("g{i:04}").as_bytes(), &[7u8; 1000])
+            .expect("put");
+    }
+    c.start(gone).expect("restart the lagging member");
+    wait_until("the transfer to the lagging member under way", || {
+        leader
+            .status()
+            .transfers
+            .iter()
+            .any(|t| t.to == gone && t.sent > 0 && !t.done)
+    });
+    let changed_at = Instant::now();
+    let raw = Request::ConfChange(vec![
+        MemberChange::Remove(gone),
+        MemberChange::AddVoter(5),
+        MemberChange::AddVoter(6),
+    ]);
+    match leader.propose(raw).expect("raw conf change") {
+        Response::ConfChange { voters, .. } => {
+            assert!(!voters.contains(&gone), "{voters:?}");
+        }
+        other => panic!("unexpected answer {other:?}"),
+    }
+    // Joint: the removed member is an outgoing voter, and the transfer to it goes on.
+    wait_until("the transfer to the outgoing voter done", || {
+        leader
+            .status()
+            .transfers
+            .iter()
+            .any(|t| t.to == gone && t.done)
+    });
+    let t = *leader
+        .status()
+        .transfers
+        .iter()
+        .find(|t| t.to == gone)
+        .expect("transfer");
+    assert!(
+        t.started < changed_at,
+        "the transfer under way at the change was replaced by one begun {:?} after it",
+        t.started.saturating_duration_since(changed_at)
+    );
+    assert!(
+        leader.member_list().iter().any(|m| m.id == gone),
+        "an outgoing voter is still a member"
+    );
+
+    // Member 5 runs: the incoming voters have a quorum, and the configuration leaves the
+    // removed member.
+    c.add_dir(5);
+    c.start(5).expect("start 5");
+    let running: Vec<N> = c.running().into_iter().filter(|n| n.id() != gone).collect();
+    for n in &running {
+        wait_until("no member lists the removed member", || {
+            n.member_list().iter().all(|m| m.id != gone)
+        });
+    }
+    assert!(
+        leader.status().transfers.iter().all(|t| t.to != gone),
+        "{:?}",
+        leader.status().transfers
+    );
+    expect_err(leader.add_voter(gone), "ID removed");
+    let removed = c.node(gone).expect("handle");
+    wait_until("the removed member stops", || {
+        removed.put(b"x", b"y").is_err_and(|e| {
+            e.to_string()
+                .contains("this member has been permanently removed from the cluster")
+        })
+    });
+    drop(removed);
+    c.kill(gone);
+    expect_err(c.start(gone), "permanently removed");
+    leader.put(b"after", b"1").expect("the leader goes on");
 }
