@@ -5,7 +5,7 @@
 use std::io;
 
 use crate::io::{WalFile, read_full_at};
-use crate::record::{HEADER_LEN, Header, Record, padded, record_len};
+use crate::record::{HEADER_LEN, Header, Record, RecordType, padded, record_len};
 
 /// The next thing in a segment.
 #[derive(Debug)]
@@ -193,14 +193,14 @@ impl<'f> SegmentReader<'f> {
                 reason: "non-zero record padding".into(),
             });
         }
+        if ty == RecordType::Batch && !self.batches {
+            return Ok(Next::Invalid {
+                offset,
+                reason: "batch record in a segment of a format version without them".into(),
+            });
+        }
         let payload = &self.buf[body..body + plen];
         let record = match Record::decode(ty, payload) {
-            Ok(Record::Batch(_)) if !self.batches => {
-                return Ok(Next::Invalid {
-                    offset,
-                    reason: "batch record in a segment of a format version without them".into(),
-                });
-            }
             Ok(r) => r,
             Err(reason) => return Ok(Next::Invalid { offset, reason }),
         };

@@ -59,9 +59,10 @@
 //!
 //! A batch record (version 3 on) holds two or more entries of one term at consecutive
 //! indices, up to 64 KiB of payload: an append frames each such run as one record, with one
-//! header and one checksum pass, instead of one record per entry. A batch whose lengths do
-//! not add up to its payload, or one in a version-2 segment, is a [`WalError::Corrupt`]
-//! naming the file and offset, never a torn write. A version-2 segment that is the last one
+//! header and one checksum pass, instead of one record per entry (entries of 2 KiB or more
+//! written straight from their own buffers stay entry records). A batch whose checksum
+//! holds but whose lengths do not add up to its payload, or one in a version-2 segment, is
+//! a [`WalError::Corrupt`] naming the file and offset, never a torn write. A version-2 segment that is the last one
 //! at open is appended to in its own format (entry records only); new segments are
 //! version 3.
 //!

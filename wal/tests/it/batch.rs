@@ -6,9 +6,9 @@
 use std::ops::ControlFlow;
 use std::path::Path;
 
-use keel_wal::{Entry, FORMAT_VERSION, OLDEST_VERSION, Wal, WalError, WalOptions};
+use keel_wal::{Entry, FORMAT_VERSION, OLDEST_VERSION, SnapshotMarker, Wal, WalError, WalOptions};
 
-use crate::util::{entries, entry, segments};
+use crate::util::{Rec, entries, entry, records, segments};
 
 fn opts() -> WalOptions {
     WalOptions {
@@ -16,34 +16,6 @@ fn opts() -> WalOptions {
         preallocate: false,
         ..WalOptions::default()
     }
-}
-
-/// A record as the segment file holds it.
-#[derive(Debug)]
-struct Rec {
-    offset: usize,
-    ty: u8,
-    len: usize,
-}
-
-/// The records of a segment file, from after its header to its end marker.
-fn records(bytes: &[u8]) -> Vec<Rec> {
-    let mut out = Vec::new();
-    let mut at = 32;
-    while at + 8 <= bytes.len() {
-        let word = u32::from_le_bytes(bytes[at + 4..at + 8].try_into().unwrap());
-        if word == 0 {
-            break;
-        }
-        let len = (word & 0x00ff_ffff) as usize;
-        out.push(Rec {
-            offset: at,
-            ty: (word >> 24) as u8,
-            len,
-        });
-        at += 8 + len.div_ceil(8) * 8;
-    }
-    out
 }
 
 /// Rewrites a segment's header to format `version` and recomputes its crc chain, as a
@@ -258,4 +230,48 @@ fn an_impossible_batch_is_damage_even_at_the_tail() {
             .iter()
             .all(|n| !n.contains(".broken"))
     );
+}
+
+#[test]
+fn replay_steps_and_snapshot_markers_may_cut_through_a_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = WalOptions {
+        segment_size: 4 << 20,
+        ..opts()
+    };
+    // 70 000 entries of 8 bytes, in batches of about 5 500: a replay step (65 536 entries)
+    // ends inside one.
+    let want = sized(1, 70_001, 1, 8);
+    let wal = Wal::open(dir.path(), options.clone()).unwrap();
+    for c in want.chunks(10_000) {
+        wal.append(c, None, false).unwrap();
+    }
+    wal.sync().unwrap();
+    assert_eq!(wal.segment_count(), 1);
+    let mut n = 0;
+    wal.replay(1, |e| {
+        assert_eq!(e.to_entry(), want[n]);
+        n += 1;
+        ControlFlow::Continue(())
+    })
+    .unwrap();
+    assert_eq!(n, want.len());
+
+    // A snapshot marker inside a batch: the entries after it stay readable.
+    wal.save_snapshot_marker(&SnapshotMarker {
+        index: 100,
+        term: 1,
+    })
+    .unwrap();
+    let check = |wal: &Wal| {
+        assert_eq!(wal.first_index(), 101);
+        assert_eq!(wal.entries(101, 105, None).unwrap(), &want[100..104]);
+        assert!(matches!(
+            wal.entries(100, 105, None),
+            Err(WalError::Compacted { .. })
+        ));
+    };
+    check(&wal);
+    drop(wal);
+    check(&Wal::open(dir.path(), options).unwrap());
 }

@@ -247,3 +247,34 @@ impl FileSystem for FaultFs {
         Some(self.wrap(path, f))
     }
 }
+
+/// A record as the segment file holds it.
+#[derive(Debug)]
+pub struct Rec {
+    /// Offset of its header.
+    pub offset: usize,
+    /// Its type.
+    pub ty: u8,
+    /// Its payload length.
+    pub len: usize,
+}
+
+/// The records of a segment file, from after its header to its end marker.
+pub fn records(bytes: &[u8]) -> Vec<Rec> {
+    let mut out = Vec::new();
+    let mut at = 32;
+    while at + 8 <= bytes.len() {
+        let word = u32::from_le_bytes(bytes[at + 4..at + 8].try_into().unwrap());
+        if word == 0 {
+            break;
+        }
+        let len = (word & 0x00ff_ffff) as usize;
+        out.push(Rec {
+            offset: at,
+            ty: (word >> 24) as u8,
+            len,
+        });
+        at += 8 + len.div_ceil(8) * 8;
+    }
+    out
+}
