@@ -19,7 +19,7 @@
 //!
 //! ```text
 //! 0   magic    8   "KEELMETA"
-//! 8   version  u32 (= 2)
+//! 8   version  u32 (= 2, `META_VERSION`)
 //! 12  flags    u32 (= 0)
 //! 16  floor    u64  lowest live segment id; segment files with a smaller id are dead
 //! 24  crc      u32  over bytes 0..24
@@ -35,12 +35,17 @@
 //!
 //! ```text
 //! 0   magic    8   "KEELSEG\0"
-//! 8   version  u32 (= 2)
+//! 8   version  u32 (= 3, `VERSION`; 2, `OLDEST_VERSION`, is still read)
 //! 12  flags    u32 (= 0)
 //! 16  id       u64  equal to the id in the file name
 //! 24  crc      u32  over bytes 0..24
 //! 28  zero     u32
 //! ```
+//!
+//! The version says how the segment's frames are laid out (below). New segments are written
+//! in version 3. A version-2 segment is read as it is; when the last segment of a store is
+//! one, open syncs it, leaves it sealed as it is and starts the next segment in version 3,
+//! so no segment ever holds frames of both versions.
 //!
 //! A segment's header is synced, and the directory after its creation (or after the rename
 //! of its `.seg.tmp`), before any frame is written to it. Segments are replayed in ascending
@@ -53,22 +58,53 @@
 //!
 //! ## Frame: one committed batch
 //!
+//! In a version-3 segment (`FRAME_HEADER` = 24 bytes of header):
+//!
+//! ```text
+//! 0   len      u32  payload bytes (frame = 24 + len bytes)
+//! 4   crc      u32  over bytes 8..24+len (seq, durable and payload)
+//! 8   seq      u64  commit sequence number: exactly one more than the previous frame's,
+//!                   across segments
+//! 16  durable  u64  the highest sequence number known durable (synced) when the frame was
+//!                   written, always below seq: every frame up to it was on the disk. For a
+//!                   commit that syncs its frame this is normally seq - 1; frames written
+//!                   without a sync (a restore, which syncs once at its end) repeat the
+//!                   value from before the first of them
+//! 24  payload  len bytes: a sequence of records
+//! ```
+//!
+//! In a version-2 segment (`FRAME_HEADER_V2` = 16 bytes of header) there is no durable field:
+//!
 //! ```text
 //! 0   len      u32  payload bytes (frame = 16 + len bytes)
 //! 4   crc      u32  over bytes 8..16+len (seq and payload)
-//! 8   seq      u64  commit sequence number: exactly one more than the previous frame's,
-//!                   across segments
-//! 16  payload  len bytes: a sequence of records
+//! 8   seq      u64  as above
+//! 16  payload  len bytes
 //! ```
 //!
 //! A frame is the commit point: a batch is in the store exactly when its whole frame is
 //! present with a matching checksum and sequence number. Sequence numbers start at 1, so a
-//! frame header is never 16 zero bytes. A segment's log ends at the first place that does
-//! not hold a whole frame with a matching checksum: if every byte from there to the end of
-//! the file is zero, that is the segment's clean end. Otherwise, in the last segment, it is a
-//! torn commit and open truncates the file there; in any other segment it is corruption, and
-//! so is a frame with a valid checksum but the wrong sequence number anywhere (a torn write
-//! cannot produce one).
+//! frame header is never all zeros. A segment's log ends at the first place that does not
+//! hold a whole frame with a matching checksum: if every byte from there to the end of the
+//! file is zero, that is the segment's clean end. Otherwise, in any segment but the last, it
+//! is corruption. In the last segment it is either a torn commit (a write that never finished
+//! before a crash) or damage to a frame that was durable, and the durable field tells them
+//! apart. Frames written without a sync may reach the disk in any order, so whole frames may
+//! follow a torn one; but a frame is only written with a durable value of `d` once every frame
+//! up to `d` was synced. So open, finding the bad place at offset `o` where the frame of
+//! sequence `s` was expected, looks at every later offset of the segment, byte by byte (a
+//! damaged length says nothing of where the next frame starts), for a whole frame with a
+//! matching checksum, a sequence number above `s` and no further above it than frames could
+//! fit in the bytes left, and a durable value of `s` or more (when no frame came before `o`,
+//! `s` is taken as that frame's sequence minus one, the most the bad frame's can be). If there
+//! is one, the frame at `o` had been durable: open fails with a corruption error naming the
+//! file and `o`, and changes nothing. If there is none, it is a torn commit and open truncates
+//! the file at `o`. A version-2 last segment has no durable field: any bad place in it counts
+//! as a torn commit, as before version 3.
+//!
+//! A whole frame with a matching checksum but the wrong sequence number is corruption
+//! anywhere (a torn write cannot produce one), and so is a version-3 frame whose durable
+//! value is not below its sequence number.
 //!
 //! ## Records (inside a payload)
 //!
@@ -86,18 +122,25 @@
 //! the live `put` record, read in place through the mapping.
 
 use keel_mvcc::BackendError;
+use std::ops::RangeInclusive;
 use std::path::Path;
 
-/// Format version written and read by this build.
-pub const VERSION: u32 = 2;
+/// Segment format version written by this build (frames carry the durable field).
+pub const VERSION: u32 = 3;
+/// Oldest segment format version this build reads (frames without the durable field).
+pub const OLDEST_VERSION: u32 = 2;
+/// Version of the META file written and read by this build.
+pub const META_VERSION: u32 = 2;
 /// Magic of a segment file.
 pub const SEGMENT_MAGIC: &[u8; 8] = b"KEELSEG\0";
 /// Magic of the META file.
 pub const META_MAGIC: &[u8; 8] = b"KEELMETA";
 /// Bytes in a segment header and in META.
 pub const HEADER_LEN: usize = 32;
-/// Bytes in a frame header.
-pub const FRAME_HEADER: usize = 16;
+/// Bytes in a frame header of a version-3 segment (the version written).
+pub const FRAME_HEADER: usize = 24;
+/// Bytes in a frame header of a version-2 segment.
+pub const FRAME_HEADER_V2: usize = 16;
 /// Bytes in a put record before its key.
 pub const PUT_HEADER: usize = 13;
 
@@ -107,24 +150,27 @@ pub(crate) const TAG_RANGE: u8 = 0x03;
 pub(crate) const TAG_BUCKET: u8 = 0x04;
 pub(crate) const NO_END: u32 = u32::MAX;
 
-/// Encodes a 32-byte header (segment or META) with `magic` and `value` (id or floor).
-pub(crate) fn encode_header(magic: &[u8; 8], value: u64) -> [u8; HEADER_LEN] {
+/// Encodes a 32-byte header (segment or META) with `magic`, `version` and `value` (id or
+/// floor).
+pub(crate) fn encode_header(magic: &[u8; 8], version: u32, value: u64) -> [u8; HEADER_LEN] {
     let mut h = [0u8; HEADER_LEN];
     h[..8].copy_from_slice(magic);
-    h[8..12].copy_from_slice(&VERSION.to_le_bytes());
+    h[8..12].copy_from_slice(&version.to_le_bytes());
     h[16..24].copy_from_slice(&value.to_le_bytes());
     let crc = crc32fast::hash(&h[..24]);
     h[24..28].copy_from_slice(&crc.to_le_bytes());
     h
 }
 
-/// Decodes a 32-byte header, returning its value (id or floor).
+/// Decodes a 32-byte header whose version must lie in `versions`, returning its value (id or
+/// floor) and its version.
 pub(crate) fn decode_header(
     path: &Path,
     bytes: &[u8],
     magic: &[u8; 8],
     what: &str,
-) -> Result<u64, BackendError> {
+    versions: RangeInclusive<u32>,
+) -> Result<(u64, u32), BackendError> {
     let corrupt = |offset: u64, reason: String| BackendError::Corrupt {
         path: path.to_path_buf(),
         offset,
@@ -143,11 +189,11 @@ pub(crate) fn decode_header(
         return Err(corrupt(0, format!("not a keel {what} (bad magic)")));
     }
     let version = u32_at(bytes, 8);
-    if version != VERSION {
+    if !versions.contains(&version) {
         return Err(BackendError::UnsupportedVersion {
             path: path.to_path_buf(),
             found: version,
-            supported: VERSION,
+            supported: *versions.end(),
         });
     }
     let crc = u32_at(bytes, 24);
@@ -157,7 +203,70 @@ pub(crate) fn decode_header(
     if u32_at(bytes, 12) != 0 || u32_at(bytes, 28) != 0 {
         return Err(corrupt(12, format!("{what} header has unknown flags")));
     }
-    Ok(u64_at(bytes, 16))
+    Ok((u64_at(bytes, 16), version))
+}
+
+/// Decodes a segment header: the segment's id and its format version.
+pub(crate) fn decode_segment_header(path: &Path, bytes: &[u8]) -> Result<(u64, u32), BackendError> {
+    decode_header(
+        path,
+        bytes,
+        SEGMENT_MAGIC,
+        "segment file",
+        OLDEST_VERSION..=VERSION,
+    )
+}
+
+/// Bytes in a frame header of a segment of format `version`.
+pub(crate) fn frame_header_len(version: u32) -> usize {
+    if version >= 3 {
+        FRAME_HEADER
+    } else {
+        FRAME_HEADER_V2
+    }
+}
+
+/// A whole frame with a matching checksum.
+pub(crate) struct FrameRef<'a> {
+    /// Its sequence number.
+    pub(crate) seq: u64,
+    /// Its durable field (`None` in a version-2 segment).
+    pub(crate) durable: Option<u64>,
+    /// Offset of its payload from the frame's start.
+    pub(crate) header: usize,
+    /// Its payload.
+    pub(crate) payload: &'a [u8],
+}
+
+impl FrameRef<'_> {
+    /// Bytes the whole frame takes.
+    pub(crate) fn len(&self) -> usize {
+        self.header + self.payload.len()
+    }
+}
+
+/// Reads the frame at the start of `rest`, in a segment whose frame headers are `header`
+/// bytes long; `Err` with a reason when `rest` does not start with a whole frame whose
+/// checksum matches. Lengths are checked against `rest` before anything is sliced.
+pub(crate) fn read_frame(rest: &[u8], header: usize) -> Result<FrameRef<'_>, String> {
+    if rest.len() < header {
+        return Err("incomplete frame header".to_string());
+    }
+    let len = u32_at(rest, 0) as usize;
+    if len > rest.len() - header {
+        return Err(format!(
+            "frame of {len} bytes runs past the end of the file"
+        ));
+    }
+    if frame_crc(&rest[8..header + len]) != u32_at(rest, 4) {
+        return Err("frame checksum mismatch".to_string());
+    }
+    Ok(FrameRef {
+        seq: u64_at(rest, 8),
+        durable: (header >= FRAME_HEADER).then(|| u64_at(rest, 16)),
+        header,
+        payload: &rest[header..header + len],
+    })
 }
 
 /// Reads a little-endian u32 at `at`; the caller has checked the bounds.
@@ -174,7 +283,8 @@ pub(crate) fn u64_at(b: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(x)
 }
 
-/// Checksum of a frame: over its seq and payload.
+/// Checksum of a frame: over everything after the checksum (seq, durable in version 3,
+/// payload).
 pub(crate) fn frame_crc(seq_and_payload: &[u8]) -> u32 {
     crc32fast::hash(seq_and_payload)
 }

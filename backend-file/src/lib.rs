@@ -4,7 +4,9 @@
 //! commit appends one checksummed frame holding the whole batch and syncs it once: that frame
 //! is the commit point, so a batch is either wholly in the store after a crash or not at all.
 //! An in-memory index per bucket, a copy-on-write B+tree, maps keys to the place of their value
-//! in a segment; open rebuilds it by replaying the segments and cuts off a torn last frame.
+//! in a segment; open rebuilds it by replaying the segments and cuts off a torn last frame
+//! (but refuses to open over damage to a frame that was durable: each frame records the
+//! highest sequence number durable when it was written, which tells the two apart).
 //! Reads go through read-only shared mappings, one per segment made once at the segment size:
 //! a read transaction ([`FileReadTxn`]) holds one immutable index version, which records the
 //! committed end of every segment it reads, so it never waits for the writer and the writer

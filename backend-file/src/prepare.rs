@@ -478,7 +478,7 @@ impl Preparer {
                 &file,
                 &path,
                 0,
-                &format::encode_header(SEGMENT_MAGIC, u64::from(id)),
+                &format::encode_header(SEGMENT_MAGIC, format::VERSION, u64::from(id)),
             )
             .and_then(|()| self.zero(&file, &path, HEADER_LEN as u64, len, how));
         match result {

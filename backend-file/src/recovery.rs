@@ -1,5 +1,6 @@
 //! Opening a store: the META floor, the segment list, and the replay of every frame into a
-//! fresh index, with the torn tail of the last segment cut off.
+//! fresh index, with the torn tail of the last segment cut off (and damage to a durable frame
+//! there refused: see the format doc, section "Frame").
 
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
@@ -10,7 +11,8 @@ use keel_mvcc::{BackendError, Bucket};
 
 use crate::fault::Io;
 use crate::format::{
-    self, FRAME_HEADER, HEADER_LEN, META_MAGIC, Record, Records, SEGMENT_MAGIC, u32_at, u64_at,
+    self, FRAME_HEADER, HEADER_LEN, META_MAGIC, META_VERSION, Record, Records, SEGMENT_MAGIC,
+    VERSION, u32_at, u64_at,
 };
 use crate::segment::{self, SegFile, SegMap};
 use crate::version::{Applier, Loc, Mapped, SegStat, Version};
@@ -42,6 +44,8 @@ pub(crate) struct Recovered {
     pub(crate) stats: BTreeMap<u32, SegStat>,
     pub(crate) active: Active,
     pub(crate) next_seq: u64,
+    /// The highest sequence number known durable (see [`crate::store::Writer::durable_seq`]).
+    pub(crate) durable_seq: u64,
     pub(crate) bucket_names: Vec<Bucket>,
     /// Bytes of the active segment's file, all durable: its frames, then zeros.
     pub(crate) zeroed: u64,
@@ -68,7 +72,7 @@ pub(crate) fn write_meta(dir: &Path, io: &Io, floor: u32) -> Result<(), BackendE
         &file,
         &tmp,
         0,
-        &format::encode_header(META_MAGIC, u64::from(floor)),
+        &format::encode_header(META_MAGIC, META_VERSION, u64::from(floor)),
     )?;
     io.sync_data(&file, &tmp)?;
     let meta = dir.join(META);
@@ -93,7 +97,7 @@ pub(crate) fn create_segment(
         &file,
         &path,
         0,
-        &format::encode_header(SEGMENT_MAGIC, u64::from(id)),
+        &format::encode_header(SEGMENT_MAGIC, VERSION, u64::from(id)),
     )?;
     io.sync_data(&file, &path)?;
     io.sync_dir(dir)?;
@@ -114,7 +118,13 @@ fn read_meta(dir: &Path) -> Result<Option<u32>, BackendError> {
             format!("META is {} bytes long, not {HEADER_LEN}", bytes.len()),
         ));
     }
-    let floor = format::decode_header(&path, &bytes, META_MAGIC, "META file")?;
+    let (floor, _) = format::decode_header(
+        &path,
+        &bytes,
+        META_MAGIC,
+        "META file",
+        META_VERSION..=META_VERSION,
+    )?;
     u32::try_from(floor)
         .ok()
         .filter(|&f| f >= FIRST_SEGMENT)
@@ -208,6 +218,7 @@ pub(crate) fn recover(dir: &Path, io: &Io, segment_size: u64) -> Result<Recovere
         stats: BTreeMap::new(),
         names: Vec::new(),
         expected_seq: None,
+        durable: 0,
     };
     let mut active: Option<Active> = None;
     let mut zeroed = HEADER_LEN as u64;
@@ -236,7 +247,7 @@ pub(crate) fn recover(dir: &Path, io: &Io, segment_size: u64) -> Result<Recovere
         let seg = SegFile::new(id, path.clone());
         let map = SegMap::map(&seg, &file, &path, size, segment_size)?;
         let bytes = map.prefix(size).unwrap_or_default();
-        let hid = format::decode_header(&path, bytes, SEGMENT_MAGIC, "segment file")?;
+        let (hid, version) = format::decode_segment_header(&path, bytes)?;
         if hid != u64::from(id) {
             return Err(corrupt(
                 &path,
@@ -245,7 +256,7 @@ pub(crate) fn recover(dir: &Path, io: &Io, segment_size: u64) -> Result<Recovere
             ));
         }
         r.stats.insert(id, SegStat { size, live: 0 });
-        let (end, frames) = r.replay_segment(id, &path, bytes, last)?;
+        let (end, frames) = r.replay_segment(id, &path, bytes, version, last)?;
         // Past the last frame: zeros prepared ahead, or the torn write of a commit that never
         // returned (only in the last segment: `replay_segment` refuses it elsewhere).
         let clean = bytes[end as usize..].iter().all(|&b| b == 0);
@@ -257,11 +268,22 @@ pub(crate) fn recover(dir: &Path, io: &Io, segment_size: u64) -> Result<Recovere
             io.sync_data(&file, &path)?;
             zeroed = end;
         }
+        if !last || !clean {
+            // Sealed segments are durable, and a truncated one was just synced.
+            r.durable = r.durable.max(r.expected_seq.map_or(0, |e| e - 1));
+        }
         if let Some(s) = r.stats.get_mut(&id) {
             s.size = end;
         }
         r.version.segs.push(Some(Mapped { map, end }));
-        if last {
+        if last && version < VERSION {
+            // Frames are only ever appended in this build's format: the old segment is
+            // sealed as it is (durable first, as every sealed segment is) and the next one
+            // is started below.
+            tracing::info!(path = %path.display(), version, "sealing a segment of an older format");
+            io.sync_data(&file, &path)?;
+            r.durable = r.durable.max(r.expected_seq.map_or(0, |e| e - 1));
+        } else if last {
             active = Some(Active {
                 seg,
                 file: Arc::new(file),
@@ -275,8 +297,9 @@ pub(crate) fn recover(dir: &Path, io: &Io, segment_size: u64) -> Result<Recovere
     let active = match active {
         Some(a) => a,
         None => {
-            // No segment left open for writing: either a new store, or the last segment was
-            // a torn creation (then the previous one, sealed, stays sealed).
+            // No segment left open for writing: a new store, a last segment that was a torn
+            // creation (then the previous one, sealed, stays sealed), or one of an older
+            // format, sealed above.
             let id = floor + r.version.segs.len() as u32;
             let (seg, file) = create_segment(dir, io, id)?;
             let path = seg.path.clone();
@@ -312,6 +335,7 @@ pub(crate) fn recover(dir: &Path, io: &Io, segment_size: u64) -> Result<Recovere
         stats: r.stats,
         active,
         next_seq: r.expected_seq.unwrap_or(1),
+        durable_seq: r.durable,
         bucket_names: r.names,
         zeroed,
     })
@@ -333,66 +357,80 @@ struct Replay {
     stats: BTreeMap<u32, SegStat>,
     names: Vec<Bucket>,
     expected_seq: Option<u64>,
+    /// The highest sequence number known durable so far: the last one of every sealed segment
+    /// replayed, and the durable fields of the frames replayed.
+    durable: u64,
 }
 
 impl Replay {
-    /// Replays the frames of one segment; returns the end of its last valid frame and the
-    /// number of frames.
+    /// Replays the frames of one segment of format `version`; returns the end of its last
+    /// valid frame and the number of frames.
     fn replay_segment(
         &mut self,
         id: u32,
         path: &Path,
         bytes: &[u8],
+        version: u32,
         last: bool,
     ) -> Result<(u64, u64), BackendError> {
+        let header = format::frame_header_len(version);
         let mut at = HEADER_LEN;
         let mut frames = 0;
         while at < bytes.len() {
             let rest = &bytes[at..];
-            let why = if rest.len() < FRAME_HEADER {
-                Some("incomplete frame header".to_string())
-            } else {
-                let len = u32_at(rest, 0) as usize;
-                let crc = u32_at(rest, 4);
-                let seq = u64_at(rest, 8);
-                if len > rest.len() - FRAME_HEADER {
-                    Some(format!(
-                        "frame of {len} bytes runs past the end of the file"
-                    ))
-                } else if format::frame_crc(&rest[8..FRAME_HEADER + len]) != crc {
-                    Some("frame checksum mismatch".to_string())
-                } else if self.expected_seq.is_some_and(|e| e != seq) {
+            let why = match format::read_frame(rest, header) {
+                Err(why) => why,
+                Ok(frame) => {
                     // A whole frame with a valid checksum is never the product of a torn
                     // write: a frame out of sequence means frames or segments went missing.
-                    return Err(corrupt(
-                        path,
-                        at as u64,
-                        format!(
-                            "frame sequence {seq} where {} was expected",
-                            self.expected_seq.unwrap_or_default()
-                        ),
-                    ));
-                } else {
-                    let payload = &rest[FRAME_HEADER..FRAME_HEADER + len];
-                    let base = at + FRAME_HEADER;
-                    self.apply_payload(id, path, base, payload)?;
-                    self.expected_seq = Some(seq.wrapping_add(1));
-                    at += FRAME_HEADER + len;
+                    if let Some(e) = self.expected_seq.filter(|&e| e != frame.seq) {
+                        return Err(corrupt(
+                            path,
+                            at as u64,
+                            format!("frame sequence {} where {e} was expected", frame.seq),
+                        ));
+                    }
+                    if let Some(d) = frame.durable.filter(|&d| d >= frame.seq) {
+                        return Err(corrupt(
+                            path,
+                            at as u64,
+                            format!(
+                                "frame {} claims sequence {d} durable before it was written",
+                                frame.seq
+                            ),
+                        ));
+                    }
+                    self.apply_payload(id, path, at + frame.header, frame.payload)?;
+                    self.expected_seq = Some(frame.seq.wrapping_add(1));
+                    self.durable = self.durable.max(frame.durable.unwrap_or(0));
+                    at += frame.len();
                     frames += 1;
-                    None
+                    continue;
                 }
             };
-            if let Some(why) = why {
-                if rest.iter().all(|&b| b == 0) {
-                    // Zeros prepared ahead of the writer: the segment's log ends here.
-                    return Ok((at as u64, frames));
-                }
-                if last {
-                    tracing::warn!(path = %path.display(), offset = at, reason = %why, "torn tail");
-                    return Ok((at as u64, frames));
-                }
+            if rest.iter().all(|&b| b == 0) {
+                // Zeros prepared ahead of the writer: the segment's log ends here.
+                return Ok((at as u64, frames));
+            }
+            if !last {
                 return Err(corrupt(path, at as u64, why));
             }
+            if version >= VERSION
+                && let Some((later, seq, durable)) =
+                    durable_frame_after(bytes, at, self.expected_seq)
+            {
+                // Written after this frame was durable: this frame was whole once.
+                return Err(corrupt(
+                    path,
+                    at as u64,
+                    format!(
+                        "{why}, in a frame that was durable: the frame at offset {later} \
+                         (sequence {seq}) was written once sequence {durable} was"
+                    ),
+                ));
+            }
+            tracing::warn!(path = %path.display(), offset = at, reason = %why, "torn tail");
+            return Ok((at as u64, frames));
         }
         Ok((at as u64, frames))
     }
@@ -477,4 +515,39 @@ impl Replay {
             stats: &mut self.stats,
         }
     }
+}
+
+/// Looks past the bad place at `at` of a version-3 segment's `bytes`, where the frame of
+/// sequence `expected` was due (`None`: no frame came before it), for a later whole frame with
+/// a matching checksum written after that frame was durable: a sequence number above it (by
+/// no more than frames fit in the bytes from `at`) and a durable field at or above it. Every
+/// later offset is tried, since a damaged length says nothing of where the next frame starts;
+/// the checksum is computed only for headers that pass those bounds. Returns the frame's
+/// offset, sequence number and durable field.
+///
+/// Only run on the error path of open, for the last segment.
+fn durable_frame_after(
+    bytes: &[u8],
+    at: usize,
+    expected: Option<u64>,
+) -> Option<(usize, u64, u64)> {
+    let most_frames = ((bytes.len() - at) / FRAME_HEADER) as u64;
+    for p in at + 1..bytes.len().saturating_sub(FRAME_HEADER - 1) {
+        let rest = &bytes[p..];
+        let seq = u64_at(rest, 8);
+        let durable = u64_at(rest, 16);
+        // The bad frame's sequence number; with no frame before it, the most it can be.
+        let Some(bad) = expected.or_else(|| seq.checked_sub(1).filter(|&b| b > 0)) else {
+            continue;
+        };
+        let plausible = seq > bad
+            && seq - bad <= most_frames
+            && durable >= bad
+            && durable < seq
+            && u32_at(rest, 0) as usize <= rest.len() - FRAME_HEADER;
+        if plausible && format::read_frame(rest, FRAME_HEADER).is_ok() {
+            return Some((p, seq, durable));
+        }
+    }
+    None
 }

@@ -285,6 +285,7 @@ impl Inner {
                 return Err(e);
             }
             w.active.dirty = false;
+            w.durable_seq = w.next_seq - 1;
         }
         Ok(())
     }

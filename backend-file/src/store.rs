@@ -68,6 +68,10 @@ pub(crate) struct Writer {
     pub(crate) stats: BTreeMap<u32, SegStat>,
     pub(crate) active: Active,
     pub(crate) next_seq: u64,
+    /// The highest sequence number known durable: every frame up to it has been synced (or
+    /// was found at open in a sealed segment, or claimed durable by a later frame). Written
+    /// into each frame's header (see [`crate::format`], section "Frame").
+    pub(crate) durable_seq: u64,
     pub(crate) bucket_names: Vec<Bucket>,
     pub(crate) buf: Vec<u8>,
     pub(crate) poisoned: Option<String>,
@@ -130,8 +134,8 @@ impl Writer {
     }
 }
 
-/// Fills in a frame's checksum (over its sequence number and payload); its length and
-/// sequence number are already in place.
+/// Fills in a frame's checksum (over its sequence number, durable field and payload); its
+/// length, sequence number and durable field are already in place.
 fn seal_frame(frame: &mut [u8]) {
     let crc = format::frame_crc(&frame[8..]);
     frame[4..8].copy_from_slice(&crc.to_le_bytes());
@@ -192,6 +196,7 @@ impl FileBackend {
                 stats: r.stats,
                 active: r.active,
                 next_seq: r.next_seq,
+                durable_seq: r.durable_seq,
                 bucket_names: r.bucket_names,
                 buf: Vec::new(),
                 poisoned: None,
@@ -301,6 +306,7 @@ impl Inner {
                 // Frames written without a sync (a restore): a sealed segment is durable.
                 self.io.sync_data(&w.active.file, &w.active.seg.path)?;
                 w.active.dirty = false;
+                w.durable_seq = w.next_seq - 1;
             }
             match self.prep.take_next(id) {
                 Some(p) => {
@@ -392,8 +398,9 @@ impl Inner {
             });
         }
         let seq = w.next_seq;
-        w.buf[8..16].copy_from_slice(&seq.to_le_bytes());
         w.buf[..4].copy_from_slice(&(len as u32).to_le_bytes());
+        w.buf[8..16].copy_from_slice(&seq.to_le_bytes());
+        w.buf[16..24].copy_from_slice(&w.durable_seq.to_le_bytes());
         let fast = self.prep.before_write(start, end);
         let result = if sync {
             seal_frame(&mut w.buf);
@@ -435,6 +442,10 @@ impl Inner {
             return Err(e);
         }
         w.active.dirty |= !sync;
+        if sync {
+            // The sync covers every frame written before this one too.
+            w.durable_seq = seq;
+        }
         w.next_seq += 1;
         w.active.end = end;
         w.active.fresh = false;

@@ -4,9 +4,7 @@
 
 use keel_mvcc::BackendError;
 
-use crate::format::{
-    self, FRAME_HEADER, HEADER_LEN, PUT_HEADER, Records, SEGMENT_MAGIC, TAG_PUT, u32_at, u64_at,
-};
+use crate::format::{self, HEADER_LEN, PUT_HEADER, Records, TAG_PUT, u32_at};
 use crate::store::FileBackend;
 
 pub(crate) fn check(backend: &FileBackend) -> Result<(), BackendError> {
@@ -20,29 +18,23 @@ pub(crate) fn check(backend: &FileBackend) -> Result<(), BackendError> {
             offset: offset as u64,
             reason,
         };
-        let id = format::decode_header(path, bytes, SEGMENT_MAGIC, "segment file")?;
+        let (id, format_version) = format::decode_segment_header(path, bytes)?;
         if id != u64::from(map.map.file.id) {
             return Err(bad(16, format!("header names segment {id:016x}")));
         }
+        let header = format::frame_header_len(format_version);
         let mut at = HEADER_LEN;
         while at < bytes.len() {
-            let rest = &bytes[at..];
-            if rest.len() < FRAME_HEADER {
-                return Err(bad(at, "incomplete frame header".into()));
-            }
-            let len = u32_at(rest, 0) as usize;
-            if len > rest.len() - FRAME_HEADER {
-                return Err(bad(at, "frame runs past the committed end".into()));
-            }
-            if format::frame_crc(&rest[8..FRAME_HEADER + len]) != u32_at(rest, 4) {
-                return Err(bad(at, "frame checksum mismatch".into()));
-            }
-            let seq = u64_at(rest, 8);
+            let frame = format::read_frame(&bytes[at..], header).map_err(|why| bad(at, why))?;
+            let seq = frame.seq;
             if expected_seq.is_some_and(|e| e != seq) {
                 return Err(bad(at, format!("frame sequence {seq} out of order")));
             }
+            if frame.durable.is_some_and(|d| d >= seq) {
+                return Err(bad(at, format!("frame {seq} claims itself durable")));
+            }
             expected_seq = Some(seq + 1);
-            let mut records = Records::new(&rest[FRAME_HEADER..FRAME_HEADER + len]);
+            let mut records = Records::new(frame.payload);
             loop {
                 match records.next_record() {
                     Ok(Some(_)) => {}
@@ -50,7 +42,7 @@ pub(crate) fn check(backend: &FileBackend) -> Result<(), BackendError> {
                     Err(why) => return Err(bad(at, why)),
                 }
             }
-            at += FRAME_HEADER + len;
+            at += frame.len();
         }
     }
     for (name, &id) in version.names.iter() {

@@ -3,14 +3,15 @@
 //! prefix of the commits produced, never a panic and never wrong data.
 
 use std::fs;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
+use keel_backend_file::format::FRAME_HEADER;
 use keel_backend_file::{FileBackend, FileOptions};
 use keel_mvcc::{Backend, BackendError, WriteBatch};
 use proptest::prelude::*;
 
-use crate::support::{B, Dump, META_B, dump, segments, small};
+use crate::support::{B, Dump, META_B, dump, segments, small, summary};
 
 fn copy_dir(from: &Path, to: &Path) {
     for e in fs::read_dir(from).unwrap() {
@@ -130,6 +131,272 @@ fn torn_last_frame_at_every_byte() {
             before,
             "torn tail cut off"
         );
+    }
+}
+
+/// Offsets of the frames of a segment file of this build's format, walking the documented
+/// layout from the end of the segment header until the bytes stop holding a frame.
+fn frame_offsets(bytes: &[u8]) -> Vec<usize> {
+    let header = FRAME_HEADER;
+    let mut out = Vec::new();
+    let mut at = 32;
+    while at + header <= bytes.len() && bytes[at..at + header].iter().any(|&b| b != 0) {
+        let len = u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()) as usize;
+        if at + header + len > bytes.len() {
+            break;
+        }
+        out.push(at);
+        at += header + len;
+    }
+    out
+}
+
+fn u64_at(bytes: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap())
+}
+
+/// A store in one segment holding `n` synced commits of `batch`, its segment file, and the
+/// state after each commit (index 0: empty).
+fn one_segment(n: u32) -> (tempfile::TempDir, PathBuf, Vec<Dump>) {
+    let dir = tempfile::tempdir().unwrap();
+    let b = FileBackend::open(dir.path(), &small()).unwrap();
+    let mut states = vec![dump(&b)];
+    for i in 0..n {
+        b.commit(&batch(i)).unwrap();
+        states.push(dump(&b));
+    }
+    drop(b);
+    let segs = segments(dir.path());
+    assert_eq!(segs.len(), 1, "the commits fit in one segment");
+    let seg = segs[0].clone();
+    (dir, seg, states)
+}
+
+/// A bit flipped anywhere in a synced frame of the last segment that later synced frames
+/// follow is damage, not a torn commit: open fails naming the file and the frame's offset,
+/// and the file is left as it is (every later batch is still in it).
+#[test]
+fn damage_to_a_durable_frame_of_the_last_segment_is_an_error() {
+    let (dir, seg, _) = one_segment(4);
+    let pristine = fs::read(&seg).unwrap();
+    let frames = frame_offsets(&pristine);
+    assert_eq!(frames.len(), 4, "four frames");
+    let bad = frames[1];
+    let payload_len = frames[2] - bad - FRAME_HEADER;
+    // The length (low and high byte), the checksum, the sequence number, the durable field
+    // and the middle of the payload.
+    for (what, at, bit) in [
+        ("payload", bad + FRAME_HEADER + payload_len / 2, 0x10u8),
+        ("length low byte", bad, 0x02),
+        ("length high byte", bad + 3, 0x80),
+        ("checksum", bad + 5, 0x01),
+        ("sequence number", bad + 9, 0x04),
+        ("durable field", bad + FRAME_HEADER - 1, 0x01),
+    ] {
+        let copy = tempfile::tempdir().unwrap();
+        copy_dir(dir.path(), copy.path());
+        let target = copy.path().join(seg.file_name().unwrap());
+        let mut damaged = pristine.clone();
+        damaged[at] ^= bit;
+        fs::write(&target, &damaged).unwrap();
+        match FileBackend::open(copy.path(), &small()) {
+            Err(BackendError::Corrupt {
+                path,
+                offset,
+                reason,
+            }) => {
+                assert_eq!(path, target, "{what}: the error names the segment");
+                assert_eq!(
+                    offset, bad as u64,
+                    "{what}: the error names the frame ({reason})"
+                );
+            }
+            Err(other) => panic!("{what}: expected a Corrupt error, got {other}"),
+            Ok(b) => panic!(
+                "{what}: expected a Corrupt error, but the store opened holding {}",
+                summary(&dump(&b))
+            ),
+        }
+        assert!(
+            fs::read(&target).unwrap() == damaged,
+            "{what}: the damaged segment was changed"
+        );
+    }
+}
+
+/// A commit torn by a crash is still cut off wherever the cut falls, inside its header
+/// (which records the frame before it as durable) or its payload, and so is one followed by a
+/// whole later frame written before it was durable (frames written without a sync, as a
+/// restore writes them, may reach the disk in any order).
+#[test]
+fn torn_final_frame_is_cut_off_even_before_a_frame_not_durable_after_it() {
+    let (dir, seg, states) = one_segment(3);
+    let full = fs::read(&seg).unwrap();
+    let frames = frame_offsets(&full);
+    assert_eq!(frames.len(), 3, "three frames");
+    let last = frames[2];
+    let end =
+        last + FRAME_HEADER + u32::from_le_bytes(full[last..last + 4].try_into().unwrap()) as usize;
+    assert_eq!(u64_at(&full, last + 8), 3, "the final frame is sequence 3");
+    assert_eq!(
+        u64_at(&full, last + 16),
+        2,
+        "the final frame's header records sequence 2 as durable"
+    );
+    let reopen = |bytes: &[u8], what: &str| {
+        let copy = tempfile::tempdir().unwrap();
+        copy_dir(dir.path(), copy.path());
+        let target = copy.path().join(seg.file_name().unwrap());
+        fs::write(&target, bytes).unwrap();
+        let b = FileBackend::open(copy.path(), &small())
+            .unwrap_or_else(|e| panic!("{what}: a torn commit makes open fail: {e}"));
+        assert!(dump(&b) == states[2], "{what}: holds the first two commits");
+        b.check_integrity().unwrap();
+        assert_eq!(
+            fs::metadata(&target).unwrap().len(),
+            last as u64,
+            "{what}: cut at the torn frame"
+        );
+    };
+    let frame_len = end - last;
+    for cut in [
+        1,
+        4,
+        8,
+        12,
+        16,
+        20,
+        FRAME_HEADER - 1,
+        FRAME_HEADER,
+        FRAME_HEADER + 7,
+        frame_len / 2,
+        frame_len - 1,
+    ] {
+        reopen(
+            &full[..last + cut],
+            &format!("cut {cut} bytes into the frame"),
+        );
+    }
+    // Half of sequence 3, then the whole of a sequence 4 that records only 2 as durable.
+    let mut next = full[last..end].to_vec();
+    next[8..16].copy_from_slice(&4u64.to_le_bytes());
+    next[16..24].copy_from_slice(&2u64.to_le_bytes());
+    let crc = crc32fast::hash(&next[8..]);
+    next[4..8].copy_from_slice(&crc.to_le_bytes());
+    let mut bytes = full[..last + frame_len / 2].to_vec();
+    bytes.resize(end, 0);
+    bytes.extend_from_slice(&next);
+    reopen(&bytes, "torn frame before a frame not durable after it");
+}
+
+/// A store whose segment is of format version 2 (frames without the durable field, as
+/// documented for it) opens and reads, its torn tail is still cut off, and commits go on in
+/// a new segment of this build's version, leaving the old one as it was.
+#[test]
+fn a_version_2_segment_is_read_and_sealed() {
+    fn header(magic: &[u8; 8], value: u64) -> Vec<u8> {
+        let mut h = vec![0u8; 32];
+        h[..8].copy_from_slice(magic);
+        h[8..12].copy_from_slice(&2u32.to_le_bytes());
+        h[16..24].copy_from_slice(&value.to_le_bytes());
+        let crc = crc32fast::hash(&h[..24]);
+        h[24..28].copy_from_slice(&crc.to_le_bytes());
+        h
+    }
+    fn frame(out: &mut Vec<u8>, seq: u64, payload: &[u8]) {
+        let mut f = Vec::new();
+        f.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+        f.extend_from_slice(&[0; 4]);
+        f.extend_from_slice(&seq.to_le_bytes());
+        f.extend_from_slice(payload);
+        let crc = crc32fast::hash(&f[8..]);
+        f[4..8].copy_from_slice(&crc.to_le_bytes());
+        out.extend_from_slice(&f);
+    }
+    fn put(out: &mut Vec<u8>, bucket: u32, key: &[u8], value: &[u8]) {
+        out.push(0x01);
+        out.extend_from_slice(&bucket.to_le_bytes());
+        out.extend_from_slice(&(key.len() as u32).to_le_bytes());
+        out.extend_from_slice(&(value.len() as u32).to_le_bytes());
+        out.extend_from_slice(key);
+        out.extend_from_slice(value);
+    }
+    let mut first = Vec::new();
+    for (id, name) in [(0u32, "key"), (1, "meta")] {
+        first.push(0x04);
+        first.extend_from_slice(&id.to_le_bytes());
+        first.push(name.len() as u8);
+        first.extend_from_slice(name.as_bytes());
+    }
+    put(&mut first, 0, b"a", b"one");
+    put(&mut first, 0, b"b", b"two");
+    put(&mut first, 1, b"n", b"1");
+    let mut second = Vec::new();
+    second.push(0x02);
+    second.extend_from_slice(&0u32.to_le_bytes());
+    second.extend_from_slice(&1u32.to_le_bytes());
+    second.extend_from_slice(b"a");
+    put(&mut second, 0, b"c", b"three");
+    put(&mut second, 1, b"n", b"2");
+    let mut seg = header(b"KEELSEG\0", 1);
+    frame(&mut seg, 1, &first);
+    frame(&mut seg, 2, &second);
+    let end = seg.len();
+    let mut want = Dump::new();
+    want.entry("key".into()).or_default().extend([
+        (b"b".to_vec(), b"two".to_vec()),
+        (b"c".to_vec(), b"three".to_vec()),
+    ]);
+    want.entry("meta".into())
+        .or_default()
+        .insert(b"n".to_vec(), b"2".to_vec());
+
+    // Prepared zeros after the frames, or the first bytes of a torn third commit.
+    let mut torn = seg.clone();
+    frame(&mut torn, 3, &second);
+    torn.truncate(end + 30);
+    let mut zeros = seg.clone();
+    zeros.resize(end + 4096, 0);
+    for (what, bytes) in [("zeros after it", zeros), ("a torn tail", torn)] {
+        let dir = tempfile::tempdir().unwrap();
+        fs::write(dir.path().join("META"), header(b"KEELMETA", 1)).unwrap();
+        let old = dir.path().join("0000000000000001.seg");
+        fs::write(&old, &bytes).unwrap();
+        let b = FileBackend::open(dir.path(), &small()).unwrap();
+        assert!(dump(&b) == want, "{what}: {}", summary(&dump(&b)));
+        b.check_integrity().unwrap();
+        let mut more = WriteBatch::new();
+        more.put(&B, b"d".to_vec(), b"four".to_vec());
+        b.commit(&more).unwrap();
+        drop(b);
+        let kept = &bytes[..if what == "a torn tail" {
+            end
+        } else {
+            bytes.len()
+        }];
+        assert!(
+            fs::read(&old).unwrap() == kept,
+            "{what}: the old segment is kept as it was"
+        );
+        let segs = segments(dir.path());
+        assert_eq!(segs.len(), 2, "{what}: the commit went into a new segment");
+        let new = fs::read(&segs[1]).unwrap();
+        assert_eq!(
+            u32::from_le_bytes(new[8..12].try_into().unwrap()),
+            keel_backend_file::format::VERSION,
+            "{what}: the new segment is of this build's version"
+        );
+        let b = FileBackend::open(dir.path(), &small()).unwrap();
+        want.get_mut("key")
+            .unwrap()
+            .insert(b"d".to_vec(), b"four".to_vec());
+        assert!(
+            dump(&b) == want,
+            "{what} after reopen: {}",
+            summary(&dump(&b))
+        );
+        want.get_mut("key").unwrap().remove(&b"d"[..]);
+        b.check_integrity().unwrap();
     }
 }
 

@@ -8,6 +8,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use keel_backend_file::format::FRAME_HEADER;
 use keel_backend_file::{FaultHook, FileBackend, FileOptions, PrepareWith, WriteFault};
 use keel_mvcc::{Backend, BackendError, WriteBatch};
 
@@ -47,13 +48,14 @@ fn batch(i: u32) -> WriteBatch {
 
 /// End of the last frame of a segment file, walking the documented frame layout.
 fn frames_end(bytes: &[u8]) -> usize {
+    let header = FRAME_HEADER;
     let mut at = 32;
-    while at + 16 <= bytes.len() {
+    while at + header <= bytes.len() {
         let len = u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()) as usize;
-        if bytes[at..at + 16].iter().all(|&b| b == 0) || at + 16 + len > bytes.len() {
+        if bytes[at..at + header].iter().all(|&b| b == 0) || at + header + len > bytes.len() {
             break;
         }
-        at += 16 + len;
+        at += header + len;
     }
     at
 }
