@@ -1,6 +1,7 @@
-//! The I/O seam: every write, sync and truncation of the store goes through `Io`, which
-//! consults an optional [`FaultHook`]. Tests install a [`FaultPlan`] to fail any single write
-//! or sync, or to tear a write (only a prefix reaches the file) and keep it there.
+//! The I/O seam: every write, sync, truncation and mapping of the store goes through `Io`,
+//! which consults an optional [`FaultHook`]. Tests install a [`FaultPlan`] to fail any single
+//! write or sync, or to tear a write (only a prefix reaches the file) and keep it there; a
+//! hook of their own can also fail a mapping.
 
 use std::fmt;
 use std::fs::File;
@@ -39,6 +40,14 @@ pub trait FaultHook: Send + Sync + fmt::Debug {
     /// Called before cutting `path` back to `len` bytes (the undo of a failed commit, and the
     /// torn-tail repair at open).
     fn before_truncate(&self, path: &Path, len: u64) -> io::Result<()>;
+    /// Called before mapping `len` bytes of the segment file `path` read-only (at open, when a
+    /// segment is started, and when a commit outgrows its segment's mapping); an error fails
+    /// the mapping. The default lets every mapping proceed (a [`FaultPlan`] neither counts
+    /// nor strikes mappings).
+    fn before_map(&self, path: &Path, len: u64) -> io::Result<()> {
+        let _ = (path, len);
+        Ok(())
+    }
 }
 
 /// A [`FaultHook`] that numbers every write and sync from 0 and strikes one of them.
@@ -275,6 +284,16 @@ impl Io {
         File::open(dir)
             .and_then(|d| d.sync_all())
             .map_err(|e| BackendError::io(dir, "fsync directory", e))
+    }
+
+    /// Asks the hook whether mapping `len` bytes of `path` may proceed.
+    pub(crate) fn before_map(&self, path: &Path, len: u64) -> Result<(), BackendError> {
+        match &self.hook {
+            Some(h) => h
+                .before_map(path, len)
+                .map_err(|e| BackendError::io(path, "mmap", e)),
+            None => Ok(()),
+        }
     }
 
     /// Cuts a file back to `len` bytes.

@@ -21,8 +21,10 @@
 //! Space comes back through the reclaimer: it copies the live records of the oldest segments
 //! forward in small commits, then moves the floor in the META file and removes the old
 //! segment files once no reader maps them. `defragment` does the same for every segment, so
-//! the files shrink to the live data. Every write and sync goes through an I/O seam
-//! ([`fault`]) where tests inject failures; a failed write or sync poisons the backend.
+//! the files shrink to the live data. Every write, sync and mapping goes through an I/O seam
+//! ([`fault`]) where tests inject failures; a failed write or sync poisons the backend, and so
+//! does a commit whose frame is durable but whose segment cannot be mapped to publish it
+//! ([`UnpublishedCommit`]).
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
@@ -44,5 +46,5 @@ mod version;
 
 pub use fault::{FaultHook, FaultPlan, Strike, WriteFault};
 pub use options::{FileOptions, PrepareWith};
-pub use store::{FileBackend, LOCK_FILE};
+pub use store::{FileBackend, LOCK_FILE, UnpublishedCommit};
 pub use txn::{FileRange, FileReadTxn};

@@ -245,7 +245,7 @@ pub(crate) fn recover(dir: &Path, io: &Io, segment_size: u64) -> Result<Recovere
             break;
         }
         let seg = SegFile::new(id, path.clone());
-        let map = SegMap::map(&seg, &file, &path, size, segment_size)?;
+        let map = SegMap::map(io, &seg, &file, &path, size, segment_size)?;
         let bytes = map.prefix(size).unwrap_or_default();
         let (hid, version) = format::decode_segment_header(&path, bytes)?;
         if hid != u64::from(id) {
@@ -303,7 +303,7 @@ pub(crate) fn recover(dir: &Path, io: &Io, segment_size: u64) -> Result<Recovere
             let id = floor + r.version.segs.len() as u32;
             let (seg, file) = create_segment(dir, io, id)?;
             let path = seg.path.clone();
-            let map = SegMap::map(&seg, &file, &path, HEADER_LEN as u64, segment_size)?;
+            let map = SegMap::map(io, &seg, &file, &path, HEADER_LEN as u64, segment_size)?;
             r.version.segs.push(Some(Mapped {
                 map,
                 end: HEADER_LEN as u64,

@@ -16,6 +16,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use keel_mvcc::BackendError;
 use memmap2::{MmapOptions, MmapRaw};
 
+use crate::fault::Io;
+
 /// File name of segment `id`.
 pub(crate) fn file_name(id: u64) -> String {
     format!("{id:016x}.seg")
@@ -88,8 +90,10 @@ impl SegMap {
     /// `map_len`. Bytes past the end of the file are never read (see [`prefix`](Self::prefix):
     /// only committed bytes are, and those lie inside the file).
     ///
-    /// Fails without mapping when the file is shorter than `committed`.
+    /// Fails without mapping when the file is shorter than `committed`, or when the fault
+    /// hook of `io` fails the mapping.
     pub(crate) fn map(
+        io: &Io,
         seg: &Arc<SegFile>,
         file: &File,
         path: &Path,
@@ -112,6 +116,7 @@ impl SegMap {
             offset: 0,
             reason: "segment larger than the address space".into(),
         })?;
+        io.before_map(path, len as u64)?;
         let map = MmapOptions::new()
             .len(len)
             .map_raw_read_only(file)

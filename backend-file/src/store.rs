@@ -35,6 +35,49 @@ use crate::version::{Applier, Loc, Mapped, SegStat, Version};
 /// Name of the lock file inside the store directory.
 pub const LOCK_FILE: &str = "LOCK";
 
+/// The error of a commit whose frame was written, and synced unless a restore was loading,
+/// but whose batch could not be published: mapping the segment past the frame failed. The
+/// batch is in the store (a reopen finds it; after a restore's unsynced write, once the
+/// restore's final sync would have made it durable) yet in no index version readers see, so
+/// the backend is poisoned: no later write proceeds against an index that lacks the batch.
+/// Returned inside [`BackendError::Other`]; later writes fail with
+/// [`BackendError::Poisoned`], whose reason is this error's text.
+#[derive(Debug)]
+pub struct UnpublishedCommit {
+    /// Sequence number of the batch's frame.
+    pub seq: u64,
+    /// The segment file holding the frame.
+    pub path: PathBuf,
+    /// Whether the frame was synced (false only for a restore's batch, synced at its end).
+    pub synced: bool,
+    /// Why the segment could not be mapped.
+    pub source: BackendError,
+}
+
+impl std::fmt::Display for UnpublishedCommit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let how = if self.synced {
+            "written and synced: it is durable and a reopen finds it in the store"
+        } else {
+            "written without a sync (a restore's batch)"
+        };
+        write!(
+            f,
+            "batch {} was {how} ({}), but it could not be published to readers: {}; \
+             reopen the backend",
+            self.seq,
+            self.path.display(),
+            self.source
+        )
+    }
+}
+
+impl std::error::Error for UnpublishedCommit {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.source)
+    }
+}
+
 /// How long open waits for a busy lock before reporting it held.
 const LOCK_PATIENCE: std::time::Duration = std::time::Duration::from_millis(250);
 
@@ -330,6 +373,7 @@ impl Inner {
         let file = Arc::new(file);
         let path = seg.path.clone();
         let map = SegMap::map(
+            &self.io,
             &seg,
             &file,
             &path,
@@ -574,6 +618,11 @@ impl Inner {
 
     /// The first half of [`publish`](Self::publish): records the active segment's committed
     /// end in the writer's version, without publishing it.
+    ///
+    /// Called once the commit's frame is written (and, unless a restore is loading, synced):
+    /// should the segment's new mapping fail, the batch is in the store for a reopen to find
+    /// but in no index version readers or later commits see, so the backend is poisoned with
+    /// an [`UnpublishedCommit`] saying so.
     pub(crate) fn record_end(&self, w: &mut Writer) -> Result<(), BackendError> {
         let seg = w.active.seg.clone();
         let end = w.active.end;
@@ -585,9 +634,15 @@ impl Inner {
                 // The segment's size, or the whole file if it has grown past it: the next
                 // commits land inside this mapping.
                 let map_len = self.options.segment_size;
-                match SegMap::map(&seg, &w.active.file, &seg.path, end, map_len) {
+                match SegMap::map(&self.io, &seg, &w.active.file, &seg.path, end, map_len) {
                     Ok(m) => m,
-                    Err(e) => {
+                    Err(source) => {
+                        let e = BackendError::Other(Box::new(UnpublishedCommit {
+                            seq: w.next_seq - 1,
+                            path: seg.path.clone(),
+                            synced: !w.active.dirty,
+                            source,
+                        }));
                         Self::poison(w, &e);
                         return Err(e);
                     }

@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use keel_backend_file::{FaultPlan, FileBackend, FileOptions, Strike};
+use keel_backend_file::{FaultPlan, FileBackend, FileOptions, Strike, UnpublishedCommit};
 use keel_mvcc::{Backend, BackendError, ReadTxn, WriteBatch};
 
 use crate::support::{B, Dump, META_B, dump, summary};
@@ -201,4 +201,95 @@ fn a_failed_commit_is_cut_off_durably() {
         summary(&dump(&only))
     };
     assert_eq!(summary(&dump(&b)), want);
+}
+
+mod map {
+    use std::path::Path;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use keel_backend_file::{FaultHook, WriteFault};
+
+    /// Once armed, fails the next mapping of more than `longer_than` bytes.
+    #[derive(Debug, Default)]
+    pub struct FailNextLongMap {
+        pub longer_than: u64,
+        pub armed: AtomicBool,
+    }
+
+    impl FaultHook for FailNextLongMap {
+        fn before_write(&self, _: &Path, _: u64, _: usize) -> WriteFault {
+            WriteFault::Proceed
+        }
+        fn before_sync(&self, _: &Path) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn before_truncate(&self, _: &Path, _: u64) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn before_map(&self, _: &Path, len: u64) -> std::io::Result<()> {
+            if len > self.longer_than && self.armed.swap(false, Ordering::SeqCst) {
+                return Err(std::io::Error::from_raw_os_error(12));
+            }
+            Ok(())
+        }
+    }
+}
+
+/// A commit whose frame is synced but whose segment cannot be mapped past it (the frame
+/// outgrew the segment's mapping) says that the batch is durable but not published, and
+/// poisons the backend: later writes are refused, readers keep the state before it, and a
+/// reopen finds the batch.
+#[test]
+fn a_durable_batch_that_cannot_be_published_poisons() {
+    let dir = tempfile::tempdir().unwrap();
+    let segment = options(None).segment_size;
+    let hook = Arc::new(map::FailNextLongMap {
+        longer_than: segment,
+        ..Default::default()
+    });
+    let b = FileBackend::open(
+        dir.path(),
+        &FileOptions {
+            fault_hook: Some(hook.clone() as _),
+            ..options(None)
+        },
+    )
+    .unwrap();
+    b.commit(&batch(1)).unwrap();
+    let before = dump(&b);
+    let mut big = WriteBatch::new();
+    big.put(&B, b"big".to_vec(), vec![7; segment as usize + (16 << 10)]);
+    hook.armed.store(true, std::sync::atomic::Ordering::SeqCst);
+    let err = b.commit(&big).expect_err("the mapping fails");
+    let unpublished = match &err {
+        BackendError::Other(inner) => inner.downcast_ref::<UnpublishedCommit>(),
+        _ => None,
+    };
+    let Some(unpublished) = unpublished else {
+        panic!("expected an UnpublishedCommit error, got {err}");
+    };
+    assert_eq!(unpublished.seq, 2, "the batch's sequence number");
+    assert!(unpublished.synced, "the batch was synced");
+    assert!(err.to_string().contains("durable"), "{err}");
+    match b.commit(&batch(3)) {
+        Err(BackendError::Poisoned { reason }) => {
+            assert!(reason.contains("could not be published"), "{reason}")
+        }
+        other => panic!("expected Poisoned, got {other:?}"),
+    }
+    assert!(
+        dump(&b) == before,
+        "readers keep the state before the batch"
+    );
+    drop(b);
+    let b = FileBackend::open(dir.path(), &options(None)).unwrap();
+    let got = dump(&b);
+    assert_eq!(
+        got.get("key")
+            .and_then(|m| m.get(&b"big"[..]))
+            .map(Vec::len),
+        Some(segment as usize + (16 << 10)),
+        "a reopen finds the durable batch"
+    );
+    b.check_integrity().unwrap();
 }
