@@ -19,13 +19,20 @@
 //! full speed again as soon as writes stop.
 //!
 //! Oversubscribed means no CPU to spare: while writes flow, a read runs unpaced for a probe
-//! of [`PROBE`], sampling the machine's runnable threads (Linux's `/proc/loadavg`, the read
-//! itself among them) every [`PROBE_EVERY`]. Less than one idle CPU on average, of those
-//! this process may use, makes the read pace itself for the next [`RECHECK`]; more lets it
-//! run at full speed as long, after which it probes again. So a machine with a CPU to spare
-//! for the writers never slows a scan. (The reading thread's own wait for a CPU is no such
-//! sign: the scheduler may as well keep the scan on its CPU and make the writer and the
-//! committer share the other.)
+//! of [`PROBE`] and measures what the process's threads did meanwhile: the CPU time they used
+//! (the read's own among it; `CLOCK_PROCESS_CPUTIME_ID`), and the time its other threads
+//! spent ready to run but waiting for a CPU (their run delay in
+//! `/proc/self/task/*/schedstat`), both as an average number of CPUs. Their sum is what
+//! the process could have used; less than one CPU left over on average, of those it may use
+//! (its CPU affinity and its cgroup's CPU quota, as `std::thread::available_parallelism`
+//! counts them), makes the read pace itself for the next [`RECHECK`]; more lets it run at
+//! full speed as long, after which it probes again. So a process with a CPU to spare for
+//! its writers never slows a scan, and one whose writers wait for a CPU, because of the scan
+//! or of any other process, paces it. Only the process's own threads are measured: other
+//! processes' load (in a container, the whole host's, which is what its `/proc/loadavg`
+//! shows) counts only as far as it makes them wait. (The reading thread's own wait for a
+//! CPU is no sign: the scheduler may as well keep the scan on its CPU and make the writer
+//! and the committer share the other.)
 //!
 //! A paced read's time on a CPU comes from `/proc/thread-self/schedstat`, read once per
 //! [`CHECK_EVERY`] at most. Where these cannot be read, a read paces whenever writes flow
@@ -53,9 +60,6 @@ pub(crate) const CHECK_EVERY: Duration = Duration::from_micros(500);
 /// oversubscribed.
 pub(crate) const PROBE: Duration = Duration::from_millis(10);
 
-/// How often a probe samples the machine's runnable threads.
-pub(crate) const PROBE_EVERY: Duration = Duration::from_millis(1);
-
 /// How long a probe's verdict holds: a paced read spends at most [`PROBE`] of every
 /// [`RECHECK`] unpaced.
 pub(crate) const RECHECK: Duration = Duration::from_millis(200);
@@ -67,36 +71,65 @@ pub(crate) fn thread_on_cpu() -> Option<Duration> {
     Some(Duration::from_nanos(on_cpu))
 }
 
-/// The CPUs this process may use less the machine's runnable threads, now (below zero when
-/// threads wait for a CPU), if the system says.
-pub(crate) fn idle_cpus() -> Option<f64> {
-    let load = std::fs::read_to_string("/proc/loadavg").ok()?;
-    let (running, _) = load.split_whitespace().nth(3)?.split_once('/')?;
-    let running: f64 = running.parse().ok()?;
-    let cpus = std::thread::available_parallelism().ok()?.get();
-    Some(cpus as f64 - running)
+/// What the process's threads have done so far: their time on a CPU, all together, and the
+/// time all but the calling thread have waited for one (their run delay), if the system
+/// says.
+pub(crate) fn process_cpu() -> Option<(Duration, Duration)> {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
+    let on_cpu = Duration::new(
+        u64::try_from(t.tv_sec).ok()?,
+        u32::try_from(t.tv_nsec).ok()?,
+    );
+    let me = rustix::thread::gettid().as_raw_nonzero().get().to_string();
+    let mut waited = 0u64;
+    for task in std::fs::read_dir("/proc/self/task").ok()? {
+        let Ok(task) = task else { continue };
+        if task.file_name().to_str() == Some(me.as_str()) {
+            continue;
+        }
+        // A thread that ended meanwhile has nothing left to count.
+        let Ok(stat) = std::fs::read_to_string(task.path().join("schedstat")) else {
+            continue;
+        };
+        if let Some(delay) = stat
+            .split_whitespace()
+            .nth(1)
+            .and_then(|d| d.parse::<u64>().ok())
+        {
+            waited = waited.saturating_add(delay);
+        }
+    }
+    Some((on_cpu, Duration::from_nanos(waited)))
 }
 
-/// How a pacer reads the system: see [`thread_on_cpu`] and [`idle_cpus`].
+/// The CPUs this process may use, if the system says.
+pub(crate) fn usable_cpus() -> Option<f64> {
+    Some(std::thread::available_parallelism().ok()?.get() as f64)
+}
+
+/// How a pacer reads the system: see [`thread_on_cpu`], [`process_cpu`] and
+/// [`usable_cpus`].
 #[derive(Clone, Copy)]
 pub(crate) struct Probes {
     pub on_cpu: fn() -> Option<Duration>,
-    pub idle_cpus: fn() -> Option<f64>,
+    pub process: fn() -> Option<(Duration, Duration)>,
+    pub cpus: fn() -> Option<f64>,
 }
 
 /// The system's own.
 pub(crate) const SYSTEM: Probes = Probes {
     on_cpu: thread_on_cpu,
-    idle_cpus,
+    process: process_cpu,
+    cpus: usable_cpus,
 };
 
 /// Whether reads pace themselves (see the module docs): the store keeps the last verdict,
 /// so a read that begins while it holds needs no probe of its own.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) enum Verdict {
-    /// Probing since the first instant, with the sum and count of the samples of idle CPUs
-    /// so far, the last one taken at the second instant.
-    Probing(Instant, f64, u32, Instant),
+    /// Probing since the instant, when the process's threads had used the CPU time given
+    /// and waited the time given for a CPU (see [`process_cpu`]).
+    Probing(Instant, Duration, Duration),
     /// Pacing until the instant.
     Pace(Instant),
     /// Running at full speed until the instant.
@@ -227,25 +260,26 @@ impl<'a> Pacer<'a> {
     /// Whether the CPUs are oversubscribed, as the last probe found; starts or ends a probe
     /// at `now` when due.
     fn contended(&self, now: Instant) -> bool {
-        let sample = || (self.probes.idle_cpus)();
-        let probe = || match sample() {
-            Some(first) => Verdict::Probing(now, first, 1, now),
+        let probe = || match (self.probes.process)() {
+            Some((used, waited)) => Verdict::Probing(now, used, waited),
             None => Verdict::Pace(now + RECHECK),
         };
         let held = self.store.verdict();
         let verdict = match held {
             None => probe(),
-            Some(Verdict::Probing(since, sum, n, last)) if now - last >= PROBE_EVERY => {
-                match sample() {
-                    Some(s) if now - since >= PROBE => {
-                        if (sum + s) / f64::from(n + 1) < 1.0 {
+            Some(Verdict::Probing(since, used_then, waited_then)) if now - since >= PROBE => {
+                match ((self.probes.process)(), (self.probes.cpus)()) {
+                    (Some((used, waited)), Some(cpus)) => {
+                        let span = (now - since).as_secs_f64();
+                        let busy = used.saturating_sub(used_then).as_secs_f64() / span;
+                        let wanting = waited.saturating_sub(waited_then).as_secs_f64() / span;
+                        if cpus - busy - wanting < 1.0 {
                             Verdict::Pace(now + RECHECK)
                         } else {
                             Verdict::Run(now + RECHECK)
                         }
                     }
-                    Some(s) => Verdict::Probing(since, sum + s, n + 1, now),
-                    None => Verdict::Pace(now + RECHECK),
+                    _ => Verdict::Pace(now + RECHECK),
                 }
             }
             Some(Verdict::Pace(until) | Verdict::Run(until)) if now >= until => probe(),
@@ -326,19 +360,37 @@ mod tests {
     /// as time on a CPU.
     const UNKNOWN: Probes = Probes {
         on_cpu: || None,
-        idle_cpus: || None,
+        process: || None,
+        cpus: || None,
     };
 
-    /// CPUs to spare.
+    /// Time since the first call of any of these: the CPU time of a process that keeps one
+    /// CPU busy, or the wait of a thread always ready to run.
+    fn since_start() -> Duration {
+        static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+        START.get_or_init(Instant::now).elapsed()
+    }
+
+    /// CPUs to spare: one busy of four, nobody waiting.
     const IDLE_CPUS: Probes = Probes {
         on_cpu: || None,
-        idle_cpus: || Some(3.0),
+        process: || Some((since_start(), Duration::ZERO)),
+        cpus: || Some(4.0),
     };
 
-    /// No CPU to spare.
+    /// No CPU to spare: one busy of one.
     const BUSY_CPUS: Probes = Probes {
         on_cpu: || None,
-        idle_cpus: || Some(0.0),
+        process: || Some((since_start(), Duration::ZERO)),
+        cpus: || Some(1.0),
+    };
+
+    /// No CPU to spare for the process's writers: one of two used, and a thread waiting
+    /// for the other all along (another process has it).
+    const TAKEN_CPUS: Probes = Probes {
+        on_cpu: || None,
+        process: || Some((since_start(), since_start())),
+        cpus: || Some(2.0),
     };
 
     /// Runs "a chunk" of `d` with a write landing in it, and pauses.
@@ -425,8 +477,61 @@ mod tests {
     }
 
     #[test]
+    fn the_process_time_on_a_cpu_counts_every_thread() {
+        let (before, _) = process_cpu().expect("process CPU time");
+        let spin = || {
+            let start = thread_on_cpu().expect("thread CPU time");
+            let t = Instant::now();
+            while t.elapsed() < Duration::from_millis(30) {
+                std::hint::spin_loop();
+            }
+            thread_on_cpu().expect("thread CPU time") - start
+        };
+        let (a, b) = std::thread::scope(|s| {
+            let a = s.spawn(spin);
+            let b = s.spawn(spin);
+            (a.join().unwrap(), b.join().unwrap())
+        });
+        let used = process_cpu().expect("process CPU time").0 - before;
+        // Both spinning threads' time is in the process's, with the scheduler's accounting
+        // granularity to spare.
+        assert!(
+            used + Duration::from_millis(2) >= a + b,
+            "process {used:?}, threads {a:?} + {b:?}"
+        );
+        assert!(usable_cpus().is_some_and(|n| n >= 1.0));
+    }
+
+    #[test]
+    fn threads_kept_from_a_cpu_count_as_waiting() {
+        // One spinning thread more than there are CPUs: some of them wait for one, and their
+        // waits are counted while they run (an ended thread no longer counts).
+        let n = std::thread::available_parallelism().map_or(1, |n| n.get()) + 1;
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let waited = std::thread::scope(|s| {
+            for _ in 0..n {
+                s.spawn(|| {
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        std::hint::spin_loop();
+                    }
+                });
+            }
+            std::thread::sleep(Duration::from_millis(5));
+            let (_, first) = process_cpu().expect("process CPU time");
+            std::thread::sleep(Duration::from_millis(60));
+            let (_, last) = process_cpu().expect("process CPU time");
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            last.saturating_sub(first)
+        });
+        assert!(
+            waited > Duration::ZERO,
+            "no wait counted for {n} spinning threads"
+        );
+    }
+
+    #[test]
     fn a_read_paces_only_once_a_probe_finds_it_waiting_for_a_cpu() {
-        for (probes, paces) in [(IDLE_CPUS, false), (BUSY_CPUS, true)] {
+        for (probes, paces) in [(IDLE_CPUS, false), (BUSY_CPUS, true), (TAKEN_CPUS, true)] {
             let store = fake(25);
             let p = Pacer::with_probes(&store, probes);
             // Writes flow throughout; the first chunks run unpaced while the probe lasts.
