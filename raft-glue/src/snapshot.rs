@@ -194,8 +194,16 @@ impl ChunkWriter<'_> {
         // Before the pacing too: a stopped transfer takes none of the shared budget.
         self.check_answered()?;
         if let Some(l) = self.limiter {
-            l.acquire(data.len() as u64);
-            self.check_answered()?;
+            // A transfer answered (cancelled) while it waits for the budget stops within a
+            // slice of the wait, and gives back the bytes it reserved: the transfers pacing
+            // on the same budget do not wait for a chunk that is never sent.
+            let mut answered = Ok(());
+            if !l.acquire_unless(data.len() as u64, || {
+                answered = self.check_answered();
+                answered.is_err()
+            }) {
+                return answered;
+            }
         }
         (self.progress)(data.len() as u64);
         // The data is hashed once; the stream's CRC is extended by combination.
@@ -1454,6 +1462,84 @@ mod tests {
             started.elapsed() < Duration::from_millis(500),
             "the cancelled sender waited {:?} for pacing",
             started.elapsed()
+        );
+    }
+
+    /// A transfer cancelled while it waits for its pacing budget stops within a slice of
+    /// the wait, and gives the budget it reserved back: a transfer begun right after it (to
+    /// the same member, as one replacing it) waits for its own chunk only.
+    #[cfg(feature = "backend-file")]
+    #[test]
+    fn a_transfer_cancelled_while_paced_stops_and_gives_its_budget_back() {
+        struct Nowhere;
+        impl Transport for Nowhere {
+            fn send(&self, _: Message) {}
+            fn send_snapshot(&self, _: SnapshotFrame) -> Result<(), NodeError> {
+                Ok(())
+            }
+        }
+        /// Notes when the first chunk goes out, and refuses the transfer then.
+        struct FirstChunk {
+            acks: AckWaiters,
+            sent: Mutex<Option<Instant>>,
+        }
+        impl Transport for FirstChunk {
+            fn send(&self, _: Message) {}
+            fn send_snapshot(&self, frame: SnapshotFrame) -> Result<(), NodeError> {
+                if let SnapshotFrame::Chunk(c) = frame {
+                    self.sent.lock().get_or_insert_with(Instant::now);
+                    route_ack(
+                        &self.acks,
+                        SnapshotAck {
+                            from: 2,
+                            to: 1,
+                            transfer: c.transfer,
+                            error: Some("enough".into()),
+                        },
+                    );
+                }
+                Ok(())
+            }
+        }
+
+        let dir = tempfile::tempdir().expect("tempdir");
+        let source = source_of(dir.path(), 50);
+        // 512 B/s without a burst: each chunk of 1 KiB waits 2 s for its budget.
+        let limiter = crate::tcp::RateLimiter::new(512, 0);
+        let acks: AckWaiters = Arc::new(Mutex::new(HashMap::new()));
+        let answers = expect_answer(&acks, 9, 2);
+        let (cancelled, first_chunk, first_ended) = std::thread::scope(|scope| {
+            let first = scope.spawn(|| {
+                let result = send_from(&source, &Nowhere, &acks, answers, 9, Some(&limiter));
+                (result, Instant::now())
+            });
+            // The first transfer is waiting for its first chunk's budget.
+            std::thread::sleep(Duration::from_millis(200));
+            assert_eq!(cancel_to(&acks, 1, 2, "replaced"), 1);
+            let cancelled = Instant::now();
+            let answers = expect_answer(&acks, 10, 2);
+            let next = FirstChunk {
+                acks: acks.clone(),
+                sent: Mutex::new(None),
+            };
+            let result = send_from(&source, &next, &acks, answers, 10, Some(&limiter));
+            assert!(result.is_err(), "refused at its first chunk");
+            let (result, ended) = first.join().expect("first sender");
+            assert!(result.is_err(), "a cancelled transfer succeeded");
+            let first_chunk = next.sent.lock().expect("a chunk was sent");
+            (cancelled, first_chunk, ended)
+        });
+        let stopped = first_ended.saturating_duration_since(cancelled);
+        let waited = first_chunk.saturating_duration_since(cancelled);
+        assert!(
+            stopped < Duration::from_millis(500),
+            "the cancelled sender ended {stopped:?} after its cancellation, with 1.8 s of its \
+             wait left (the next transfer's first chunk went {waited:?} after it)"
+        );
+        assert!(
+            waited < Duration::from_secs(3),
+            "the next transfer's first chunk went {waited:?} after the cancellation: it waited \
+             for the cancelled chunk's budget too"
         );
     }
 
