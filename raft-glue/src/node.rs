@@ -26,9 +26,11 @@
 //! follower is forwarded to the leader by raft-rs. Linearizable reads go through ReadIndex
 //! (batched: one read-index round serves every read queued in one loop turn) and wait until
 //! the member has applied the read index; serializable reads read the local store. A change
-//! of leader (this member stepping down included) fails the reads whose round is in flight
-//! with [`NodeError::NotLeader`], as etcd fails them with "leader changed": raft-rs drops
-//! those rounds.
+//! of leader (this member stepping down included) fails the reads whose round in flight can
+//! no longer be answered with [`NodeError::NotLeader`], as etcd fails them with "leader
+//! changed": raft-rs drops those rounds. A follower that pre-campaigns and hears from the
+//! same leader again in the same term keeps its rounds (asked again), unless it stays
+//! without a leader for an election timeout.
 
 use std::collections::{BTreeSet, HashMap};
 use std::fs;
@@ -222,6 +224,17 @@ pub enum ReadConsistency {
 
 type Reply = ReplyTx<Result<Response, NodeError>>;
 type ReadReply = ReplyTx<Result<u64, NodeError>>;
+
+/// A read-index round in flight: the reads it serves, and whom it was asked of.
+struct ReadRound {
+    /// When it was last asked.
+    asked: Instant,
+    /// The leader it was asked of (this member's leader then; this member, as the leader).
+    leader: u64,
+    /// This member's term then.
+    term: u64,
+    replies: Vec<ReadReply>,
+}
 
 /// One answer from the Raft thread to a caller: a slot and a condition variable. The caller
 /// sleeps on the condition variable until the answer (or the sender's drop) arrives, without
@@ -540,6 +553,7 @@ impl<B: Backend> Node<B> {
             events: ev_tx,
             waiters: HashMap::new(),
             reads: HashMap::new(),
+            leaderless_since: None,
             read_batch: Vec::new(),
             read_ctx: incarnation_base(),
             applied_waits: Vec::new(),
@@ -1379,9 +1393,11 @@ struct Driver<B: Backend> {
     events: Sender<Event>,
     /// Proposals made on this member, by sequence number.
     waiters: HashMap<u64, (Instant, Reply)>,
-    /// Read-index rounds in flight, by context: when each was sent, and the leader it was
-    /// sent under (this member's leader then).
-    reads: HashMap<u64, (Instant, u64, Vec<ReadReply>)>,
+    /// Read-index rounds in flight, by context.
+    reads: HashMap<u64, ReadRound>,
+    /// Since when no leader has been known, while read-index rounds sent under the last one
+    /// wait to hear from it again (see [`Driver::fail_reads_in_flight`]).
+    leaderless_since: Option<Instant>,
     /// Reads queued in this loop turn.
     read_batch: Vec<ReadReply>,
     read_ctx: u64,
@@ -1473,6 +1489,7 @@ impl<B: Backend> Driver<B> {
                     self.flush_reads();
                     self.on_ready()?;
                 }
+                self.expire_leaderless_reads();
                 self.retry_deferred_members();
                 self.member_duties();
                 if self.removed {
@@ -1510,8 +1527,8 @@ impl<B: Backend> Driver<B> {
         for (_, (_, r)) in self.waiters.drain() {
             let _ = r.send(Err(err()));
         }
-        for (_, (_, _, rs)) in self.reads.drain() {
-            for r in rs {
+        for (_, round) in self.reads.drain() {
+            for r in round.replies {
                 let _ = r.send(Err(err()));
             }
         }
@@ -1543,14 +1560,14 @@ impl<B: Backend> Driver<B> {
     fn sweep(&mut self) {
         let limit = self.shared.options.request_timeout * 2;
         self.waiters.retain(|_, (t, _)| t.elapsed() < limit);
-        self.reads.retain(|_, (t, _, _)| t.elapsed() < limit);
+        self.reads.retain(|_, round| round.asked.elapsed() < limit);
         if self.leader().is_some() {
-            let leader = self.raw.raft.leader_id;
+            let (leader, term) = (self.raw.raft.leader_id, self.raw.raft.term);
             let mut stale = Vec::new();
-            for (ctx, (t, sent_under, _)) in &mut self.reads {
-                if t.elapsed() >= Duration::from_millis(500) {
+            for (ctx, round) in &mut self.reads {
+                if round.asked.elapsed() >= Duration::from_millis(500) {
                     // Asked again, of the leader known now.
-                    *sent_under = leader;
+                    (round.leader, round.term) = (leader, term);
                     stale.push(*ctx);
                 }
             }
@@ -1744,7 +1761,11 @@ impl<B: Backend> Driver<B> {
         // issued as soon as it is answered (or after a tick, should it be lost), so a busy
         // member sends one heartbeat round per batch of reads rather than per loop turn.
         let tick = self.shared.options.tick_interval;
-        if self.reads.values().any(|(t, _, _)| t.elapsed() < tick) {
+        if self
+            .reads
+            .values()
+            .any(|round| round.asked.elapsed() < tick)
+        {
             return;
         }
         let batch = std::mem::take(&mut self.read_batch);
@@ -1760,8 +1781,15 @@ impl<B: Backend> Driver<B> {
         self.read_ctx += 1;
         let ctx = self.read_ctx;
         self.raw.read_index(ctx.to_le_bytes().to_vec());
-        let leader = self.raw.raft.leader_id;
-        self.reads.insert(ctx, (Instant::now(), leader, batch));
+        self.reads.insert(
+            ctx,
+            ReadRound {
+                asked: Instant::now(),
+                leader: self.raw.raft.leader_id,
+                term: self.raw.raft.term,
+                replies: batch,
+            },
+        );
     }
 
     fn event(&mut self, e: Event) -> Option<Sender<bool>> {
@@ -2827,45 +2855,93 @@ impl<B: Backend> Driver<B> {
             let mut a = [0u8; 8];
             a.copy_from_slice(&rs.request_ctx);
             let ctx = u64::from_le_bytes(a);
-            if let Some((_, _, replies)) = self.reads.remove(&ctx) {
-                for r in replies {
+            if let Some(round) = self.reads.remove(&ctx) {
+                for r in round.replies {
                     self.applied_waits.push((rs.index, r));
                 }
             }
         }
     }
 
-    /// Fails every read whose read-index round is in flight with [`NodeError::NotLeader`]
-    /// (naming `leader`, the leader now known), once this member's role or its leader has
-    /// changed: raft-rs drops the read-index requests of a leader that steps down, and one
-    /// forwarded to a leader that no longer leads goes unanswered, so those reads would
-    /// otherwise wait out their request timeout. As etcd ("leader changed"), the caller may
-    /// retry at once, here or on another member. Reads not yet sent wait for the next
-    /// round (to the new leader, or refused at once while none is known), and reads whose
-    /// index is already confirmed complete as the apply reaches it.
+    /// Fails with [`NodeError::NotLeader`] (naming `leader`, the leader now known) every read
+    /// whose read-index round in flight can no longer be answered, once this member's role or
+    /// its leader has changed: raft-rs drops the read-index requests of a leader that steps
+    /// down, and the answers of a leader of an earlier term, so those reads would otherwise
+    /// wait out their request timeout. As etcd ("leader changed"), the caller may retry at
+    /// once, here or on another member. Reads not yet sent wait for the next round (to the
+    /// new leader, or refused at once while none is known), and reads whose index is already
+    /// confirmed complete as the apply reaches it.
     ///
-    /// A round sent under the leader now known (its heartbeat stepped in the same loop turn
-    /// as the round was asked) still waits for its answer; every other round fails, and
-    /// every round while no leader is known: a pre-candidate, or a member in a later term,
-    /// drops the old leader's answer, and a round is asked again only once a leader is
-    /// known.
+    /// A round can still be answered while this member is in the term it was sent in and
+    /// the leader it was sent to is the one known, or no leader is known and it was not
+    /// this member: a pre-candidate (pre-vote) stays in its term, and becomes that leader's
+    /// follower again when it hears from it. Such a round waits: asked again when the leader
+    /// is heard from again (raft-rs drops an answer that reached a pre-candidate), it fails
+    /// if no leader is known for an election timeout (see
+    /// [`expire_leaderless_reads`](Self::expire_leaderless_reads)). Every other round
+    /// fails: sent in an earlier term (this member campaigned, or heard of a later term),
+    /// to another leader, or by this member as the leader it no longer is.
     fn fail_reads_in_flight(&mut self, leader: Option<u64>) {
+        let regained = match leader {
+            Some(_) => self.leaderless_since.take().is_some(),
+            None => {
+                self.leaderless_since.get_or_insert_with(Instant::now);
+                false
+            }
+        };
         if self.reads.is_empty() {
             return;
         }
-        let id = self.id;
+        let (id, term) = (self.id, self.raw.raft.term);
+        let answerable = |round: &ReadRound| {
+            round.term == term
+                && match leader {
+                    Some(l) => round.leader == l,
+                    None => round.leader != id,
+                }
+        };
         let stale: Vec<u64> = self
             .reads
             .iter()
-            .filter(|(_, (_, sent_under, _))| leader != Some(*sent_under))
+            .filter(|(_, round)| !answerable(round))
             .map(|(ctx, _)| *ctx)
             .collect();
+        self.fail_reads(stale, leader, "leader changed");
+        if regained {
+            // Its answer may have come while this member was a pre-candidate, which drops it.
+            let now = Instant::now();
+            for (ctx, round) in &mut self.reads {
+                round.asked = now;
+                self.raw.read_index(ctx.to_le_bytes().to_vec());
+            }
+        }
+    }
+
+    /// Fails the reads of every round in flight once no leader has been known for an
+    /// election timeout (`tick_interval × election_ticks`): this member, cut off from the
+    /// leader they were sent to, keeps campaigning (as a pre-candidate, in the rounds' term)
+    /// rather than waiting for it, and nothing asks again until a leader is known.
+    fn expire_leaderless_reads(&mut self) {
+        let Some(since) = self.leaderless_since else {
+            return;
+        };
+        let o = &self.shared.options;
+        if self.reads.is_empty() || since.elapsed() < o.tick_interval * o.election_ticks as u32 {
+            return;
+        }
+        let all: Vec<u64> = self.reads.keys().copied().collect();
+        self.fail_reads(all, None, "no leader for an election timeout");
+    }
+
+    /// Fails the reads of the rounds `ctxs` with [`NodeError::NotLeader`] naming `leader`.
+    fn fail_reads(&mut self, ctxs: Vec<u64>, leader: Option<u64>, why: &str) {
+        let id = self.id;
         let mut failed = 0;
-        for ctx in stale {
-            let Some((_, _, replies)) = self.reads.remove(&ctx) else {
+        for ctx in ctxs {
+            let Some(round) = self.reads.remove(&ctx) else {
                 continue;
             };
-            for r in replies {
+            for r in round.replies {
                 failed += 1;
                 let _ = r.send(Err(NodeError::NotLeader { id, leader }));
             }
@@ -2877,7 +2953,8 @@ impl<B: Backend> Driver<B> {
             member = self.id,
             ?leader,
             failed,
-            "leader changed: linearizable reads in flight failed"
+            why,
+            "linearizable reads in flight failed"
         );
     }
 

@@ -401,3 +401,67 @@ fn reads_of_a_follower_that_loses_its_leader_fail_as_not_leader() {
         );
     }
 }
+
+/// A follower that loses its leader for a moment (cut off until it pre-campaigns, which
+/// keeps it in its term) and hears from that same leader again in that term keeps the read
+/// it had asked of it: the round can still be answered, and the read completes rather than
+/// failing with `NotLeader`.
+#[test]
+fn a_read_outlives_a_follower_losing_and_finding_its_leader_in_the_same_term() {
+    crate::init_tracing();
+    let options = NodeOptions {
+        // An election timeout of 500 ms at least: time to heal once the follower has
+        // pre-campaigned, before it gives the round up.
+        tick_interval: Duration::from_millis(50),
+        request_timeout: Duration::from_secs(20),
+        pre_vote: true,
+        ..fast_options()
+    };
+    let c = Cluster::<TestBackend>::new(3, options, 11).expect("cluster");
+    let leader = c.wait_leader(Duration::from_secs(10)).expect("leader");
+    let id = c
+        .ids()
+        .into_iter()
+        .find(|&i| i != leader)
+        .expect("a follower");
+    let node = c.node(id).expect("runs");
+    node.read_index().expect("a read while connected");
+    let term = node.status().term;
+    c.net.isolate(id);
+    let started = Instant::now();
+    let reader = {
+        let node = node.clone();
+        thread::spawn(move || node.read_index())
+    };
+    while node.status().leader.is_some() {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the cut-off follower still follows its leader"
+        );
+        thread::sleep(Duration::from_millis(2));
+    }
+    let lost = node.status();
+    assert_eq!(
+        (lost.role, lost.term),
+        (Role::PreCandidate, term),
+        "a pre-candidate in its term"
+    );
+    c.net.heal();
+    let r = reader.join().expect("reader");
+    let healed = Instant::now();
+    while node.status().leader.is_none() && healed.elapsed() < Duration::from_secs(5) {
+        thread::sleep(Duration::from_millis(2));
+    }
+    let found = node.status();
+    assert_eq!(
+        (found.leader, found.term),
+        (Some(leader), term),
+        "the same leader in the same term"
+    );
+    assert!(
+        r.is_ok(),
+        "the read asked of member {leader} before member {id} lost it and found it again \
+         in term {term}: {r:?} after {:?}",
+        started.elapsed()
+    );
+}
