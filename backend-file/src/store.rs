@@ -327,7 +327,8 @@ impl Inner {
     }
 
     /// Seals the active segment and starts the next one: the one prepared ahead if there is
-    /// one (renamed into place), else a new file.
+    /// one (renamed into place), else a new file. Any failure once the id is chosen poisons
+    /// the backend.
     pub(crate) fn roll(&self, w: &mut Writer) -> Result<(), BackendError> {
         let id = w
             .active
@@ -372,14 +373,23 @@ impl Inner {
         };
         let file = Arc::new(file);
         let path = seg.path.clone();
-        let map = SegMap::map(
+        // The new segment's file exists from here on: should its mapping fail, no later
+        // commit may go on in the segment before it, which is sealed (a commit torn there
+        // would lie in a sealed segment, and the next roll would find the file in its way).
+        let map = match SegMap::map(
             &self.io,
             &seg,
             &file,
             &path,
             HEADER_LEN as u64,
             self.options.segment_size.max(zeroed),
-        )?;
+        ) {
+            Ok(map) => map,
+            Err(e) => {
+                Self::poison(w, &e);
+                return Err(e);
+            }
+        };
         w.version.segs.push(Some(Mapped {
             map,
             end: HEADER_LEN as u64,

@@ -233,6 +233,87 @@ mod map {
             Ok(())
         }
     }
+
+    /// Once armed, fails the next mapping of the file called `name`.
+    #[derive(Debug)]
+    pub struct FailMapOf {
+        pub name: &'static str,
+        pub armed: AtomicBool,
+    }
+
+    impl FaultHook for FailMapOf {
+        fn before_write(&self, _: &Path, _: u64, _: usize) -> WriteFault {
+            WriteFault::Proceed
+        }
+        fn before_sync(&self, _: &Path) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn before_truncate(&self, _: &Path, _: u64) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn before_map(&self, path: &Path, _: u64) -> std::io::Result<()> {
+            if path.file_name().is_some_and(|n| n == self.name)
+                && self.armed.swap(false, Ordering::SeqCst)
+            {
+                return Err(std::io::Error::from_raw_os_error(12));
+            }
+            Ok(())
+        }
+    }
+}
+
+/// A failed mapping of the segment a roll has just started poisons the backend: that
+/// segment's file already exists, so no later commit may go on in the segment before it
+/// (a commit torn there would then lie in a sealed segment, which open refuses).
+#[test]
+fn a_failed_mapping_of_a_new_segment_poisons() {
+    let dir = tempfile::tempdir().unwrap();
+    let hook = Arc::new(map::FailMapOf {
+        name: "0000000000000002.seg",
+        armed: Default::default(),
+    });
+    let b = FileBackend::open(
+        dir.path(),
+        &FileOptions {
+            fault_hook: Some(hook.clone() as _),
+            ..options(None)
+        },
+    )
+    .unwrap();
+    hook.armed.store(true, std::sync::atomic::Ordering::SeqCst);
+    let mut acked = dump(&b);
+    let err = (0..10)
+        .find_map(|i| match b.commit(&batch(i)) {
+            Ok(()) => {
+                acked = dump(&b);
+                None
+            }
+            Err(e) => Some(e),
+        })
+        .expect("a commit rolls to segment 2, whose mapping fails");
+    assert!(
+        !hook.armed.load(std::sync::atomic::Ordering::SeqCst),
+        "the failure was the mapping of segment 2: {err}"
+    );
+    let mut small = WriteBatch::new();
+    small.put(&B, b"small".to_vec(), b"x".to_vec());
+    match b.commit(&small) {
+        Err(BackendError::Poisoned { reason }) => {
+            assert!(reason.contains("mmap"), "{reason}")
+        }
+        other => panic!("expected Poisoned after the failed roll, got {other:?}"),
+    }
+    assert!(dump(&b) == acked, "readers keep the acknowledged state");
+    drop(b);
+    let b = FileBackend::open(dir.path(), &options(None)).unwrap();
+    assert!(
+        dump(&b) == acked,
+        "after reopen: {} vs acked {}",
+        summary(&dump(&b)),
+        summary(&acked)
+    );
+    b.check_integrity().unwrap();
+    b.commit(&small).expect("writable after reopen");
 }
 
 /// A commit whose frame is synced but whose segment cannot be mapped past it (the frame
