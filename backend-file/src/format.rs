@@ -67,9 +67,11 @@
 //!                   across segments
 //! 16  durable  u64  the highest sequence number known durable (synced) when the frame was
 //!                   written, always below seq: every frame up to it was on the disk. For a
-//!                   commit that syncs its frame this is normally seq - 1; frames written
-//!                   without a sync (a restore, which syncs once at its end) repeat the
-//!                   value from before the first of them
+//!                   commit that syncs its frame this is seq - 1; frames written without
+//!                   a sync (a restore, which syncs once at its end) repeat the value from
+//!                   before the first of them. Open syncs the last segment before anything
+//!                   is written, so the first frame after an open records every frame
+//!                   found there as durable
 //! 24  payload  len bytes: a sequence of records
 //! ```
 //!
@@ -101,6 +103,10 @@
 //! file and `o`, and changes nothing. If there is none, it is a torn commit and open truncates
 //! the file at `o`. A version-2 last segment has no durable field: any bad place in it counts
 //! as a torn commit, as before version 3.
+//!
+//! So damage to the very last frame of a store can never be told from a torn commit: no
+//! frame after it records it durable, and open cuts it off. Any earlier frame is told apart
+//! as soon as a frame written after its sync follows it.
 //!
 //! A whole frame with a matching checksum but the wrong sequence number is corruption
 //! anywhere (a torn write cannot produce one), and so is a version-3 frame whose durable

@@ -218,7 +218,6 @@ pub(crate) fn recover(dir: &Path, io: &Io, segment_size: u64) -> Result<Recovere
         stats: BTreeMap::new(),
         names: Vec::new(),
         expected_seq: None,
-        durable: 0,
     };
     let mut active: Option<Active> = None;
     let mut zeroed = HEADER_LEN as u64;
@@ -268,10 +267,6 @@ pub(crate) fn recover(dir: &Path, io: &Io, segment_size: u64) -> Result<Recovere
             io.sync_data(&file, &path)?;
             zeroed = end;
         }
-        if !last || !clean {
-            // Sealed segments are durable, and a truncated one was just synced.
-            r.durable = r.durable.max(r.expected_seq.map_or(0, |e| e - 1));
-        }
         if let Some(s) = r.stats.get_mut(&id) {
             s.size = end;
         }
@@ -282,8 +277,13 @@ pub(crate) fn recover(dir: &Path, io: &Io, segment_size: u64) -> Result<Recovere
             // is started below.
             tracing::info!(path = %path.display(), version, "sealing a segment of an older format");
             io.sync_data(&file, &path)?;
-            r.durable = r.durable.max(r.expected_seq.map_or(0, |e| e - 1));
         } else if last {
+            if clean {
+                // Its frames may be only in the page cache (the process crashed, not the
+                // machine): synced now, every frame replayed is durable, and the next frame
+                // says so (see the format doc, section "Frame").
+                io.sync_data(&file, &path)?;
+            }
             active = Some(Active {
                 seg,
                 file: Arc::new(file),
@@ -294,6 +294,9 @@ pub(crate) fn recover(dir: &Path, io: &Io, segment_size: u64) -> Result<Recovere
         }
     }
 
+    // Every segment replayed is durable now: sealed ones always are, and the last one was
+    // synced above (after its torn tail was cut off, if it had one).
+    let next_seq = r.expected_seq.unwrap_or(1);
     let active = match active {
         Some(a) => a,
         None => {
@@ -334,8 +337,8 @@ pub(crate) fn recover(dir: &Path, io: &Io, segment_size: u64) -> Result<Recovere
         version: r.version,
         stats: r.stats,
         active,
-        next_seq: r.expected_seq.unwrap_or(1),
-        durable_seq: r.durable,
+        next_seq,
+        durable_seq: next_seq - 1,
         bucket_names: r.names,
         zeroed,
     })
@@ -357,9 +360,6 @@ struct Replay {
     stats: BTreeMap<u32, SegStat>,
     names: Vec<Bucket>,
     expected_seq: Option<u64>,
-    /// The highest sequence number known durable so far: the last one of every sealed segment
-    /// replayed, and the durable fields of the frames replayed.
-    durable: u64,
 }
 
 impl Replay {
@@ -402,7 +402,6 @@ impl Replay {
                     }
                     self.apply_payload(id, path, at + frame.header, frame.payload)?;
                     self.expected_seq = Some(frame.seq.wrapping_add(1));
-                    self.durable = self.durable.max(frame.durable.unwrap_or(0));
                     at += frame.len();
                     frames += 1;
                     continue;

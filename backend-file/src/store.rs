@@ -111,9 +111,9 @@ pub(crate) struct Writer {
     pub(crate) stats: BTreeMap<u32, SegStat>,
     pub(crate) active: Active,
     pub(crate) next_seq: u64,
-    /// The highest sequence number known durable: every frame up to it has been synced (or
-    /// was found at open in a sealed segment, or claimed durable by a later frame). Written
-    /// into each frame's header (see [`crate::format`], section "Frame").
+    /// The highest sequence number known durable: every frame up to it has been synced
+    /// (every frame found at open is: open syncs the last segment). Written into each frame's
+    /// header (see [`crate::format`], section "Frame").
     pub(crate) durable_seq: u64,
     pub(crate) bucket_names: Vec<Bucket>,
     pub(crate) buf: Vec<u8>,

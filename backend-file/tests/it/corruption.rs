@@ -224,6 +224,45 @@ fn damage_to_a_durable_frame_of_the_last_segment_is_an_error() {
     }
 }
 
+/// The last frame written before a reopen counts as durable once the store is open again:
+/// the first commit after the reopen records it so, and damage to it is then an error, not
+/// a torn commit that would take that batch and the later one with it.
+#[test]
+fn damage_to_the_last_frame_before_a_reopen_is_an_error() {
+    let (dir, seg, _) = one_segment(3);
+    let b = FileBackend::open(dir.path(), &small()).unwrap();
+    b.commit(&batch(3)).unwrap();
+    drop(b);
+    assert_eq!(segments(dir.path()).len(), 1, "still one segment");
+    let pristine = fs::read(&seg).unwrap();
+    let frames = frame_offsets(&pristine);
+    assert_eq!(frames.len(), 4, "four frames");
+    let (bad, next) = (frames[2], frames[3]);
+    let mut damaged = pristine.clone();
+    damaged[bad + FRAME_HEADER + 100] ^= 0x08;
+    fs::write(&seg, &damaged).unwrap();
+    match FileBackend::open(dir.path(), &small()) {
+        Err(BackendError::Corrupt { path, offset, .. }) => {
+            assert_eq!(path, seg, "the error names the segment");
+            assert_eq!(offset, bad as u64, "the error names the damaged frame");
+        }
+        Err(other) => panic!("expected a Corrupt error, got {other}"),
+        Ok(b) => panic!(
+            "expected a Corrupt error, but the store opened holding {}",
+            summary(&dump(&b))
+        ),
+    }
+    assert!(
+        fs::read(&seg).unwrap() == damaged,
+        "the damaged segment was changed"
+    );
+    assert_eq!(
+        u64_at(&pristine, next + 16),
+        3,
+        "the first frame after the reopen records sequence 3 as durable"
+    );
+}
+
 /// A commit torn by a crash is still cut off wherever the cut falls, inside its header
 /// (which records the frame before it as durable) or its payload, and so is one followed by a
 /// whole later frame written before it was durable (frames written without a sync, as a
