@@ -110,7 +110,9 @@
 //!
 //! A whole frame with a matching checksum but the wrong sequence number is corruption
 //! anywhere (a torn write cannot produce one), and so is a version-3 frame whose durable
-//! value is not below its sequence number.
+//! value is not below its sequence number, and a frame of sequence 2^64 - 1 (`u64::MAX`),
+//! which no sequence could follow: it is never written, and a commit that would need it is
+//! refused with a corruption error.
 //!
 //! ## Records (inside a payload)
 //!

@@ -390,6 +390,15 @@ impl Replay {
                             format!("frame sequence {} where {e} was expected", frame.seq),
                         ));
                     }
+                    // This build never writes the largest sequence number (no sequence could
+                    // follow it): only damage or a foreign writer puts it there.
+                    let Some(next) = frame.seq.checked_add(1) else {
+                        return Err(corrupt(
+                            path,
+                            at as u64,
+                            format!("frame sequence {} is out of range", frame.seq),
+                        ));
+                    };
                     if let Some(d) = frame.durable.filter(|&d| d >= frame.seq) {
                         return Err(corrupt(
                             path,
@@ -401,7 +410,7 @@ impl Replay {
                         ));
                     }
                     self.apply_payload(id, path, at + frame.header, frame.payload)?;
-                    self.expected_seq = Some(frame.seq.wrapping_add(1));
+                    self.expected_seq = Some(next);
                     at += frame.len();
                     frames += 1;
                     continue;

@@ -452,6 +452,19 @@ impl Inner {
             });
         }
         let seq = w.next_seq;
+        if seq == u64::MAX {
+            // Never written: no sequence could follow it, so open takes it for damage. Only
+            // a store whose frames carry a number no run of commits reaches gets here.
+            w.puts = None;
+            return Err(BackendError::Corrupt {
+                path: w.active.seg.path.clone(),
+                offset: start,
+                reason: format!(
+                    "commit sequence numbers exhausted (the last was {})",
+                    seq - 1
+                ),
+            });
+        }
         w.buf[..4].copy_from_slice(&(len as u32).to_le_bytes());
         w.buf[8..16].copy_from_slice(&seq.to_le_bytes());
         w.buf[16..24].copy_from_slice(&w.durable_seq.to_le_bytes());

@@ -33,7 +33,10 @@ pub(crate) fn check(backend: &FileBackend) -> Result<(), BackendError> {
             if frame.durable.is_some_and(|d| d >= seq) {
                 return Err(bad(at, format!("frame {seq} claims itself durable")));
             }
-            expected_seq = Some(seq + 1);
+            let next = seq
+                .checked_add(1)
+                .ok_or_else(|| bad(at, format!("frame sequence {seq} is out of range")))?;
+            expected_seq = Some(next);
             let mut records = Records::new(frame.payload);
             loop {
                 match records.next_record() {

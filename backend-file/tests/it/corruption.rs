@@ -439,6 +439,96 @@ fn a_version_2_segment_is_read_and_sealed() {
     }
 }
 
+/// A hand-written store of one version-3 segment holding one frame of sequence `seq` and
+/// durable field `seq - 1` (declaring buckets `key` and `meta`, putting `a` = `one` in `key`),
+/// then zeros; returns its directory and segment file.
+fn one_hand_written_frame(seq: u64) -> (tempfile::TempDir, PathBuf) {
+    fn header(magic: &[u8; 8], version: u32, value: u64) -> Vec<u8> {
+        let mut h = vec![0u8; 32];
+        h[..8].copy_from_slice(magic);
+        h[8..12].copy_from_slice(&version.to_le_bytes());
+        h[16..24].copy_from_slice(&value.to_le_bytes());
+        let crc = crc32fast::hash(&h[..24]);
+        h[24..28].copy_from_slice(&crc.to_le_bytes());
+        h
+    }
+    let mut payload = Vec::new();
+    for (id, name) in [(0u32, "key"), (1, "meta")] {
+        payload.push(0x04);
+        payload.extend_from_slice(&id.to_le_bytes());
+        payload.push(name.len() as u8);
+        payload.extend_from_slice(name.as_bytes());
+    }
+    payload.push(0x01);
+    payload.extend_from_slice(&0u32.to_le_bytes());
+    payload.extend_from_slice(&1u32.to_le_bytes());
+    payload.extend_from_slice(&3u32.to_le_bytes());
+    payload.extend_from_slice(b"aone");
+    let mut frame = Vec::new();
+    frame.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    frame.extend_from_slice(&[0; 4]);
+    frame.extend_from_slice(&seq.to_le_bytes());
+    frame.extend_from_slice(&(seq - 1).to_le_bytes());
+    frame.extend_from_slice(&payload);
+    let crc = crc32fast::hash(&frame[8..]);
+    frame[4..8].copy_from_slice(&crc.to_le_bytes());
+    let mut seg = header(b"KEELSEG\0", 3, 1);
+    seg.extend_from_slice(&frame);
+    seg.resize(4096, 0);
+    let dir = tempfile::tempdir().unwrap();
+    fs::write(dir.path().join("META"), header(b"KEELMETA", 2, 1)).unwrap();
+    let path = dir.path().join("0000000000000001.seg");
+    fs::write(&path, seg).unwrap();
+    (dir, path)
+}
+
+/// A frame whose sequence number is the largest a u64 holds (its checksum matching) is
+/// corruption: no sequence can follow it, and this build never writes it.
+#[test]
+fn a_frame_of_the_largest_sequence_number_is_corruption() {
+    let (dir, seg) = one_hand_written_frame(u64::MAX);
+    let bytes = fs::read(&seg).unwrap();
+    match FileBackend::open(dir.path(), &small()) {
+        Err(BackendError::Corrupt { path, offset, .. }) => {
+            assert_eq!(path, seg, "the error names the segment");
+            assert_eq!(offset, 32, "the error names the frame");
+        }
+        Err(other) => panic!("expected a Corrupt error, got {other}"),
+        Ok(b) => panic!(
+            "expected a Corrupt error, but the store opened holding {}",
+            summary(&dump(&b))
+        ),
+    }
+    assert!(fs::read(&seg).unwrap() == bytes, "the segment was changed");
+}
+
+/// A store whose last frame has the sequence number just below the largest opens and reads,
+/// but refuses a commit (it would need that largest number) with a typed error, writing
+/// nothing.
+#[test]
+fn a_commit_past_the_last_sequence_number_is_refused() {
+    let (dir, seg) = one_hand_written_frame(u64::MAX - 1);
+    let bytes = fs::read(&seg).unwrap();
+    let b = FileBackend::open(dir.path(), &small()).unwrap();
+    let held = dump(&b);
+    assert_eq!(summary(&held), "[key: 1 keys] n=None");
+    let mut more = WriteBatch::new();
+    more.put(&B, b"b".to_vec(), b"two".to_vec());
+    match b.commit(&more) {
+        Err(BackendError::Corrupt { path, reason, .. }) => {
+            assert_eq!(path, seg, "the error names the segment");
+            assert!(reason.contains("exhausted"), "{reason}");
+        }
+        other => panic!("expected a Corrupt error, got {other:?}"),
+    }
+    assert!(dump(&b) == held, "readers see no change");
+    drop(b);
+    assert!(fs::read(&seg).unwrap() == bytes, "the segment was changed");
+    let b = FileBackend::open(dir.path(), &small()).unwrap();
+    assert!(dump(&b) == held, "after reopen: {}", summary(&dump(&b)));
+    b.check_integrity().unwrap();
+}
+
 #[test]
 fn flip_in_sealed_segment_is_an_error() {
     let p = pristine();
