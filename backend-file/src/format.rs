@@ -97,16 +97,28 @@
 //! sequence `s` was expected, looks at every later offset of the segment, byte by byte (a
 //! damaged length says nothing of where the next frame starts), for a whole frame with a
 //! matching checksum, a sequence number above `s` and no further above it than frames could
-//! fit in the bytes left, and a durable value of `s` or more (when no frame came before `o`,
-//! `s` is taken as that frame's sequence minus one, the most the bad frame's can be). If there
-//! is one, the frame at `o` had been durable: open fails with a corruption error naming the
-//! file and `o`, and changes nothing. If there is none, it is a torn commit and open truncates
-//! the file at `o`. A version-2 last segment has no durable field: any bad place in it counts
-//! as a torn commit, as before version 3.
+//! fit in the bytes left, a durable value of `s` or more and below its sequence number (when
+//! no frame came before `o`, `s` is taken as that frame's sequence minus one, the most the
+//! bad frame's can be), a payload that reads as records (below), and after it a chain up to
+//! the end of the file: frames of the same kind (matching checksum, records, durable value
+//! below the sequence number), each with the sequence number after the one before, then only
+//! zeros or nothing. If there is one, the frame at `o` had been durable: open fails with a
+//! corruption error naming the file and `o`, and changes nothing. If there is none, it is a
+//! torn commit and open truncates the file at `o`. The scan checksums (and looks through for
+//! zeros after a chain) at most 4 times the bytes from `o` to the end of the file; should
+//! that run out before it can tell, open fails with a corruption error naming the file and
+//! `o`, and changes nothing. A version-2 last segment has no durable field: any bad place in
+//! it counts as a torn commit, as before version 3.
 //!
 //! So damage to the very last frame of a store can never be told from a torn commit: no
 //! frame after it records it durable, and open cuts it off. Any earlier frame is told apart
-//! as soon as a frame written after its sync follows it.
+//! as soon as a frame written after its sync follows it, unless the frames after it end in a
+//! torn commit (damage and a torn write together read as a torn commit). A frame's bytes are
+//! not checked by the scan for where they lie, so a value can fool it: a value crafted to
+//! hold such a chain (a header, records, the next headers, then zeros up to where the torn
+//! write stopped) makes a torn commit that carries it read as damage, and open refuses the
+//! store; a value holding many headers that pass the bounds above makes the scan run out,
+//! with the same result. Open never cuts off a durable frame because of a value.
 //!
 //! A whole frame with a matching checksum but the wrong sequence number is corruption
 //! anywhere (a torn write cannot produce one), and so is a version-3 frame whose durable

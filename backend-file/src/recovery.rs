@@ -423,19 +423,39 @@ impl Replay {
             if !last {
                 return Err(corrupt(path, at as u64, why));
             }
-            if version >= VERSION
-                && let Some((later, seq, durable)) =
-                    durable_frame_after(bytes, at, self.expected_seq)
-            {
-                // Written after this frame was durable: this frame was whole once.
-                return Err(corrupt(
-                    path,
-                    at as u64,
-                    format!(
-                        "{why}, in a frame that was durable: the frame at offset {later} \
-                         (sequence {seq}) was written once sequence {durable} was"
-                    ),
-                ));
+            if version >= VERSION {
+                match durable_frame_after(bytes, at, self.expected_seq) {
+                    Scan::Durable {
+                        offset,
+                        seq,
+                        durable,
+                    } => {
+                        // Written after this frame was durable: this frame was whole once.
+                        return Err(corrupt(
+                            path,
+                            at as u64,
+                            format!(
+                                "{why}, in a frame that was durable: the frame at offset \
+                                 {offset} (sequence {seq}) was written once sequence {durable} \
+                                 was"
+                            ),
+                        ));
+                    }
+                    Scan::GaveUp(checked) => {
+                        // Changing nothing is safe; cutting off a frame that was durable
+                        // is not.
+                        return Err(corrupt(
+                            path,
+                            at as u64,
+                            format!(
+                                "{why}; the scan for later frames that would show it durable \
+                                 stopped after {checked} bytes, so it is not known to be a \
+                                 torn commit"
+                            ),
+                        ));
+                    }
+                    Scan::Torn => {}
+                }
             }
             tracing::warn!(path = %path.display(), offset = at, reason = %why, "torn tail");
             return Ok((at as u64, frames));
@@ -525,21 +545,41 @@ impl Replay {
     }
 }
 
+/// How many times the bytes from the bad place to the end of the segment the scan past it
+/// may checksum (and look through for zeros) before it gives up.
+const SCAN_BUDGET: u64 = 4;
+
+/// What the scan past a bad place of the last segment found.
+#[derive(Debug, PartialEq, Eq)]
+enum Scan {
+    /// A frame written after the bad frame was durable, at this offset with this sequence
+    /// number and durable field, and the frames after it chaining up to the end.
+    Durable {
+        offset: usize,
+        seq: u64,
+        durable: u64,
+    },
+    /// No such frame: a torn commit.
+    Torn,
+    /// The budget ran out after this many bytes, before the scan could tell.
+    GaveUp(u64),
+}
+
 /// Looks past the bad place at `at` of a version-3 segment's `bytes`, where the frame of
-/// sequence `expected` was due (`None`: no frame came before it), for a later whole frame with
-/// a matching checksum written after that frame was durable: a sequence number above it (by
-/// no more than frames fit in the bytes from `at`) and a durable field at or above it. Every
-/// later offset is tried, since a damaged length says nothing of where the next frame starts;
-/// the checksum is computed only for headers that pass those bounds. Returns the frame's
-/// offset, sequence number and durable field.
+/// sequence `expected` was due (`None`: no frame came before it), for a later whole frame
+/// written after that frame was durable: a sequence number above it (by no more than frames
+/// fit in the bytes from `at`) and a durable field at or above it, a matching checksum, a
+/// payload of well-formed records, and after it only frames of the same kind with the next
+/// sequence numbers, up to zeros or the end of the file. Every later offset is tried, since a
+/// damaged length says nothing of where the next frame starts; the checksum is computed only
+/// for headers that pass those bounds, and no more than [`SCAN_BUDGET`] times the bytes from
+/// `at` are checksummed or looked through for zeros in all.
 ///
 /// Only run on the error path of open, for the last segment.
-fn durable_frame_after(
-    bytes: &[u8],
-    at: usize,
-    expected: Option<u64>,
-) -> Option<(usize, u64, u64)> {
-    let most_frames = ((bytes.len() - at) / FRAME_HEADER) as u64;
+fn durable_frame_after(bytes: &[u8], at: usize, expected: Option<u64>) -> Scan {
+    let left = (bytes.len() - at) as u64;
+    let mut budget = left.saturating_mul(SCAN_BUDGET);
+    let most_frames = left / FRAME_HEADER as u64;
     for p in at + 1..bytes.len().saturating_sub(FRAME_HEADER - 1) {
         let rest = &bytes[p..];
         let seq = u64_at(rest, 8);
@@ -553,9 +593,62 @@ fn durable_frame_after(
             && durable >= bad
             && durable < seq
             && u32_at(rest, 0) as usize <= rest.len() - FRAME_HEADER;
-        if plausible && format::read_frame(rest, FRAME_HEADER).is_ok() {
-            return Some((p, seq, durable));
+        if !plausible {
+            continue;
+        }
+        match chains_to_end(bytes, p, &mut budget) {
+            Some(true) => {
+                return Scan::Durable {
+                    offset: p,
+                    seq,
+                    durable,
+                };
+            }
+            Some(false) => {}
+            None => return Scan::GaveUp(left.saturating_mul(SCAN_BUDGET)),
         }
     }
-    None
+    Scan::Torn
+}
+
+/// Whether `bytes` hold, from `p` on, whole version-3 frames with matching checksums, payloads
+/// of well-formed records, durable fields below their sequence numbers and consecutive
+/// sequence numbers, then only zeros up to the end (or nothing). Every byte checksummed or
+/// looked through for zeros is taken from `budget`; `None` when it runs out.
+fn chains_to_end(bytes: &[u8], mut p: usize, budget: &mut u64) -> Option<bool> {
+    let mut prev: Option<u64> = None;
+    loop {
+        let rest = &bytes[p..];
+        if prev.is_some() {
+            let zeros = rest.iter().take_while(|&&b| b == 0).count();
+            *budget = budget.checked_sub(zeros as u64)?;
+            if zeros == rest.len() {
+                return Some(true);
+            }
+        }
+        if rest.len() < FRAME_HEADER {
+            return Some(false);
+        }
+        let len = u32_at(rest, 0) as usize;
+        let seq = u64_at(rest, 8);
+        let durable = u64_at(rest, 16);
+        let follows = prev.is_none_or(|s| s.checked_add(1) == Some(seq));
+        if !follows || durable >= seq || len > rest.len() - FRAME_HEADER {
+            return Some(false);
+        }
+        *budget = budget.checked_sub((FRAME_HEADER - 8 + len) as u64)?;
+        let Ok(frame) = format::read_frame(rest, FRAME_HEADER) else {
+            return Some(false);
+        };
+        let mut records = Records::new(frame.payload);
+        loop {
+            match records.next_record() {
+                Ok(Some(_)) => {}
+                Ok(None) => break,
+                Err(_) => return Some(false),
+            }
+        }
+        prev = Some(seq);
+        p += frame.len();
+    }
 }

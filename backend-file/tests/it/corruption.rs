@@ -328,6 +328,107 @@ fn torn_final_frame_is_cut_off_even_before_a_frame_not_durable_after_it() {
     reopen(&bytes, "torn frame before a frame not durable after it");
 }
 
+/// A whole version-3 frame of sequence `seq` and durable field `durable`, with a matching
+/// checksum, whose payload is one put record in bucket 0.
+fn hand_frame(seq: u64, durable: u64) -> Vec<u8> {
+    let mut payload = vec![0x01];
+    payload.extend_from_slice(&0u32.to_le_bytes());
+    payload.extend_from_slice(&1u32.to_le_bytes());
+    payload.extend_from_slice(&1u32.to_le_bytes());
+    payload.extend_from_slice(b"xy");
+    let mut frame = Vec::new();
+    frame.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    frame.extend_from_slice(&[0; 4]);
+    frame.extend_from_slice(&seq.to_le_bytes());
+    frame.extend_from_slice(&durable.to_le_bytes());
+    frame.extend_from_slice(&payload);
+    let crc = crc32fast::hash(&frame[8..]);
+    frame[4..8].copy_from_slice(&crc.to_le_bytes());
+    frame
+}
+
+/// Two synced commits, then a third whose one value is `value`; returns the store, its
+/// segment file, the offset of the third frame and the offset of `value` in the file.
+fn third_commit_holding(value: Vec<u8>) -> (tempfile::TempDir, PathBuf, Vec<Dump>, usize, usize) {
+    let (dir, seg, states) = one_segment(2);
+    let b = FileBackend::open(dir.path(), &small()).unwrap();
+    let mut last = WriteBatch::new();
+    last.put(&B, b"crafted".to_vec(), value.clone());
+    b.commit(&last).unwrap();
+    drop(b);
+    let full = fs::read(&seg).unwrap();
+    let frames = frame_offsets(&full);
+    assert_eq!(frames.len(), 3, "three frames");
+    let at = full
+        .windows(value.len())
+        .position(|w| w == value.as_slice())
+        .expect("the value is in the segment");
+    (dir, seg, states, frames[2], at)
+}
+
+/// A torn final commit whose value holds a whole frame (matching checksum, records for a
+/// payload, the next sequence number, a durable field recording the torn frame) followed by
+/// bytes that are no frame is still a torn commit: the frame does not chain up to the end of
+/// the file, so it was never a frame of the store.
+#[test]
+fn a_frame_inside_a_torn_value_does_not_make_it_durable() {
+    let mut value = hand_frame(4, 3);
+    let embedded = value.len();
+    value.extend(std::iter::repeat_n(0xab, 400));
+    let (dir, seg, states, last, at) = third_commit_holding(value);
+    let full = fs::read(&seg).unwrap();
+    // Torn after the embedded frame and 100 bytes of the value after it.
+    fs::write(&seg, &full[..at + embedded + 100]).unwrap();
+    let b = FileBackend::open(dir.path(), &small())
+        .unwrap_or_else(|e| panic!("a torn commit makes open fail: {e}"));
+    assert!(
+        dump(&b) == states[2],
+        "holds the first two commits: {}",
+        summary(&dump(&b))
+    );
+    b.check_integrity().unwrap();
+    drop(b);
+    assert_eq!(
+        fs::metadata(&seg).unwrap().len(),
+        last as u64,
+        "cut at the torn frame"
+    );
+}
+
+/// The scan past a bad place of the last segment checksums a bounded number of bytes: a torn
+/// final commit whose value is made of headers that pass every bound but the checksum (each
+/// claiming the rest of the file as its payload) makes open stop the scan and refuse the
+/// store, naming the bad frame, rather than checksum the rest of the file for each of them.
+#[test]
+fn the_scan_after_a_bad_frame_is_bounded() {
+    let mut value = Vec::new();
+    while value.len() < 24 << 10 {
+        let mut h = hand_frame(4, 3);
+        h.truncate(24);
+        h[..4].copy_from_slice(&(8u32 << 10).to_le_bytes());
+        value.extend_from_slice(&h);
+    }
+    let (dir, seg, _, last, at) = third_commit_holding(value);
+    let full = fs::read(&seg).unwrap();
+    fs::write(&seg, &full[..at + (20 << 10)]).unwrap();
+    match FileBackend::open(dir.path(), &small()) {
+        Err(BackendError::Corrupt {
+            path,
+            offset,
+            reason,
+        }) => {
+            assert_eq!(path, seg, "the error names the segment");
+            assert_eq!(offset, last as u64, "the error names the frame ({reason})");
+            assert!(reason.contains("stopped"), "{reason}");
+        }
+        Err(other) => panic!("expected a Corrupt error, got {other}"),
+        Ok(b) => panic!(
+            "expected a Corrupt error, but the store opened holding {}",
+            summary(&dump(&b))
+        ),
+    }
+}
+
 /// A store whose segment is of format version 2 (frames without the durable field, as
 /// documented for it) opens and reads, its torn tail is still cut off, and commits go on in
 /// a new segment of this build's version, leaving the old one as it was.
