@@ -183,7 +183,9 @@ pub(crate) fn encode_header(magic: &[u8; 8], version: u32, value: u64) -> [u8; H
 }
 
 /// Decodes a 32-byte header whose version must lie in `versions`, returning its value (id or
-/// floor) and its version.
+/// floor) and its version. A version outside them is an
+/// [`UnsupportedVersion`](BackendError::UnsupportedVersion) error naming the nearest one this
+/// build reads.
 pub(crate) fn decode_header(
     path: &Path,
     bytes: &[u8],
@@ -210,10 +212,20 @@ pub(crate) fn decode_header(
     }
     let version = u32_at(bytes, 8);
     if !versions.contains(&version) {
+        // The error names one version: the nearest this build reads (the oldest for an older
+        // file, the newest for a newer one); the log names them all.
+        let (oldest, newest) = (*versions.start(), *versions.end());
+        tracing::warn!(
+            path = %path.display(),
+            found = version,
+            oldest,
+            newest,
+            "{what} has a format version this build does not read"
+        );
         return Err(BackendError::UnsupportedVersion {
             path: path.to_path_buf(),
             found: version,
-            supported: *versions.end(),
+            supported: if version < oldest { oldest } else { newest },
         });
     }
     let crc = u32_at(bytes, 24);

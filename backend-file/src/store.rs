@@ -37,10 +37,11 @@ pub const LOCK_FILE: &str = "LOCK";
 
 /// The error of a commit whose frame was written, and synced unless a restore was loading,
 /// but whose batch could not be published: mapping the segment past the frame failed. The
-/// batch is in the store (a reopen finds it; after a restore's unsynced write, once the
-/// restore's final sync would have made it durable) yet in no index version readers see, so
-/// the backend is poisoned: no later write proceeds against an index that lacks the batch.
-/// Returned inside [`BackendError::Other`]; later writes fail with
+/// batch is in no index version readers see, so the backend is poisoned: no later write
+/// proceeds against an index that lacks the batch. After a synced commit the batch is
+/// durable and a reopen finds it in the store. A restore's batch fails the restore instead:
+/// its marker stays, a reopen refuses the store as incomplete, and the store is to be
+/// discarded. Returned inside [`BackendError::Other`]; later writes fail with
 /// [`BackendError::Poisoned`], whose reason is this error's text.
 #[derive(Debug)]
 pub struct UnpublishedCommit {
@@ -50,33 +51,33 @@ pub struct UnpublishedCommit {
     pub path: PathBuf,
     /// Whether the frame was synced (false only for a restore's batch, synced at its end).
     pub synced: bool,
-    /// Why the segment could not be mapped.
+    /// Why the segment could not be mapped. Told in this error's text, which a poisoned
+    /// backend repeats, so not returned as its [`source`](std::error::Error::source) too.
     pub source: BackendError,
 }
 
 impl std::fmt::Display for UnpublishedCommit {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let how = if self.synced {
-            "written and synced: it is durable and a reopen finds it in the store"
+        let (seq, path, source) = (self.seq, self.path.display(), &self.source);
+        if self.synced {
+            write!(
+                f,
+                "batch {seq} was written and synced ({path}): it is durable and a reopen finds \
+                 it in the store, but it could not be published to readers: {source}"
+            )
         } else {
-            "written without a sync (a restore's batch)"
-        };
-        write!(
-            f,
-            "batch {} was {how} ({}), but it could not be published to readers: {}; \
-             reopen the backend",
-            self.seq,
-            self.path.display(),
-            self.source
-        )
+            write!(
+                f,
+                "batch {seq} of a restore was written without a sync ({path}) but could not be \
+                 published to readers: {source}; the restore fails and leaves the store \
+                 incomplete, so a reopen refuses it: discard the store"
+            )
+        }
     }
 }
 
-impl std::error::Error for UnpublishedCommit {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        Some(&self.source)
-    }
-}
+/// The mapping error is part of the text (see the `source` field).
+impl std::error::Error for UnpublishedCommit {}
 
 /// How long open waits for a busy lock before reporting it held.
 const LOCK_PATIENCE: std::time::Duration = std::time::Duration::from_millis(250);
@@ -643,9 +644,9 @@ impl Inner {
     /// end in the writer's version, without publishing it.
     ///
     /// Called once the commit's frame is written (and, unless a restore is loading, synced):
-    /// should the segment's new mapping fail, the batch is in the store for a reopen to find
-    /// but in no index version readers or later commits see, so the backend is poisoned with
-    /// an [`UnpublishedCommit`] saying so.
+    /// should the segment's new mapping fail, the batch is in the file but in no index
+    /// version readers or later commits see, so the backend is poisoned with an
+    /// [`UnpublishedCommit`] saying so.
     pub(crate) fn record_end(&self, w: &mut Writer) -> Result<(), BackendError> {
         let seg = w.active.seg.clone();
         let end = w.active.end;

@@ -338,10 +338,14 @@ pub trait ReadTxn: Send {
 
 /// A durable, ordered, bucketed key-value store that the MVCC store runs on.
 ///
-/// Implementations are shared between threads (`&self` everywhere). Errors from
-/// [`commit`](Backend::commit) leave the store as of the previous successful commit; an I/O
-/// error during a commit's durability point (a failed `fsync`) **poisons** the backend: every
-/// later commit fails with [`BackendError::Poisoned`], and reads of committed data still work.
+/// Implementations are shared between threads (`&self` everywhere). An error from
+/// [`commit`](Backend::commit) leaves readers with the store as of the previous successful
+/// commit, but the batch may be durable all the same: a backend may report a commit whose
+/// batch was written and synced yet could not be published (as keel-backend-file's
+/// `UnpublishedCommit`), which a reopen finds. An I/O error during a commit's durability point
+/// (a failed `fsync`), or such an unpublished batch, **poisons** the backend: every later
+/// commit fails with [`BackendError::Poisoned`], and reads of committed data still work.
+/// keel-mvcc poisons its own store on any commit error.
 pub trait Backend: Send + Sync + Sized + 'static {
     /// Options for [`open`](Backend::open); `Default` gives the documented defaults.
     type Options: Clone + Default + fmt::Debug + Send + Sync + 'static;

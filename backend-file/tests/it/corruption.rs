@@ -670,6 +670,25 @@ fn foreign_and_future_files_are_refused() {
         }
         other => panic!("expected UnsupportedVersion, got {:?}", other.map(|_| ())),
     }
+
+    // A version older than any this build reads names the oldest it reads.
+    let mut bytes = fs::read(&first).unwrap();
+    bytes[8] = 1;
+    let crc = crc32fast::hash(&bytes[..24]);
+    bytes[24..28].copy_from_slice(&crc.to_le_bytes());
+    fs::write(&first, bytes).unwrap();
+    match FileBackend::open(copy.path(), &small()) {
+        Err(BackendError::UnsupportedVersion {
+            found: 1,
+            supported,
+            ..
+        }) => assert_eq!(
+            supported,
+            keel_backend_file::format::OLDEST_VERSION,
+            "an older file names the oldest version read"
+        ),
+        other => panic!("expected UnsupportedVersion, got {:?}", other.map(|_| ())),
+    }
 }
 
 #[test]

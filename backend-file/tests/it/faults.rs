@@ -352,9 +352,20 @@ fn a_durable_batch_that_cannot_be_published_poisons() {
     assert_eq!(unpublished.seq, 2, "the batch's sequence number");
     assert!(unpublished.synced, "the batch was synced");
     assert!(err.to_string().contains("durable"), "{err}");
+    let chain = error_chain(unpublished);
+    assert_eq!(
+        chain.matches("Cannot allocate memory").count(),
+        1,
+        "the mapping error is told once down the chain: {chain}"
+    );
     match b.commit(&batch(3)) {
-        Err(BackendError::Poisoned { reason }) => {
-            assert!(reason.contains("could not be published"), "{reason}")
+        Err(e @ BackendError::Poisoned { .. }) => {
+            let text = e.to_string();
+            assert!(text.contains("could not be published"), "{text}");
+            assert!(
+                !text.contains("reopen the backend); reopen"),
+                "reopening is advised once: {text}"
+            );
         }
         other => panic!("expected Poisoned, got {other:?}"),
     }
@@ -373,4 +384,63 @@ fn a_durable_batch_that_cannot_be_published_poisons() {
         "a reopen finds the durable batch"
     );
     b.check_integrity().unwrap();
+}
+
+/// The text of an error and of every error below it, as a chain printer shows them.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut next = e.source();
+    while let Some(s) = next {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        next = s.source();
+    }
+    out
+}
+
+/// A restore's batch whose segment cannot be mapped past it fails the restore with an
+/// UnpublishedCommit that says to discard the store, not that a reopen finds the batch: the
+/// restore's marker stays, and a reopen refuses the store.
+#[test]
+fn a_restore_batch_that_cannot_be_published_says_to_discard_the_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let segment = options(None).segment_size;
+    let hook = Arc::new(map::FailNextLongMap {
+        longer_than: segment,
+        ..Default::default()
+    });
+    let b = FileBackend::open(
+        dir.path(),
+        &FileOptions {
+            fault_hook: Some(hook.clone() as _),
+            ..options(None)
+        },
+    )
+    .unwrap();
+    hook.armed.store(true, std::sync::atomic::Ordering::SeqCst);
+    let stream = crate::support::stream(200, 1024);
+    let err = b
+        .restore(&mut stream.as_slice())
+        .expect_err("the mapping fails");
+    let unpublished = match &err {
+        BackendError::Other(inner) => inner.downcast_ref::<UnpublishedCommit>(),
+        _ => None,
+    };
+    let Some(unpublished) = unpublished else {
+        panic!("expected an UnpublishedCommit error, got {err}");
+    };
+    assert!(!unpublished.synced, "a restore's batch is not synced");
+    let text = unpublished.to_string();
+    assert!(text.contains("discard"), "{text}");
+    assert!(!text.contains("reopen finds"), "{text}");
+    drop(b);
+    match FileBackend::open(dir.path(), &options(None)) {
+        Err(BackendError::Corrupt { reason, .. }) => {
+            assert!(reason.contains("discard"), "{reason}")
+        }
+        other => panic!(
+            "expected the reopen to refuse the store, got {:?}",
+            other.map(|_| ())
+        ),
+    }
 }
