@@ -1252,12 +1252,15 @@ fn receiver_view<B: Backend>(shared: &Shared<B>) -> snapshot::ReceiverView {
 /// Answers the sender of transfer `key` (`(from, transfer)`): installed when `error` is
 /// `None`, refused for `error` otherwise.
 fn answer_transfer(transport: &dyn Transport, id: u64, key: (u64, u64), error: Option<String>) {
-    let _ = transport.send_snapshot(SnapshotFrame::Ack(SnapshotAck {
-        from: id,
-        to: key.0,
-        transfer: key.1,
-        error,
-    }));
+    let _ = transport.send_snapshot(
+        SnapshotFrame::Ack(SnapshotAck {
+            from: id,
+            to: key.0,
+            transfer: key.1,
+            error,
+        }),
+        &mut || false,
+    );
 }
 
 /// Drops every incoming transfer that has had no chunk for `snapshot_idle_timeout` (its

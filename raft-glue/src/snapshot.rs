@@ -224,7 +224,15 @@ impl ChunkWriter<'_> {
             end: end.then(|| (self.total, self.hasher.clone().finalize())),
         };
         self.seq += 1;
-        self.transport.send_snapshot(SnapshotFrame::Chunk(chunk))
+        // A transport that makes the chunk wait (for its rate limit) stops waiting as soon
+        // as the transfer is answered, and gives back the bytes it reserved.
+        let transport = self.transport;
+        let mut answered = Ok(());
+        let sent = transport.send_snapshot(SnapshotFrame::Chunk(chunk), &mut || {
+            answered = self.check_answered();
+            answered.is_err()
+        });
+        answered.and(sent)
     }
 }
 
@@ -1370,7 +1378,11 @@ mod tests {
         }
         impl Transport for Refusing {
             fn send(&self, _: Message) {}
-            fn send_snapshot(&self, frame: SnapshotFrame) -> Result<(), NodeError> {
+            fn send_snapshot(
+                &self,
+                frame: SnapshotFrame,
+                _: &mut dyn FnMut() -> bool,
+            ) -> Result<(), NodeError> {
                 if let SnapshotFrame::Chunk(c) = frame {
                     self.seqs.lock().push(c.seq);
                     if c.seq == 2 {
@@ -1417,7 +1429,11 @@ mod tests {
         struct Panicking;
         impl Transport for Panicking {
             fn send(&self, _: Message) {}
-            fn send_snapshot(&self, _: SnapshotFrame) -> Result<(), NodeError> {
+            fn send_snapshot(
+                &self,
+                _: SnapshotFrame,
+                _: &mut dyn FnMut() -> bool,
+            ) -> Result<(), NodeError> {
                 panic!("transport bug");
             }
         }
@@ -1442,7 +1458,11 @@ mod tests {
         struct Nowhere;
         impl Transport for Nowhere {
             fn send(&self, _: Message) {}
-            fn send_snapshot(&self, _: SnapshotFrame) -> Result<(), NodeError> {
+            fn send_snapshot(
+                &self,
+                _: SnapshotFrame,
+                _: &mut dyn FnMut() -> bool,
+            ) -> Result<(), NodeError> {
                 Ok(())
             }
         }
@@ -1474,7 +1494,11 @@ mod tests {
         struct Nowhere;
         impl Transport for Nowhere {
             fn send(&self, _: Message) {}
-            fn send_snapshot(&self, _: SnapshotFrame) -> Result<(), NodeError> {
+            fn send_snapshot(
+                &self,
+                _: SnapshotFrame,
+                _: &mut dyn FnMut() -> bool,
+            ) -> Result<(), NodeError> {
                 Ok(())
             }
         }
@@ -1485,7 +1509,11 @@ mod tests {
         }
         impl Transport for FirstChunk {
             fn send(&self, _: Message) {}
-            fn send_snapshot(&self, frame: SnapshotFrame) -> Result<(), NodeError> {
+            fn send_snapshot(
+                &self,
+                frame: SnapshotFrame,
+                _: &mut dyn FnMut() -> bool,
+            ) -> Result<(), NodeError> {
                 if let SnapshotFrame::Chunk(c) = frame {
                     self.sent.lock().get_or_insert_with(Instant::now);
                     route_ack(
@@ -1540,6 +1568,97 @@ mod tests {
             waited < Duration::from_secs(3),
             "the next transfer's first chunk went {waited:?} after the cancellation: it waited \
              for the cancelled chunk's budget too"
+        );
+    }
+
+    /// Over TCP, where the transport paces the chunks with its own limiter: a transfer
+    /// cancelled while its chunk waits there stops within a slice of the wait, its chunk is
+    /// never written, and the budget it reserved is given back, so the transfer replacing
+    /// it waits for its own chunk only.
+    #[cfg(feature = "backend-file")]
+    #[test]
+    fn a_tcp_transfer_cancelled_in_the_transport_limiter_stops_and_gives_its_budget_back() {
+        use crate::tcp::{TcpOptions, TcpTransport};
+
+        let dir = tempfile::tempdir().expect("tempdir");
+        let source = source_of(dir.path(), 50);
+        // 512 B/s without a burst: each chunk of 1 KiB waits 2 s in the transport's limiter.
+        let options = TcpOptions {
+            snapshot_rate: 512,
+            snapshot_burst: 0,
+            ..TcpOptions::default()
+        };
+        let (leader, _leader_mailbox) =
+            TcpTransport::bind(1, "127.0.0.1:0", options.clone()).expect("bind 1");
+        let (follower, mailbox) = TcpTransport::bind(2, "127.0.0.1:0", options).expect("bind 2");
+        leader.add_peer(2, follower.local_addr()).expect("peer");
+        let acks: AckWaiters = Arc::new(Mutex::new(HashMap::new()));
+        let answers = expect_answer(&acks, 9, 2);
+        let (cancelled, first_ended, arrived) = std::thread::scope(|scope| {
+            let first = scope.spawn(|| {
+                let result = send_from(&source, &leader, &acks, answers, 9, None);
+                (result, Instant::now())
+            });
+            // The first transfer's first chunk is waiting in the transport's limiter.
+            std::thread::sleep(Duration::from_millis(200));
+            assert_eq!(cancel_to(&acks, 1, 2, "replaced"), 1);
+            let cancelled = Instant::now();
+            let answers = expect_answer(&acks, 10, 2);
+            let next = scope.spawn(|| send_from(&source, &leader, &acks, answers, 10, None));
+            // Every chunk that arrives until the replacing transfer's first one.
+            let mut arrived = Vec::new();
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while arrived
+                .last()
+                .is_none_or(|&(transfer, _, _)| transfer != 10)
+            {
+                let left = deadline.saturating_duration_since(Instant::now());
+                match mailbox.snapshots.recv_timeout(left) {
+                    Ok(SnapshotFrame::Chunk(c)) => {
+                        arrived.push((c.transfer, c.seq, Instant::now()))
+                    }
+                    Ok(SnapshotFrame::Ack(_)) => {}
+                    Err(_) => panic!("no chunk of the next transfer arrived: {arrived:?}"),
+                }
+            }
+            route_ack(
+                &acks,
+                SnapshotAck {
+                    from: 2,
+                    to: 1,
+                    transfer: 10,
+                    error: Some("enough".into()),
+                },
+            );
+            assert!(
+                next.join().expect("next sender").is_err(),
+                "refused at its first chunk"
+            );
+            let (result, ended) = first.join().expect("first sender");
+            assert!(result.is_err(), "a cancelled transfer succeeded");
+            (cancelled, ended, arrived)
+        });
+        let stopped = first_ended.saturating_duration_since(cancelled);
+        let waited = arrived
+            .last()
+            .map(|&(_, _, at)| at.saturating_duration_since(cancelled))
+            .unwrap_or_default();
+        let written: Vec<(u64, u32)> = arrived.iter().map(|&(t, s, _)| (t, s)).collect();
+        assert!(
+            stopped < Duration::from_millis(500),
+            "the cancelled sender ended {stopped:?} after its cancellation, with 1.8 s of its \
+             wait left (chunks written: {written:?}; the next transfer's first chunk arrived \
+             {waited:?} after it)"
+        );
+        assert_eq!(
+            written,
+            [(10, 0)],
+            "the cancelled transfer's chunk was written"
+        );
+        assert!(
+            waited < Duration::from_secs(3),
+            "the next transfer's first chunk arrived {waited:?} after the cancellation: it \
+             waited for the cancelled chunk's budget too"
         );
     }
 

@@ -487,7 +487,15 @@ impl Transport for TcpTransport {
         }
     }
 
-    fn send_snapshot(&self, frame: SnapshotFrame) -> Result<(), NodeError> {
+    /// A chunk waits for its bytes in the shared [`RateLimiter`], then in the adaptive
+    /// pacer's, asking `cancelled` every [`WAIT_SLICE`](limiter::WAIT_SLICE): a chunk whose
+    /// transfer is cancelled meanwhile is not written, and gives back what it reserved in
+    /// both.
+    fn send_snapshot(
+        &self,
+        frame: SnapshotFrame,
+        cancelled: &mut dyn FnMut() -> bool,
+    ) -> Result<(), NodeError> {
         let inner = &self.inner;
         let (to, data_len) = match &frame {
             SnapshotFrame::Chunk(c) => (c.to, c.data.len()),
@@ -529,11 +537,12 @@ impl Transport for TcpTransport {
                 ),
             });
         }
-        inner.limiter.acquire(data_len as u64);
-        if let Some(pacer) = &inner.pacer
-            && data_len > 0
-        {
-            pacer.chunk(data_len as u64);
+        if data_len > 0 && !pace(inner, data_len as u64, cancelled) {
+            return Err(NodeError::Snapshot {
+                from: inner.id,
+                to,
+                reason: "cancelled while its chunk waited for the snapshot rate limit".into(),
+            });
         }
         let addr = *peer.addr.lock();
         peer.snapshot
@@ -567,6 +576,26 @@ impl Transport for TcpTransport {
     fn peer_removed(&self, id: u64) {
         TcpTransport::remove_peer(self, id);
     }
+}
+
+/// Waits until a chunk of `n` bytes may be sent: for its bytes in the shared limiter, then
+/// in the adaptive pacer's. Returns `false`, with both reservations given back (dropped),
+/// as soon as `cancelled` says its transfer is no longer wanted; the shared budget is
+/// granted only once the pacer lets the chunk go too, so a chunk cancelled while the pacer
+/// holds it back gives that budget back as well.
+fn pace(inner: &Inner, n: u64, cancelled: &mut dyn FnMut() -> bool) -> bool {
+    let mut budget = inner.limiter.reserve_at(n, Instant::now());
+    if !budget.wait_unless(cancelled) {
+        return false;
+    }
+    if let Some(pacer) = &inner.pacer {
+        let mut paced = pacer.chunk(n);
+        if !paced.wait_unless(cancelled) {
+            return false;
+        }
+        paced.grant();
+    }
+    budget.grant()
 }
 
 fn raft_writer(inner: Arc<Inner>, to: u64, addr: Arc<Mutex<SocketAddr>>, rx: Receiver<Message>) {
@@ -894,7 +923,7 @@ mod tests {
                 .ok(),
             Some(7)
         );
-        ta.send_snapshot(chunk(1, 2, 0, vec![5; 4096]))
+        ta.send_snapshot(chunk(1, 2, 0, vec![5; 4096]), &mut || false)
             .expect("chunk");
         match mb.snapshots.recv_timeout(Duration::from_secs(5)) {
             Ok(SnapshotFrame::Chunk(c)) => {
@@ -903,19 +932,23 @@ mod tests {
             }
             other => panic!("expected a chunk, got {other:?}"),
         }
-        tb.send_snapshot(SnapshotFrame::Ack(crate::transport::SnapshotAck {
-            from: 2,
-            to: 1,
-            transfer: 1,
-            error: None,
-        }))
+        tb.send_snapshot(
+            SnapshotFrame::Ack(crate::transport::SnapshotAck {
+                from: 2,
+                to: 1,
+                transfer: 1,
+                error: None,
+            }),
+            &mut || false,
+        )
         .expect("ack");
         assert!(matches!(
             ma.snapshots.recv_timeout(Duration::from_secs(5)),
             Ok(SnapshotFrame::Ack(a)) if a.transfer == 1 && a.error.is_none()
         ));
         assert!(
-            ta.send_snapshot(chunk(1, 9, 0, vec![1])).is_err(),
+            ta.send_snapshot(chunk(1, 9, 0, vec![1]), &mut || false)
+                .is_err(),
             "unknown member"
         );
         assert_eq!(tb.stats().frames_received, 101);
@@ -1032,7 +1065,7 @@ mod tests {
         let ta2 = ta.clone();
         let sender = thread::spawn(move || {
             for seq in 0..32u32 {
-                ta2.send_snapshot(chunk(1, 2, seq, vec![seq as u8; 256 << 10]))
+                ta2.send_snapshot(chunk(1, 2, seq, vec![seq as u8; 256 << 10]), &mut || false)
                     .expect("chunk");
             }
         });
@@ -1116,7 +1149,7 @@ mod tests {
         let ((ta, _ma), (_tb, mb)) = pair(o);
         let start = Instant::now();
         for seq in 0..16u32 {
-            ta.send_snapshot(chunk(1, 2, seq, vec![1; 256 << 10]))
+            ta.send_snapshot(chunk(1, 2, seq, vec![1; 256 << 10]), &mut || false)
                 .expect("chunk");
         }
         for _ in 0..16 {

@@ -103,7 +103,19 @@ pub trait Transport: Send + Sync + 'static {
     /// Sends one frame of the snapshot path to its destination. An error means the frame
     /// surely did not arrive (unknown or unreachable member); `Ok` promises nothing more
     /// than [`send`](Transport::send) does.
-    fn send_snapshot(&self, frame: SnapshotFrame) -> Result<(), NodeError>;
+    ///
+    /// `cancelled` says whether the frame's transfer is still wanted. A transport that makes
+    /// the frame wait before writing it (for a rate limit, as
+    /// [`TcpTransport`](crate::TcpTransport) does) asks it at least every
+    /// [`WAIT_SLICE`](crate::tcp::limiter::WAIT_SLICE) of the wait: once it returns true,
+    /// the frame is not sent, the budget it had reserved is given back, and the call fails
+    /// at once with [`NodeError::Snapshot`]. A transport that does not wait need not ask it.
+    /// Senders of frames that are always wanted (acks) pass `&mut || false`.
+    fn send_snapshot(
+        &self,
+        frame: SnapshotFrame,
+        cancelled: &mut dyn FnMut() -> bool,
+    ) -> Result<(), NodeError>;
 
     /// A member was added, or its peer URLs changed, in the applied membership: a transport
     /// that dials addresses learns where to reach it. Default: nothing (the in-memory
@@ -432,7 +444,13 @@ impl Transport for MemTransport {
         }
     }
 
-    fn send_snapshot(&self, mut frame: SnapshotFrame) -> Result<(), NodeError> {
+    /// Never waits but in a stall, which stands for a write blocked on a peer that does not
+    /// read and so does not ask `cancelled` either.
+    fn send_snapshot(
+        &self,
+        mut frame: SnapshotFrame,
+        _cancelled: &mut dyn FnMut() -> bool,
+    ) -> Result<(), NodeError> {
         let (from, to) = frame.route();
         if !self.net.inner.endpoints.read().contains_key(&to) {
             return Err(NodeError::Unreachable {
@@ -536,9 +554,10 @@ mod tests {
             data,
             end: None,
         };
-        t1.send_snapshot(SnapshotFrame::Chunk(chunk.clone()))
+        t1.send_snapshot(SnapshotFrame::Chunk(chunk.clone()), &mut || false)
             .unwrap_or(());
-        t1.send_snapshot(SnapshotFrame::Chunk(chunk)).unwrap_or(());
+        t1.send_snapshot(SnapshotFrame::Chunk(chunk), &mut || false)
+            .unwrap_or(());
         let a = m2.snapshots.try_recv();
         let b = m2.snapshots.try_recv();
         match (a, b) {
@@ -554,6 +573,6 @@ mod tests {
             transfer: 1,
             error: None,
         });
-        assert!(t1.send_snapshot(ack).is_err());
+        assert!(t1.send_snapshot(ack, &mut || false).is_err());
     }
 }

@@ -131,17 +131,11 @@ impl RateLimiter {
     /// calling `stop`).
     pub fn acquire_unless(&self, n: u64, mut stop: impl FnMut() -> bool) -> bool {
         let mut reservation = self.reserve_at(n, Instant::now());
-        loop {
-            let wait = reservation.wait_at(Instant::now());
-            if wait.is_zero() {
-                return true;
-            }
-            std::thread::sleep(wait.min(WAIT_SLICE));
-            if stop() {
-                reservation.give_back_at(Instant::now());
-                return false;
-            }
+        if !reservation.wait_unless(&mut stop) {
+            reservation.give_back_at(Instant::now());
+            return false;
         }
+        reservation.grant()
     }
 }
 
@@ -151,6 +145,19 @@ impl Reservation<'_> {
     /// [`give_back_at`](Self::give_back_at) returns nothing). The wait shortens when a
     /// reservation made before this one is given back, and follows changes of the rate.
     pub fn wait_at(&mut self, now: Instant) -> Duration {
+        self.wait(now, true)
+    }
+
+    /// How long, from `now`, the caller must still wait before sending the reserved bytes,
+    /// as [`wait_at`](Self::wait_at) says, but without granting the reservation once the
+    /// wait is over: until [`grant`](Self::grant), it can still be given back in full (its
+    /// sender waits for something else too, and may be stopped meanwhile).
+    pub fn due_in(&mut self, now: Instant) -> Duration {
+        self.wait(now, false)
+    }
+
+    /// The wait from `now`; once it is over, the reservation is granted if `grant`.
+    fn wait(&mut self, now: Instant, grant: bool) -> Duration {
         let Some(ticket) = self.ticket else {
             return Duration::ZERO;
         };
@@ -164,11 +171,37 @@ impl Reservation<'_> {
         let behind: f64 = s.waiting[at + 1..].iter().map(|w| w.bytes).sum();
         let debt = -(s.tokens + behind);
         if s.rate == 0 || debt <= 0.0 {
-            s.waiting.remove(at);
-            self.ticket = None;
+            if grant {
+                s.waiting.remove(at);
+                self.ticket = None;
+            }
             return Duration::ZERO;
         }
         Duration::try_from_secs_f64(debt / s.rate as f64).unwrap_or(Duration::MAX)
+    }
+
+    /// Sleeps until the reserved bytes may be sent ([`due_in`](Self::due_in) is zero), in
+    /// slices of at most [`WAIT_SLICE`], calling `stop` after each; returns `false` as soon
+    /// as it returns true. Either way the reservation is not granted: the caller sends and
+    /// calls [`grant`](Self::grant), or gives it back (dropping it does).
+    pub fn wait_unless(&mut self, stop: &mut dyn FnMut() -> bool) -> bool {
+        loop {
+            let wait = self.due_in(Instant::now());
+            if wait.is_zero() {
+                return true;
+            }
+            std::thread::sleep(wait.min(WAIT_SLICE));
+            if stop() {
+                return false;
+            }
+        }
+    }
+
+    /// Grants the reservation if its wait is over ([`due_in`](Self::due_in) is zero):
+    /// its bytes are sent and can no longer be given back. Returns whether it is granted;
+    /// one whose wait is not over still waits, and is given back when dropped.
+    pub fn grant(&mut self) -> bool {
+        self.wait(Instant::now(), true).is_zero()
     }
 
     /// Gives the reservation back at `now`, its bytes not to be sent: the bucket then holds

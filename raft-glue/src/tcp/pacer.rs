@@ -28,6 +28,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use super::RateLimiter;
+use super::limiter::Reservation;
 
 /// How often the rate is reconsidered while a snapshot streams.
 pub const WINDOW: Duration = Duration::from_millis(50);
@@ -132,14 +133,17 @@ impl Pacer {
         self.state.lock().rate
     }
 
-    /// Paces a chunk of `n` bytes: updates the rate, then waits as long as it asks.
-    pub fn chunk(&self, n: u64) {
+    /// Paces a chunk of `n` bytes: updates the rate, then reserves the chunk's bytes at it.
+    /// The caller waits on the reservation ([`Reservation::wait_unless`]) before sending
+    /// the chunk, then grants it; one dropped before it was granted (the transfer was
+    /// cancelled while it waited) is given back.
+    pub fn chunk(&self, n: u64) -> Reservation<'_> {
         let now = Instant::now();
         let rate = self.state.lock().chunk(n, now);
         if rate != self.limiter.rate() {
             self.limiter.set_rate(rate);
         }
-        self.limiter.acquire(n);
+        self.limiter.reserve_at(n, now)
     }
 }
 

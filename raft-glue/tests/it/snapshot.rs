@@ -167,7 +167,9 @@ fn an_abandoned_incoming_transfer_is_dropped_and_its_late_chunks_refused() {
         }
     };
     let restore_dir = c.dir(1).expect("dir").join("backend-1");
-    sender.send_snapshot(chunk(0, head)).expect("send");
+    sender
+        .send_snapshot(chunk(0, head), &mut || false)
+        .expect("send");
     let deadline = Instant::now() + T;
     while !restore_dir.exists() {
         assert!(Instant::now() < deadline, "the restore never began");
@@ -185,10 +187,14 @@ fn an_abandoned_incoming_transfer_is_dropped_and_its_late_chunks_refused() {
     assert_eq!(n.status().snapshots_refused, 1);
 
     // The rest of the stream, late, and its first chunk again: both refused.
-    sender.send_snapshot(chunk(1, tail)).expect("send");
+    sender
+        .send_snapshot(chunk(1, tail), &mut || false)
+        .expect("send");
     let error = answer().error.expect("a refusal");
     assert!(error.contains("was dropped"), "{error}");
-    sender.send_snapshot(chunk(0, head)).expect("send");
+    sender
+        .send_snapshot(chunk(0, head), &mut || false)
+        .expect("send");
     let error = answer().error.expect("a refusal");
     assert!(error.contains("was dropped"), "{error}");
     assert!(
@@ -258,24 +264,24 @@ fn only_the_leaders_transfer_is_taken_and_a_new_leaders_replaces_it() {
     let (eight, eight_box) = c.net.register(8);
 
     // Member 1 leads this term: a snapshot of it from 9 is no leader's.
-    nine.send_snapshot(first_chunk(9, 70, term, index, &data))
+    nine.send_snapshot(first_chunk(9, 70, term, index, &data), &mut || false)
         .expect("send");
     let ack = answer_in(&nine_box);
     assert_eq!((ack.from, ack.to, ack.transfer), (1, 9, 70));
     let error = ack.error.expect("a refusal");
     assert!(error.contains("not the leader"), "{error}");
     // A term already past.
-    nine.send_snapshot(first_chunk(9, 71, term - 1, index, &data))
+    nine.send_snapshot(first_chunk(9, 71, term - 1, index, &data), &mut || false)
         .expect("send");
     let error = answer_in(&nine_box).error.expect("a refusal");
     assert!(error.contains(&format!("term {}", term - 1)), "{error}");
 
     // 9 as the leader of the next term: its transfer starts (no answer yet).
-    nine.send_snapshot(first_chunk(9, 72, term + 1, index, &data))
+    nine.send_snapshot(first_chunk(9, 72, term + 1, index, &data), &mut || false)
         .expect("send");
     // 8 claiming the same term while it runs: refused, 9's transfer untouched.
     eight
-        .send_snapshot(first_chunk(8, 80, term + 1, index, &data))
+        .send_snapshot(first_chunk(8, 80, term + 1, index, &data), &mut || false)
         .expect("send");
     let ack = answer_in(&eight_box);
     assert_eq!((ack.from, ack.to, ack.transfer), (1, 8, 80));
@@ -288,7 +294,7 @@ fn only_the_leaders_transfer_is_taken_and_a_new_leaders_replaces_it() {
     );
     // 8 as the leader of the term after: its transfer replaces 9's, and 9 is told.
     eight
-        .send_snapshot(first_chunk(8, 81, term + 2, index, &data))
+        .send_snapshot(first_chunk(8, 81, term + 2, index, &data), &mut || false)
         .expect("send");
     let ack = answer_in(&nine_box);
     assert_eq!((ack.from, ack.to, ack.transfer), (1, 9, 72));
@@ -304,16 +310,19 @@ fn only_the_leaders_transfer_is_taken_and_a_new_leaders_replaces_it() {
     );
     // A late chunk of a refused transfer is refused again, and not counted again: four
     // transfers were refused (70, 71, 80 and the replaced 72).
-    nine.send_snapshot(SnapshotFrame::Chunk(SnapshotChunk {
-        from: 9,
-        to: 1,
-        transfer: 70,
-        seq: 1,
-        message: None,
-        data: data.to_vec(),
-        crc: crc32fast::hash(&data),
-        end: None,
-    }))
+    nine.send_snapshot(
+        SnapshotFrame::Chunk(SnapshotChunk {
+            from: 9,
+            to: 1,
+            transfer: 70,
+            seq: 1,
+            message: None,
+            data: data.to_vec(),
+            crc: crc32fast::hash(&data),
+            end: None,
+        }),
+        &mut || false,
+    )
     .expect("send");
     let error = answer_in(&nine_box).error.expect("a refusal");
     assert!(error.contains("transfer 70 was refused"), "{error}");
@@ -363,7 +372,7 @@ fn a_prepared_snapshot_raft_does_not_take_leaves_no_directory() {
                 end: (seq + 1 == pieces.len()).then_some(end),
             }),
         };
-        sender.send_snapshot(frame).expect("send");
+        sender.send_snapshot(frame, &mut || false).expect("send");
     }
     let ack = answer_in(&mailbox);
     assert_eq!((ack.from, ack.to, ack.transfer), (1, 9, 90));
