@@ -26,7 +26,8 @@
 //! follower is forwarded to the leader by raft-rs. Linearizable reads go through ReadIndex
 //! (batched: one read-index round serves every read queued in one loop turn) and wait until
 //! the member has applied the read index; serializable reads read the local store. A change
-//! of leader (this member stepping down included) fails the reads whose round in flight can
+//! of leader or of term (this member stepping down included, or its leader found again in a
+//! later term, having stepped down and won again) fails the reads whose round in flight can
 //! no longer be answered with [`NodeError::NotLeader`], as etcd fails them with "leader
 //! changed": raft-rs drops those rounds. A follower that pre-campaigns and hears from the
 //! same leader again in the same term keeps its rounds (asked again), unless it stays
@@ -535,6 +536,7 @@ impl<B: Backend> Node<B> {
                 persist_loop(storage, transport, job_rx, persisted_tx)
             })?);
         }
+        let last_term = raw.raft.term;
         let mut driver = Driver {
             id,
             shared: shared.clone(),
@@ -554,6 +556,7 @@ impl<B: Backend> Node<B> {
             waiters: HashMap::new(),
             reads: HashMap::new(),
             leaderless_since: None,
+            last_term,
             read_batch: Vec::new(),
             read_ctx: incarnation_base(),
             applied_waits: Vec::new(),
@@ -1401,6 +1404,10 @@ struct Driver<B: Backend> {
     /// Since when no leader has been known, while read-index rounds sent under the last one
     /// wait to hear from it again (see [`Driver::fail_reads_in_flight`]).
     leaderless_since: Option<Instant>,
+    /// The term of the last ready: raft-rs's soft state has no term, so a leader found again
+    /// in a later term (it stepped down and won again) changes no soft state, and only this
+    /// tells the read-index rounds of the earlier term from the others.
+    last_term: u64,
     /// Reads queued in this loop turn.
     read_batch: Vec<ReadReply>,
     read_ctx: u64,
@@ -2043,11 +2050,25 @@ impl<B: Backend> Driver<B> {
             return Ok(());
         }
         let rd = self.raw.ready();
-        // The leader known from this ready on, when this member's role or its leader changed.
-        let changed = rd.ss().map(|ss| {
-            tracing::debug!(member = self.id, leader = ss.leader_id, role = ?ss.raft_state, "soft state changed");
-            (ss.leader_id != raft::INVALID_ID).then_some(ss.leader_id)
-        });
+        // The leader known from this ready on, when this member's role, its leader or its
+        // term changed. The soft state does not hold the term: a member that hears from its
+        // leader again in a later term (the leader stepped down and won again, or this member
+        // lost it and found it again within one ready) sees no soft-state change, though its
+        // leader dropped the read-index rounds of the earlier term.
+        let term = self.raw.raft.term;
+        let new_term = std::mem::replace(&mut self.last_term, term) != term;
+        let changed = rd
+            .ss()
+            .map(|ss| {
+                tracing::debug!(member = self.id, leader = ss.leader_id, role = ?ss.raft_state, term, "soft state changed");
+                (ss.leader_id != raft::INVALID_ID).then_some(ss.leader_id)
+            })
+            .or_else(|| {
+                new_term.then(|| {
+                    tracing::debug!(member = self.id, leader = ?self.leader(), term, "term changed");
+                    self.leader()
+                })
+            });
         if rd.ss().is_some_and(|ss| ss.raft_state != StateRole::Leader) {
             self.cancel_outgoing_transfers();
         }
@@ -2867,10 +2888,10 @@ impl<B: Backend> Driver<B> {
     }
 
     /// Fails with [`NodeError::NotLeader`] (naming `leader`, the leader now known) every read
-    /// whose read-index round in flight can no longer be answered, once this member's role or
-    /// its leader has changed: raft-rs drops the read-index requests of a leader that steps
-    /// down, and the answers of a leader of an earlier term, so those reads would otherwise
-    /// wait out their request timeout. As etcd ("leader changed"), the caller may retry at
+    /// whose read-index round in flight can no longer be answered, once this member's role,
+    /// its leader or its term has changed: raft-rs drops the read-index requests of a leader
+    /// that steps down, and the answers of a leader of an earlier term, so those reads would
+    /// otherwise wait out their request timeout. As etcd ("leader changed"), the caller may retry at
     /// once, here or on another member. Reads not yet sent wait for the next round (to the
     /// new leader, or refused at once while none is known), and reads whose index is already
     /// confirmed complete as the apply reaches it.

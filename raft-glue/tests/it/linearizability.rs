@@ -465,3 +465,111 @@ fn a_read_outlives_a_follower_losing_and_finding_its_leader_in_the_same_term() {
         started.elapsed()
     );
 }
+
+/// A follower that hears from its leader again in a later term, that leader having stepped
+/// down and won again meanwhile, fails at once the read it had asked of it in the earlier
+/// term: the leader's new term dropped the round, and nothing in the follower's own state
+/// (still a follower of the same leader) changed for it to notice otherwise.
+///
+/// Without pre-vote or check-quorum, so that a campaign of member `o` makes the leader `l`
+/// step down into a new term, and `l`'s campaign right after wins the next: `l` refuses
+/// `o` its vote, holding an entry `o` lacks. The follower `m` is cut off throughout, for far
+/// less than its election timeout (so it never campaigns), and first hears of the new terms
+/// from `l` as the leader.
+#[test]
+fn a_read_fails_when_its_leader_is_found_again_in_a_later_term() {
+    crate::init_tracing();
+    let options = NodeOptions {
+        // An election timeout of 1 s at least: far longer than the re-election takes.
+        tick_interval: Duration::from_millis(50),
+        election_ticks: 20,
+        request_timeout: Duration::from_secs(20),
+        pre_vote: false,
+        check_quorum: false,
+        ..fast_options()
+    };
+    let c = Cluster::<TestBackend>::new(3, options, 13).expect("cluster");
+    let l = c.wait_leader(Duration::from_secs(10)).expect("leader");
+    let followers: Vec<u64> = c.ids().into_iter().filter(|&i| i != l).collect();
+    let (m, o) = (followers[0], followers[1]);
+    let (leader, member, other) = (
+        c.node(l).expect("runs"),
+        c.node(m).expect("runs"),
+        c.node(o).expect("runs"),
+    );
+    member.read_index().expect("a read while connected");
+    let term = member.status().term;
+    let wait = |what: &str, done: &dyn Fn() -> bool| {
+        let started = Instant::now();
+        while !done() {
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "{what}: {:?} {:?} {:?}",
+                leader.status(),
+                member.status(),
+                other.status()
+            );
+            thread::sleep(Duration::from_millis(1));
+        }
+    };
+
+    // The follower's read goes to the leader and is lost.
+    c.net.isolate(m);
+    let cut = Instant::now();
+    let reader = {
+        let member = member.clone();
+        thread::spawn(move || (member.read_index(), Instant::now()))
+    };
+    // The leader appends an entry that `o` does not get.
+    c.net.cut_one_way(l, o);
+    let last = leader.status().last_index;
+    let writer = {
+        let leader = leader.clone();
+        thread::spawn(move || leader.put(b"k", b"v").map(drop))
+    };
+    wait("the leader appends", &|| leader.status().last_index > last);
+    // `o` campaigns: the leader steps down into term + 1 and refuses its vote.
+    other.campaign().expect("campaign");
+    wait("the leader steps down", &|| {
+        let s = leader.status();
+        s.term > term && s.role == Role::Follower
+    });
+    // The leader campaigns and wins the next term with `o`'s vote.
+    c.net.heal();
+    c.net.isolate(m);
+    leader.campaign().expect("campaign");
+    wait("the leader wins again", &|| {
+        leader.status().role == Role::Leader
+    });
+    let new_term = leader.status().term;
+    assert!(new_term >= term + 2, "{new_term}");
+    assert!(
+        cut.elapsed() < Duration::from_millis(800),
+        "the follower was cut off for {:?}, near its election timeout",
+        cut.elapsed()
+    );
+    // The follower hears from the same leader, in the new term.
+    c.net.heal();
+    let healed = Instant::now();
+    wait("the follower hears from the leader", &|| {
+        member.status().term == new_term
+    });
+    let found = member.status();
+    assert_eq!(
+        (found.leader, found.role),
+        (Some(l), Role::Follower),
+        "the follower of the same leader"
+    );
+    let (r, at) = reader.join().expect("reader");
+    let after = at.saturating_duration_since(healed);
+    assert!(
+        matches!(r, Err(NodeError::NotLeader { id, leader: Some(x) }) if id == m && x == l)
+            && after < Duration::from_millis(300),
+        "the read asked of member {l} in term {term}, when member {m} heard from it in term \
+         {new_term}: {r:?} {after:?} after it did"
+    );
+    writer
+        .join()
+        .expect("writer")
+        .expect("the entry is committed");
+}
