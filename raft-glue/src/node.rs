@@ -228,13 +228,56 @@ type ReadReply = ReplyTx<Result<u64, NodeError>>;
 
 /// A read-index round in flight: the reads it serves, and whom it was asked of.
 struct ReadRound {
-    /// When it was last asked.
+    /// When it was first asked: its reads' callers wait from then, and the sweep keeps it
+    /// for twice their request timeout from then, however often it was asked again.
+    first_asked: Instant,
+    /// When it was last asked (first, or again by the sweep or once its leader was found
+    /// again): the next batch waits a tick after it, the sweep asks again half a second
+    /// after it.
     asked: Instant,
     /// The leader it was asked of (this member's leader then; this member, as the leader).
     leader: u64,
     /// This member's term then.
     term: u64,
     replies: Vec<ReadReply>,
+}
+
+/// A round unanswered this long since it was asked is asked again by the sweep.
+const READ_ASK_AGAIN: Duration = Duration::from_millis(500);
+
+impl ReadRound {
+    /// A round asked at `now` of `leader` in `term`.
+    fn new(now: Instant, leader: u64, term: u64, replies: Vec<ReadReply>) -> ReadRound {
+        ReadRound {
+            first_asked: now,
+            asked: now,
+            leader,
+            term,
+            replies,
+        }
+    }
+
+    /// The round is asked again at `now` (by the sweep, or as its leader was found again).
+    /// Its retention still runs from its first ask.
+    fn asked_again(&mut self, now: Instant) {
+        self.asked = now;
+    }
+
+    /// Whether the round is still kept at `now`: for `limit` from its first ask (by then its
+    /// reads' callers have given up), however often it was asked again since.
+    fn kept_at(&self, now: Instant, limit: Duration) -> bool {
+        now.saturating_duration_since(self.first_asked) < limit
+    }
+
+    /// Whether the round, asked less than `tick` before `now`, holds the next batch back.
+    fn holds_back_at(&self, now: Instant, tick: Duration) -> bool {
+        now.saturating_duration_since(self.asked) < tick
+    }
+
+    /// Whether the sweep asks the round again at `now`.
+    fn due_again_at(&self, now: Instant) -> bool {
+        now.saturating_duration_since(self.asked) >= READ_ASK_AGAIN
+    }
 }
 
 /// One answer from the Raft thread to a caller: a slot and a condition variable. The caller
@@ -1564,20 +1607,23 @@ impl<B: Backend> Driver<B> {
         }
     }
 
-    /// Drops waiters whose callers have given up, and asks again for the read index of
-    /// rounds still unanswered (a leader that had not committed in its term yet, or a lost
-    /// message, drops them silently).
+    /// Drops waiters and read-index rounds whose callers have given up (a round counts from
+    /// its first ask), and asks again for the read index of rounds still unanswered (a
+    /// leader that had not committed in its term yet, or a lost message, drops them
+    /// silently).
     fn sweep(&mut self) {
         let limit = self.shared.options.request_timeout * 2;
         self.waiters.retain(|_, (t, _)| t.elapsed() < limit);
-        self.reads.retain(|_, round| round.asked.elapsed() < limit);
+        let now = Instant::now();
+        self.reads.retain(|_, round| round.kept_at(now, limit));
         if self.leader().is_some() {
             let (leader, term) = (self.raw.raft.leader_id, self.raw.raft.term);
             let mut stale = Vec::new();
             for (ctx, round) in &mut self.reads {
-                if round.asked.elapsed() >= Duration::from_millis(500) {
+                if round.due_again_at(now) {
                     // Asked again, of the leader known now.
                     (round.leader, round.term) = (leader, term);
+                    round.asked_again(now);
                     stale.push(*ctx);
                 }
             }
@@ -1770,11 +1816,11 @@ impl<B: Backend> Driver<B> {
         // One round at a time: reads that arrive while a round is out join the next one,
         // issued as soon as it is answered (or after a tick, should it be lost), so a busy
         // member sends one heartbeat round per batch of reads rather than per loop turn.
-        let tick = self.shared.options.tick_interval;
+        let (now, tick) = (Instant::now(), self.shared.options.tick_interval);
         if self
             .reads
             .values()
-            .any(|round| round.asked.elapsed() < tick)
+            .any(|round| round.holds_back_at(now, tick))
         {
             return;
         }
@@ -1791,15 +1837,8 @@ impl<B: Backend> Driver<B> {
         self.read_ctx += 1;
         let ctx = self.read_ctx;
         self.raw.read_index(ctx.to_le_bytes().to_vec());
-        self.reads.insert(
-            ctx,
-            ReadRound {
-                asked: Instant::now(),
-                leader: self.raw.raft.leader_id,
-                term: self.raw.raft.term,
-                replies: batch,
-            },
-        );
+        let round = ReadRound::new(now, self.raw.raft.leader_id, self.raw.raft.term, batch);
+        self.reads.insert(ctx, round);
     }
 
     fn event(&mut self, e: Event) -> Option<Sender<bool>> {
@@ -2935,7 +2974,7 @@ impl<B: Backend> Driver<B> {
             // Its answer may have come while this member was a pre-candidate, which drops it.
             let now = Instant::now();
             for (ctx, round) in &mut self.reads {
-                round.asked = now;
+                round.asked_again(now);
                 self.raw.read_index(ctx.to_le_bytes().to_vec());
             }
         }
@@ -3075,5 +3114,42 @@ impl From<NotLeaderNone> for NodeError {
             id: n.0,
             leader: None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A round asked again (its leader found again, over and over) is kept for the limit
+    /// from its first ask, when its reads' callers have all given up, not from its last; the
+    /// next batch is held back only for a tick after its last ask, and the sweep asks it
+    /// again half a second after that.
+    #[test]
+    fn a_round_asked_again_is_kept_from_its_first_ask() {
+        let ms = Duration::from_millis;
+        let t0 = Instant::now();
+        let (limit, tick) = (ms(2000), ms(100));
+        let mut round = ReadRound::new(t0, 1, 1, Vec::new());
+        // A follower that loses and finds its leader every 300 ms asks again each time.
+        let mut last = t0;
+        for i in 1..=6 {
+            last = t0 + ms(300 * i);
+            round.asked_again(last);
+        }
+        let expired = t0 + limit;
+        assert!(
+            !round.kept_at(expired, limit),
+            "a round first asked {limit:?} ago, asked again {:?} ago, is still kept",
+            expired.saturating_duration_since(last)
+        );
+        assert!(round.kept_at(expired - ms(1), limit));
+        assert!(round.holds_back_at(last + ms(99), tick));
+        assert!(
+            !round.holds_back_at(last + tick, tick),
+            "held back past a tick"
+        );
+        assert!(!round.due_again_at(last + ms(499)));
+        assert!(round.due_again_at(last + READ_ASK_AGAIN));
     }
 }
