@@ -160,12 +160,7 @@ pub(crate) fn encode(buf: &mut Vec<u8>, ty: RecordType, parts: &[&[u8]], prev_cr
         buf.extend_from_slice(p);
     }
     // Word and payload are contiguous: one crc pass over both.
-    let mut h = crc32fast::Hasher::new_with_initial(prev_crc);
-    h.update(&buf[start + 4..]);
-    let crc = h.finalize();
-    buf[start..start + 4].copy_from_slice(&crc.to_le_bytes());
-    buf.resize(buf.len() + padded(len) - len, 0);
-    crc
+    seal(buf, start, len, prev_crc)
 }
 
 /// A parsed record header.
@@ -362,12 +357,7 @@ pub(crate) fn encode_entry(buf: &mut Vec<u8>, e: &Entry, prev: u32) -> u32 {
     let start = buf.len();
     buf.extend_from_slice(&head);
     buf.extend_from_slice(&e.data);
-    let mut h = crc32fast::Hasher::new_with_initial(prev);
-    h.update(&buf[start + 4..]);
-    let crc = h.finalize();
-    buf[start..start + 4].copy_from_slice(&crc.to_le_bytes());
-    buf.extend_from_slice(&[0u8; 8][..padded(len) - len]);
-    crc
+    seal(buf, start, len, prev)
 }
 
 /// How many of `entries` (at least one) the next record holds: the longest run from the
@@ -416,6 +406,13 @@ pub(crate) fn encode_batch(buf: &mut Vec<u8>, entries: &[Entry], prev: u32) -> u
         buf.extend_from_slice(&e.data);
     }
     // One crc pass over word and payload for the whole batch.
+    seal(buf, start, len, prev)
+}
+
+/// Finishes the record framed at `buf[start..]` (header with its crc left zero, then `len`
+/// bytes of payload): computes its crc over word and payload, chained from `prev`, writes it
+/// into the header, pads the payload to 8 bytes, and returns the crc.
+fn seal(buf: &mut Vec<u8>, start: usize, len: usize, prev: u32) -> u32 {
     let mut h = crc32fast::Hasher::new_with_initial(prev);
     h.update(&buf[start + 4..]);
     let crc = h.finalize();
