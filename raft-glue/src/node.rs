@@ -2110,6 +2110,11 @@ impl<B: Backend> Driver<B> {
             });
         if rd.ss().is_some_and(|ss| ss.raft_state != StateRole::Leader) {
             self.cancel_outgoing_transfers();
+        } else if new_term {
+            // A leader that lost its leadership and won a later term within one ready (or
+            // whose term changed while it led, by the ready's account) shows no soft-state
+            // change: the transfers of its earlier term end as a step-down ends them.
+            self.cancel_transfers_of_earlier_terms();
         }
         if rd.snapshot().is_empty() {
             self.on_ready_async(rd)?;
@@ -2819,6 +2824,43 @@ impl<B: Backend> Driver<B> {
                 cancelled,
                 "snapshot transfers of a leadership that ended cancelled"
             );
+        }
+    }
+
+    /// Cancels every snapshot transfer this member began as the leader of a term earlier than
+    /// its current one, as [`cancel_outgoing_transfers`](Self::cancel_outgoing_transfers)
+    /// does once it no longer leads: raft-rs forgot those transfers when the term changed
+    /// (their ends are not reported to it), and the senders would
+    /// otherwise stream the rest of the backend, holding a read transaction on it. The
+    /// transfers of the current term go on.
+    fn cancel_transfers_of_earlier_terms(&mut self) {
+        let term = self.raw.raft.term;
+        // The latest transfer to a member is the one begun last: those before it were
+        // cancelled when it replaced them, so the transfers to a member whose latest one is
+        // of an earlier term are all of an earlier term.
+        let earlier: Vec<(u64, u64)> = self
+            .latest_transfer
+            .iter()
+            .filter(|(_, l)| l.term < term)
+            .map(|(&to, l)| (to, l.term))
+            .collect();
+        for (to, began) in earlier {
+            let reason = format!(
+                "begun by member {} as the leader of term {began}, which it no longer leads (term \
+                 {term})",
+                self.id
+            );
+            let cancelled = snapshot::cancel_to(&self.acks, self.id, to, &reason);
+            if cancelled > 0 {
+                tracing::info!(
+                    member = self.id,
+                    to,
+                    cancelled,
+                    began_in = began,
+                    term,
+                    "snapshot transfers of an earlier term cancelled"
+                );
+            }
         }
     }
 

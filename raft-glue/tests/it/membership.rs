@@ -2,8 +2,8 @@
 //! runtime reconfiguration guide, forwarding from a follower, learners refusing what they
 //! must, removed members stopping for good, promotion only after the snapshot is applied,
 //! transfer progress in member status and paced snapshots, the end of a transfer to a
-//! member that is removed or from a leader that steps down, and removals made through raw
-//! conf changes.
+//! member that is removed or from a leader that steps down (or wins a later term), and
+//! removals made through raw conf changes.
 
 use std::sync::Arc;
 use std::thread;
@@ -525,6 +525,130 @@ fn a_leader_that_steps_down_stops_its_snapshot_transfers() {
         after <= 2,
         "{after} chunks were sent to member 4 after the leader stepped down"
     );
+}
+
+/// A leader that loses its leadership and wins a later term before its next ready is
+/// handled (here, the only voter, told by a message of a later term to campaign at once: it
+/// steps down into that term and wins the next one within one step) shows no soft-state
+/// change, only a new term: the snapshot transfer it began in the earlier term, which
+/// raft-rs forgot with that term, stops as on a step-down, instead of streaming the rest of
+/// the backend to a receiver whose progress the new term tracks afresh.
+#[test]
+fn a_leader_that_wins_a_later_term_within_one_ready_stops_its_earlier_transfers() {
+    use keel_raft_glue::{SnapshotFrame, Transport};
+    use raft::eraftpb::{Message, MessageType};
+
+    crate::init_tracing();
+    let opts = NodeOptions {
+        snapshot_chunk_bytes: 4 * 1024,
+        ..options()
+    };
+    let mut c = Cluster::<TestBackend>::with_membership(1, opts, manual(), 13).expect("cluster");
+    let l = c.node(c.wait_leader(T).expect("leader")).expect("runs");
+    for i in 0..300u32 {
+        l.put(format!("w{i:04}").as_bytes(), &[8u8; 1000])
+            .expect("put");
+    }
+    drop(l);
+    // Restarted with a limiter: the stream (over 300 kB) takes about 5 s.
+    c.snapshot_limiter = Some(Arc::new(RateLimiter::new(64 * 1024, 4 * 1024)));
+    c.kill(1);
+    c.start(1).expect("restart with a limiter");
+    let leader = c.node(c.wait_leader(T).expect("leader")).expect("runs");
+    let first_term = leader.status().term;
+
+    // Member 4, played here: it refuses the appends of the first term only (so that term's
+    // leader sends it a snapshot, and the later term's does not replace that transfer), and
+    // records the chunks it receives: (when, transfer, whether the chunk ends its stream).
+    let (transport, mailbox) = c.net.register(4);
+    let chunks = Arc::new(std::sync::Mutex::new(Vec::<(Instant, u64, bool)>::new()));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sink = {
+        let (seen, done, transport) = (chunks.clone(), stop.clone(), transport.clone());
+        thread::spawn(move || {
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                crossbeam_channel::select! {
+                    recv(mailbox.raft) -> m => {
+                        let Ok(m) = m else { return };
+                        if m.get_msg_type() == MessageType::MsgAppend && m.term == first_term {
+                            let mut r = Message::default();
+                            r.set_msg_type(MessageType::MsgAppendResponse);
+                            (r.from, r.to, r.term, r.index) = (4, m.from, m.term, m.index);
+                            r.reject = true;
+                            transport.send(r);
+                        }
+                    }
+                    recv(mailbox.snapshots) -> f => {
+                        if let Ok(SnapshotFrame::Chunk(c)) = f {
+                            let chunk = (Instant::now(), c.transfer, c.end.is_some());
+                            seen.lock().expect("lock").push(chunk);
+                        }
+                    }
+                    default(Duration::from_millis(10)) => {}
+                }
+            }
+        })
+    };
+    let of = |transfer: u64| -> Vec<(Instant, bool)> {
+        let chunks = chunks.lock().expect("lock");
+        chunks
+            .iter()
+            .filter(|(_, t, _)| *t == transfer)
+            .map(|(at, _, end)| (*at, *end))
+            .collect()
+    };
+    leader.add_learner(4).expect("learner");
+    wait_until("the transfer to 4 under way", || {
+        chunks.lock().expect("lock").len() >= 3
+    });
+    let transfer = chunks.lock().expect("lock")[0].1;
+
+    // A message of a later term telling member 1 to campaign: it becomes a follower of
+    // that term and, the only voter, wins the next one within the same step.
+    let mut m = Message::default();
+    m.set_msg_type(MessageType::MsgTimeoutNow);
+    (m.from, m.to, m.term) = (4, leader.id(), first_term + 1);
+    transport.send(m);
+    wait_until("member 1 leads a later term", || {
+        let s = leader.status();
+        s.term > first_term && s.role == keel_raft_glue::Role::Leader
+    });
+    assert_eq!(
+        leader.status().term,
+        first_term + 2,
+        "{:?}",
+        leader.status()
+    );
+    let at_new_term = of(transfer);
+    assert!(
+        !at_new_term.iter().any(|(_, end)| *end),
+        "the stream ended before the term changed: it is too short for this test"
+    );
+    wait_until(
+        "a second without chunks of the earlier term's transfer",
+        || {
+            of(transfer)
+                .last()
+                .is_some_and(|(at, _)| at.elapsed() >= Duration::from_secs(1))
+        },
+    );
+    let all = of(transfer);
+    let after = all.len() - at_new_term.len();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let _ = sink.join();
+    assert!(
+        !all.iter().any(|(_, end)| *end),
+        "the whole stream of term {first_term} was sent to member 4 once member 1 led term {} \
+         ({after} more chunks)",
+        first_term + 2
+    );
+    assert!(
+        after <= 2,
+        "{after} chunks of term {first_term}'s transfer were sent to member 4 once member 1 \
+         led term {}",
+        first_term + 2
+    );
+    leader.put(b"after", b"1").expect("the leader goes on");
 }
 
 /// A member removed through a raw conf change (a [`Request::ConfChange`], not a membership
