@@ -154,6 +154,20 @@ pub fn default_member(id: u64, is_learner: bool) -> Member {
     }
 }
 
+/// The member recorded for `id`, which joined the configuration through a conf change that
+/// carried no membership operation (a raw one), when `context` (the conf change's context)
+/// describes it: an encoded [`Member`] of that id, as a membership operation encodes the
+/// member it adds (and as etcd puts a member in a conf change's context). Its role comes
+/// from the configuration, not from the context. `None` when the context is empty, does
+/// not decode, or names another member; the caller then records [`default_member`].
+fn joined_member_from_context(id: u64, is_learner: bool, context: &[u8]) -> Option<Member> {
+    if context.is_empty() {
+        return None;
+    }
+    let m = Member::decode(context).ok().filter(|m| m.id == id)?;
+    Some(Member { is_learner, ..m })
+}
+
 /// A member's role in Raft.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Role {
@@ -2369,7 +2383,7 @@ impl<B: Backend> Driver<B> {
         }
         let before = self.raw.raft.prs().conf().to_conf_state();
         let result = self.raw.apply_conf_change(&cc);
-        let (cs, answer, departed) = match result {
+        let (cs, answer, departed, joined) = match result {
             Ok(cs) => {
                 let answer = Ok(Response::ConfChange {
                     voters: cs.voters.clone(),
@@ -2378,30 +2392,63 @@ impl<B: Backend> Driver<B> {
                 // Only a member the configuration no longer lists at all has left: one
                 // removed in a joint configuration is still an outgoing voter, counted in
                 // its quorum and replicated to, until the configuration leaves it.
-                let now = configured(&cs);
-                let departed: Vec<u64> = configured(&before)
-                    .into_iter()
-                    .filter(|id| !now.contains(id))
+                let (was, now) = (configured(&before), configured(&cs));
+                let departed: Vec<u64> =
+                    was.iter().filter(|id| !now.contains(id)).copied().collect();
+                // A member the configuration lists for the first time has joined: a learner
+                // unless it is an (incoming) voter.
+                let joined: Vec<(u64, bool)> = now
+                    .iter()
+                    .filter(|id| !was.contains(id))
+                    .map(|&id| (id, !cs.voters.contains(&id)))
                     .collect();
-                (cs, answer, departed)
+                (cs, answer, departed, joined)
             }
             Err(err) => (
                 self.storage.conf_state(),
                 Err(NodeError::Membership(err.to_string())),
                 Vec::new(),
+                Vec::new(),
             ),
         };
-        if departed.is_empty() {
+        let mut added: Vec<(Member, bool)> = Vec::new();
+        if departed.is_empty() && joined.is_empty() {
             self.sm.apply_conf_state(e.index, &cs)?;
         } else {
-            // Removed from the members as a membership operation removes them, in the
-            // transaction that records the entry's index and the conf state.
+            // Added to and removed from the members as a membership operation adds and
+            // removes them, in the transaction that records the entry's index and the conf
+            // state.
             let store = self.sm.store();
             let mut txn = store.write();
             txn.set_consistent_index(e.index).map_err(store_err)?;
             let mut members = self.members.clone();
             for &id in &departed {
                 members.remove_departed(id, e.index, &mut txn)?;
+            }
+            // A committed addition is never refused for the learner limit, which members
+            // may set differently: every member must list the same.
+            let lenient = MembershipOptions {
+                max_learners: usize::MAX,
+                ..self.mopts.clone()
+            };
+            for &(id, is_learner) in &joined {
+                let named = joined_member_from_context(id, is_learner, cc.get_context())
+                    .filter(|m| members.validate_add(m, &lenient).is_ok());
+                let from_context = named.is_some();
+                let m = named.unwrap_or_else(|| default_member(id, is_learner));
+                if let Err(err) = members.validate_add(&m, &lenient) {
+                    tracing::warn!(
+                        member = self.id,
+                        index = e.index,
+                        joined = id,
+                        error = %err,
+                        "a member that joined through a conf change is not listed"
+                    );
+                    continue;
+                }
+                if members.add_joined(m.clone(), &mut txn)? {
+                    added.push((m, from_context));
+                }
             }
             StateMachine::<B>::stage_conf_state(&mut txn, &cs)?;
             txn.commit().map_err(store_err)?;
@@ -2411,13 +2458,22 @@ impl<B: Backend> Driver<B> {
         for &id in &departed {
             self.forget_member(id);
         }
-        if !departed.is_empty() {
+        for (m, from_context) in &added {
+            // Only the conf change's context says where to reach the member: the default
+            // peer URL is the in-memory network's, which routes by id anyway.
+            if *from_context {
+                self.transport.peer_added(m.id, &m.peer_urls);
+            }
+        }
+        if !departed.is_empty() || !added.is_empty() {
             self.publish_members();
+            let joined: Vec<u64> = added.iter().map(|(m, _)| m.id).collect();
             tracing::info!(
                 member = self.id,
                 index = e.index,
                 ?departed,
-                "members left the configuration through a conf change"
+                ?joined,
+                "members joined or left the configuration through a conf change"
             );
         }
         if let Some(env) = env {

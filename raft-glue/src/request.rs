@@ -98,7 +98,16 @@ pub enum Request {
     },
     /// Persist remaining TTLs.
     LeaseCheckpoint(Vec<LeaseCheckpoint>),
-    /// Change the membership (carried in the context of a `ConfChangeV2` entry).
+    /// Change the membership (carried in the context of a `ConfChangeV2` entry). Once
+    /// applied, a member the configuration lists for the first time is listed among the
+    /// members, as [`MemberOp::Add`] lists one, with its role in the configuration and, by
+    /// default, the name `member-<id>`, the peer URL `mem://<id>` and no client URLs (as
+    /// [`Node::add_voter`](crate::Node::add_voter) describes it). A conf change entry whose
+    /// `ConfChangeV2` (or `ConfChange`) context holds an encoded [`Member`](crate::Member)
+    /// of that id, which this request leaves empty, describes it instead, unless its peer
+    /// URLs are another member's. An id removed before is not listed again. A member the
+    /// configuration no longer lists at all is removed from the members for good, as by
+    /// [`MemberOp::Remove`].
     ConfChange(Vec<MemberChange>),
     /// A membership operation with etcd's semantics (carried in the context of a
     /// `ConfChangeV2` entry, or in a normal entry for an update of peer URLs).

@@ -349,10 +349,31 @@ impl MemberSet {
         Ok(Applied::Changed)
     }
 
+    /// Records that member `m` joined the Raft configuration through a conf change that
+    /// carried no membership operation (a raw one): it is listed as [`MemberOp::Add`] lists
+    /// an added member, staged into `txn`. The caller chooses its description and checks it
+    /// with [`validate_add`](Self::validate_add) first. Returns whether anything changed:
+    /// nothing when its id is already a member, or was removed (a removed id never becomes a
+    /// member again, whatever the Raft configuration says).
+    pub fn add_joined<B: Backend>(
+        &mut self,
+        m: Member,
+        txn: &mut WriteTxn<'_, B>,
+    ) -> Result<bool, MembershipError> {
+        if self.is_taken(m.id) {
+            return Ok(false);
+        }
+        txn.put_aux(&MEMBERS_BUCKET, &m.id.to_be_bytes(), &m.encode())
+            .map_err(store_err)?;
+        self.members.insert(m.id, m);
+        Ok(true)
+    }
+
     /// Records that member `id` left the Raft configuration at entry `index` through a conf
     /// change that carried no membership operation (a raw one): it is removed as
     /// [`MemberOp::Remove`] removes it, whether or not it was listed (a member added through
-    /// a raw conf change never was), staged into `txn`. Returns whether anything changed
+    /// a raw conf change is listed from then on, see [`add_joined`](Self::add_joined), but
+    /// one added before it was not), staged into `txn`. Returns whether anything changed
     /// (nothing when `id` was removed before).
     pub fn remove_departed<B: Backend>(
         &mut self,

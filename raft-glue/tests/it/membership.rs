@@ -651,6 +651,45 @@ fn a_leader_that_wins_a_later_term_within_one_ready_stops_its_earlier_transfers(
     leader.put(b"after", b"1").expect("the leader goes on");
 }
 
+/// A member added through a raw conf change (a [`Request::ConfChange`], not a membership
+/// operation) is listed among the members by every member, as one added by `add_learner`
+/// is: a learner described by default (`member-<id>`, peer URL `mem://<id>`, no client
+/// URLs). The membership checks then know it: its id cannot be added again, and promoting
+/// it is gated as a learner's promotion is.
+#[test]
+fn a_member_added_by_a_raw_conf_change_is_listed() {
+    let (c, leader) = cluster(3, manual(), 14);
+    let raw = Request::ConfChange(vec![MemberChange::AddLearner(4)]);
+    match leader.propose(raw).expect("raw conf change") {
+        Response::ConfChange { learners, .. } => assert_eq!(learners, vec![4]),
+        other => panic!("unexpected answer {other:?}"),
+    }
+    let expected = keel_raft_glue::Member {
+        id: 4,
+        name: "member-4".into(),
+        peer_urls: vec!["mem://4".into()],
+        client_urls: Vec::new(),
+        is_learner: true,
+    };
+    for n in c.running() {
+        wait_until("the learner in the configuration", || {
+            n.status().learners.contains(&4)
+        });
+        let listed = n.member_list();
+        assert_eq!(
+            listed.iter().find(|m| m.id == 4),
+            Some(&expected),
+            "member {} lists {listed:?}",
+            n.id()
+        );
+    }
+    expect_err(leader.add_learner(4), "member ID already exist");
+    expect_err(
+        leader.member_promote(4),
+        "can only promote a learner member which is in sync with leader",
+    );
+}
+
 /// A member removed through a raw conf change (a [`Request::ConfChange`], not a membership
 /// operation) leaves the members as one removed by `member_remove` does, once the
 /// configuration no longer lists it at all. Removing it along with two additions goes
