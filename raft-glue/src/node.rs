@@ -2383,7 +2383,7 @@ impl<B: Backend> Driver<B> {
         }
         let before = self.raw.raft.prs().conf().to_conf_state();
         let result = self.raw.apply_conf_change(&cc);
-        let (cs, answer, departed, joined) = match result {
+        let (cs, answer, departed, joined, roles) = match result {
             Ok(cs) => {
                 let answer = Ok(Response::ConfChange {
                     voters: cs.voters.clone(),
@@ -2402,22 +2402,36 @@ impl<B: Backend> Driver<B> {
                     .filter(|id| !was.contains(id))
                     .map(|&id| (id, !cs.voters.contains(&id)))
                     .collect();
-                (cs, answer, departed, joined)
+                // A listed member whose role the configuration now gives otherwise (a
+                // learner promoted, a voter demoted, by this conf change) takes that role,
+                // by the same rule.
+                let roles: Vec<(u64, bool)> = now
+                    .iter()
+                    .map(|&id| (id, !cs.voters.contains(&id)))
+                    .filter(|&(id, is_learner)| {
+                        self.members
+                            .get(id)
+                            .is_some_and(|m| m.is_learner != is_learner)
+                    })
+                    .collect();
+                (cs, answer, departed, joined, roles)
             }
             Err(err) => (
                 self.storage.conf_state(),
                 Err(NodeError::Membership(err.to_string())),
                 Vec::new(),
                 Vec::new(),
+                Vec::new(),
             ),
         };
         let mut added: Vec<(Member, bool)> = Vec::new();
-        if departed.is_empty() && joined.is_empty() {
+        let mut changed_roles: Vec<u64> = Vec::new();
+        if departed.is_empty() && joined.is_empty() && roles.is_empty() {
             self.sm.apply_conf_state(e.index, &cs)?;
         } else {
-            // Added to and removed from the members as a membership operation adds and
-            // removes them, in the transaction that records the entry's index and the conf
-            // state.
+            // Added to and removed from the members, promoted and demoted, as membership
+            // operations add, remove and promote them, in the transaction that records the
+            // entry's index and the conf state.
             let store = self.sm.store();
             let mut txn = store.write();
             txn.set_consistent_index(e.index).map_err(store_err)?;
@@ -2450,6 +2464,11 @@ impl<B: Backend> Driver<B> {
                     added.push((m, from_context));
                 }
             }
+            for &(id, is_learner) in &roles {
+                if members.set_role(id, is_learner, &mut txn)? {
+                    changed_roles.push(id);
+                }
+            }
             StateMachine::<B>::stage_conf_state(&mut txn, &cs)?;
             txn.commit().map_err(store_err)?;
             self.members = members;
@@ -2465,7 +2484,7 @@ impl<B: Backend> Driver<B> {
                 self.transport.peer_added(m.id, &m.peer_urls);
             }
         }
-        if !departed.is_empty() || !added.is_empty() {
+        if !departed.is_empty() || !added.is_empty() || !changed_roles.is_empty() {
             self.publish_members();
             let joined: Vec<u64> = added.iter().map(|(m, _)| m.id).collect();
             tracing::info!(
@@ -2473,7 +2492,8 @@ impl<B: Backend> Driver<B> {
                 index = e.index,
                 ?departed,
                 ?joined,
-                "members joined or left the configuration through a conf change"
+                changed_roles = ?changed_roles,
+                "members joined, left or changed role in the configuration through a conf change"
             );
         }
         if let Some(env) = env {

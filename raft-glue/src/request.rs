@@ -105,9 +105,11 @@ pub enum Request {
     /// [`Node::add_voter`](crate::Node::add_voter) describes it). A conf change entry whose
     /// `ConfChangeV2` (or `ConfChange`) context holds an encoded [`Member`](crate::Member)
     /// of that id, which this request leaves empty, describes it instead, unless its peer
-    /// URLs are another member's. An id removed before is not listed again. A member the
-    /// configuration no longer lists at all is removed from the members for good, as by
-    /// [`MemberOp::Remove`].
+    /// URLs are another member's. An id removed before is not listed again. A listed member
+    /// whose role the configuration now gives otherwise (a learner added as a voter, a voter
+    /// added as a learner) is listed with that role, a learner unless it is an (incoming)
+    /// voter. A member the configuration no longer lists at all is removed from the members
+    /// for good, as by [`MemberOp::Remove`].
     ConfChange(Vec<MemberChange>),
     /// A membership operation with etcd's semantics (carried in the context of a
     /// `ConfChangeV2` entry, or in a normal entry for an update of peer URLs).

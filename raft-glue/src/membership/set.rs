@@ -369,6 +369,30 @@ impl MemberSet {
         Ok(true)
     }
 
+    /// Records that listed member `id` has the role `is_learner` in the Raft configuration
+    /// after a conf change that carried no membership operation (a raw one): a learner
+    /// promoted by it is listed as a voter, as [`MemberOp::Promote`] lists it, and a voter
+    /// demoted by it as a learner, staged into `txn`. Returns whether anything changed:
+    /// nothing when `id` is not listed or is listed with that role already.
+    pub fn set_role<B: Backend>(
+        &mut self,
+        id: u64,
+        is_learner: bool,
+        txn: &mut WriteTxn<'_, B>,
+    ) -> Result<bool, MembershipError> {
+        let Some(m) = self.members.get(&id).filter(|m| m.is_learner != is_learner) else {
+            return Ok(false);
+        };
+        let m = Member {
+            is_learner,
+            ..m.clone()
+        };
+        txn.put_aux(&MEMBERS_BUCKET, &id.to_be_bytes(), &m.encode())
+            .map_err(store_err)?;
+        self.members.insert(id, m);
+        Ok(true)
+    }
+
     /// Records that member `id` left the Raft configuration at entry `index` through a conf
     /// change that carried no membership operation (a raw one): it is removed as
     /// [`MemberOp::Remove`] removes it, whether or not it was listed (a member added through

@@ -3,7 +3,7 @@
 //! must, removed members stopping for good, promotion only after the snapshot is applied,
 //! transfer progress in member status and paced snapshots, the end of a transfer to a
 //! member that is removed or from a leader that steps down (or wins a later term), and
-//! removals made through raw conf changes.
+//! additions, removals and changes of role made through raw conf changes.
 
 use std::sync::Arc;
 use std::thread;
@@ -688,6 +688,60 @@ fn a_member_added_by_a_raw_conf_change_is_listed() {
         leader.member_promote(4),
         "can only promote a learner member which is in sync with leader",
     );
+}
+
+/// A raw conf change (a [`Request::ConfChange`], not a membership operation) that changes
+/// the role of a listed member changes it in the members too, on every member: a learner
+/// added by `add_learner` and promoted by a raw `AddVoter` is listed as a voter (and cannot
+/// be promoted again), and demoted by a raw `AddLearner` it is listed as a learner again.
+#[test]
+fn a_raw_conf_change_of_a_listed_members_role_lists_its_new_role() {
+    let (c, leader) = cluster(3, manual(), 15);
+    leader.add_learner(4).expect("learner");
+    let listed_role = |n: &N| {
+        n.member_list()
+            .iter()
+            .find(|m| m.id == 4)
+            .map(|m| m.is_learner)
+    };
+    for (change, is_learner, role) in [
+        (MemberChange::AddVoter(4), false, "a voter"),
+        (MemberChange::AddLearner(4), true, "a learner"),
+    ] {
+        match leader
+            .propose(Request::ConfChange(vec![change]))
+            .expect("raw conf change")
+        {
+            Response::ConfChange { voters, learners } => {
+                assert_eq!(voters.contains(&4), !is_learner, "{voters:?}");
+                assert_eq!(learners.contains(&4), is_learner, "{learners:?}");
+            }
+            other => panic!("unexpected answer {other:?}"),
+        }
+        for n in c.running() {
+            wait_until("the configuration's change", || {
+                n.status().learners.contains(&4) == is_learner
+            });
+            assert_eq!(
+                listed_role(&n),
+                Some(is_learner),
+                "after {change:?}, member {} lists member 4 as {} instead of {role}: {:?}",
+                n.id(),
+                if listed_role(&n) == Some(true) {
+                    "a learner"
+                } else {
+                    "a voter"
+                },
+                n.member_list()
+            );
+        }
+        if !is_learner {
+            expect_err(
+                leader.member_promote(4),
+                "can only promote a learner member",
+            );
+        }
+    }
 }
 
 /// A member removed through a raw conf change (a [`Request::ConfChange`], not a membership
