@@ -1320,18 +1320,21 @@ mod tests {
         assert_eq!(fs::read(got.path.expect("stored")).expect("read"), all);
     }
 
-    /// A file backend in `dir` holding `pairs` pairs of 100-byte values: a stream to send.
+    /// A file backend in a new temporary folder (returned with it, to be kept as long as
+    /// the backend) holding `pairs` pairs of 100-byte values: a stream to send.
     #[cfg(feature = "backend-file")]
-    fn source_of(dir: &Path, pairs: u32) -> keel_backend_file::FileBackend {
+    fn source_of(pairs: u32) -> (tempfile::TempDir, keel_backend_file::FileBackend) {
         use keel_mvcc::{Backend, Bucket, WriteBatch};
-        let source = keel_backend_file::FileBackend::open(dir, &Default::default()).expect("open");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let source =
+            keel_backend_file::FileBackend::open(dir.path(), &Default::default()).expect("open");
         let bucket = Bucket::from_name("data".to_owned()).expect("bucket");
         let mut batch = WriteBatch::new();
         for i in 0..pairs {
             batch.put(&bucket, format!("k{i:05}").into_bytes(), vec![1; 100]);
         }
         source.commit(&batch).expect("commit");
-        source
+        (dir, source)
     }
 
     /// Streams `source` as transfer `transfer` from member 1 to member 2 in 1 KiB chunks,
@@ -1366,59 +1369,72 @@ mod tests {
         )
     }
 
+    /// A transport for the sender's tests: it drops Raft messages and calls its closure with
+    /// every snapshot chunk handed to it.
+    #[cfg(feature = "backend-file")]
+    struct OnChunk<F>(F);
+
+    #[cfg(feature = "backend-file")]
+    impl<F: Fn(&SnapshotChunk) + Send + Sync + 'static> Transport for OnChunk<F> {
+        fn send(&self, _: Message) {}
+        fn send_snapshot(
+            &self,
+            frame: SnapshotFrame,
+            _: &mut dyn FnMut() -> bool,
+        ) -> Result<(), NodeError> {
+            if let SnapshotFrame::Chunk(c) = frame {
+                (self.0)(&c);
+            }
+            Ok(())
+        }
+    }
+
+    /// A transport that drops everything handed to it.
+    #[cfg(feature = "backend-file")]
+    fn nowhere() -> OnChunk<impl Fn(&SnapshotChunk) + Send + Sync + 'static> {
+        OnChunk(|_: &SnapshotChunk| {})
+    }
+
+    /// Member 2's refusal of `transfer` from member 1, with `error`, as a receiver that
+    /// dropped it answers.
+    #[cfg(feature = "backend-file")]
+    fn refuse(acks: &AckWaiters, transfer: u64, error: &str) {
+        route_ack(
+            acks,
+            SnapshotAck {
+                from: 2,
+                to: 1,
+                transfer,
+                error: Some(error.into()),
+            },
+        );
+    }
+
     /// A sender stops streaming once its transfer is refused: the chunk after the refusal
     /// is not sent, and the refusal is its result.
     #[cfg(feature = "backend-file")]
     #[test]
     fn a_refused_transfer_stops_its_sender() {
-        /// Refuses transfer 7 when its chunk 2 arrives, as a receiver that dropped it.
-        struct Refusing {
-            acks: AckWaiters,
-            seqs: Mutex<Vec<u32>>,
-        }
-        impl Transport for Refusing {
-            fn send(&self, _: Message) {}
-            fn send_snapshot(
-                &self,
-                frame: SnapshotFrame,
-                _: &mut dyn FnMut() -> bool,
-            ) -> Result<(), NodeError> {
-                if let SnapshotFrame::Chunk(c) = frame {
-                    self.seqs.lock().push(c.seq);
-                    if c.seq == 2 {
-                        route_ack(
-                            &self.acks,
-                            SnapshotAck {
-                                from: 2,
-                                to: 1,
-                                transfer: 7,
-                                error: Some("dropped by the receiver".into()),
-                            },
-                        );
-                    }
-                }
-                Ok(())
-            }
-        }
-
-        let dir = tempfile::tempdir().expect("tempdir");
-        let source = source_of(dir.path(), 200);
+        let (_dir, source) = source_of(200);
         let acks: AckWaiters = Arc::new(Mutex::new(HashMap::new()));
-        let transport = Refusing {
-            acks: acks.clone(),
-            seqs: Mutex::new(Vec::new()),
-        };
+        // Refuses transfer 7 when its chunk 2 arrives, as a receiver that dropped it.
+        let seqs = Arc::new(Mutex::new(Vec::<u32>::new()));
+        let transport = OnChunk({
+            let (acks, seqs) = (acks.clone(), seqs.clone());
+            move |c: &SnapshotChunk| {
+                seqs.lock().push(c.seq);
+                if c.seq == 2 {
+                    refuse(&acks, 7, "dropped by the receiver");
+                }
+            }
+        });
         let answers = expect_answer(&acks, 7, 2);
         let result = send_from(&source, &transport, &acks, answers, 7, None);
         match result {
             Err(e) => assert!(e.to_string().contains("dropped by the receiver"), "{e}"),
             Ok(()) => panic!("a refused transfer succeeded"),
         }
-        assert_eq!(
-            *transport.seqs.lock(),
-            [0, 1, 2],
-            "nothing sent after the refusal"
-        );
+        assert_eq!(*seqs.lock(), [0, 1, 2], "nothing sent after the refusal");
         assert!(acks.lock().is_empty(), "the sender no longer waits");
     }
 
@@ -1426,23 +1442,11 @@ mod tests {
     #[cfg(feature = "backend-file")]
     #[test]
     fn a_panicking_sender_ends_with_an_error() {
-        struct Panicking;
-        impl Transport for Panicking {
-            fn send(&self, _: Message) {}
-            fn send_snapshot(
-                &self,
-                _: SnapshotFrame,
-                _: &mut dyn FnMut() -> bool,
-            ) -> Result<(), NodeError> {
-                panic!("transport bug");
-            }
-        }
-
-        let dir = tempfile::tempdir().expect("tempdir");
-        let source = source_of(dir.path(), 10);
+        let panicking = OnChunk(|_: &SnapshotChunk| panic!("transport bug"));
+        let (_dir, source) = source_of(10);
         let acks: AckWaiters = Arc::new(Mutex::new(HashMap::new()));
         let answers = expect_answer(&acks, 3, 2);
-        let result = send_from(&source, &Panicking, &acks, answers, 3, None);
+        let result = send_from(&source, &panicking, &acks, answers, 3, None);
         match result {
             Err(e) => assert!(e.to_string().contains("panicked"), "{e}"),
             Ok(()) => panic!("a panicking transfer succeeded"),
@@ -1455,20 +1459,7 @@ mod tests {
     #[cfg(feature = "backend-file")]
     #[test]
     fn a_cancelled_transfer_takes_no_pacing_budget() {
-        struct Nowhere;
-        impl Transport for Nowhere {
-            fn send(&self, _: Message) {}
-            fn send_snapshot(
-                &self,
-                _: SnapshotFrame,
-                _: &mut dyn FnMut() -> bool,
-            ) -> Result<(), NodeError> {
-                Ok(())
-            }
-        }
-
-        let dir = tempfile::tempdir().expect("tempdir");
-        let source = source_of(dir.path(), 50);
+        let (_dir, source) = source_of(50);
         // A budget of 1 KiB/s, already spent: a chunk of 1 KiB waits about a second for it.
         let limiter = crate::tcp::RateLimiter::new(1024, 1024);
         limiter.acquire(1024);
@@ -1476,7 +1467,7 @@ mod tests {
         let answers = expect_answer(&acks, 9, 2);
         assert_eq!(cancel_to(&acks, 1, 2, "replaced"), 1);
         let started = Instant::now();
-        let result = send_from(&source, &Nowhere, &acks, answers, 9, Some(&limiter));
+        let result = send_from(&source, &nowhere(), &acks, answers, 9, Some(&limiter));
         assert!(result.is_err(), "a cancelled transfer succeeded");
         assert!(
             started.elapsed() < Duration::from_millis(500),
@@ -1491,54 +1482,14 @@ mod tests {
     #[cfg(feature = "backend-file")]
     #[test]
     fn a_transfer_cancelled_while_paced_stops_and_gives_its_budget_back() {
-        struct Nowhere;
-        impl Transport for Nowhere {
-            fn send(&self, _: Message) {}
-            fn send_snapshot(
-                &self,
-                _: SnapshotFrame,
-                _: &mut dyn FnMut() -> bool,
-            ) -> Result<(), NodeError> {
-                Ok(())
-            }
-        }
-        /// Notes when the first chunk goes out, and refuses the transfer then.
-        struct FirstChunk {
-            acks: AckWaiters,
-            sent: Mutex<Option<Instant>>,
-        }
-        impl Transport for FirstChunk {
-            fn send(&self, _: Message) {}
-            fn send_snapshot(
-                &self,
-                frame: SnapshotFrame,
-                _: &mut dyn FnMut() -> bool,
-            ) -> Result<(), NodeError> {
-                if let SnapshotFrame::Chunk(c) = frame {
-                    self.sent.lock().get_or_insert_with(Instant::now);
-                    route_ack(
-                        &self.acks,
-                        SnapshotAck {
-                            from: 2,
-                            to: 1,
-                            transfer: c.transfer,
-                            error: Some("enough".into()),
-                        },
-                    );
-                }
-                Ok(())
-            }
-        }
-
-        let dir = tempfile::tempdir().expect("tempdir");
-        let source = source_of(dir.path(), 50);
+        let (_dir, source) = source_of(50);
         // 512 B/s without a burst: each chunk of 1 KiB waits 2 s for its budget.
         let limiter = crate::tcp::RateLimiter::new(512, 0);
         let acks: AckWaiters = Arc::new(Mutex::new(HashMap::new()));
         let answers = expect_answer(&acks, 9, 2);
         let (cancelled, first_chunk, first_ended) = std::thread::scope(|scope| {
             let first = scope.spawn(|| {
-                let result = send_from(&source, &Nowhere, &acks, answers, 9, Some(&limiter));
+                let result = send_from(&source, &nowhere(), &acks, answers, 9, Some(&limiter));
                 (result, Instant::now())
             });
             // The first transfer is waiting for its first chunk's budget.
@@ -1546,15 +1497,20 @@ mod tests {
             assert_eq!(cancel_to(&acks, 1, 2, "replaced"), 1);
             let cancelled = Instant::now();
             let answers = expect_answer(&acks, 10, 2);
-            let next = FirstChunk {
-                acks: acks.clone(),
-                sent: Mutex::new(None),
-            };
+            // Notes when the first chunk goes out, and refuses the transfer then.
+            let sent = Arc::new(Mutex::new(None::<Instant>));
+            let next = OnChunk({
+                let (acks, sent) = (acks.clone(), sent.clone());
+                move |c: &SnapshotChunk| {
+                    sent.lock().get_or_insert_with(Instant::now);
+                    refuse(&acks, c.transfer, "enough");
+                }
+            });
             let result = send_from(&source, &next, &acks, answers, 10, Some(&limiter));
             assert!(result.is_err(), "refused at its first chunk");
             let (result, ended) = first.join().expect("first sender");
             assert!(result.is_err(), "a cancelled transfer succeeded");
-            let first_chunk = next.sent.lock().expect("a chunk was sent");
+            let first_chunk = sent.lock().expect("a chunk was sent");
             (cancelled, first_chunk, ended)
         });
         let stopped = first_ended.saturating_duration_since(cancelled);
@@ -1580,8 +1536,7 @@ mod tests {
     fn a_tcp_transfer_cancelled_in_the_transport_limiter_stops_and_gives_its_budget_back() {
         use crate::tcp::{TcpOptions, TcpTransport};
 
-        let dir = tempfile::tempdir().expect("tempdir");
-        let source = source_of(dir.path(), 50);
+        let (_dir, source) = source_of(50);
         // 512 B/s without a burst: each chunk of 1 KiB waits 2 s in the transport's limiter.
         let options = TcpOptions {
             snapshot_rate: 512,
@@ -1621,15 +1576,7 @@ mod tests {
                     Err(_) => panic!("no chunk of the next transfer arrived: {arrived:?}"),
                 }
             }
-            route_ack(
-                &acks,
-                SnapshotAck {
-                    from: 2,
-                    to: 1,
-                    transfer: 10,
-                    error: Some("enough".into()),
-                },
-            );
+            refuse(&acks, 10, "enough");
             assert!(
                 next.join().expect("next sender").is_err(),
                 "refused at its first chunk"

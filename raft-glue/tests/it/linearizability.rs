@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use keel_mvcc::RangeRequest;
 use keel_raft_glue::testing::{Cluster, TestBackend, fast_options};
-use keel_raft_glue::{NodeError, NodeOptions, ReadConsistency, Role};
+use keel_raft_glue::{Node, NodeError, NodeOptions, ReadConsistency, Role};
 use rand::{Rng, SeedableRng};
 
 /// What an operation on one register did.
@@ -365,6 +365,24 @@ fn reads_waiting_on_a_leader_that_steps_down_fail_as_not_leader() {
     assert_ne!(leader.status().role, Role::Leader);
 }
 
+/// A cluster of three members run with `options` (seeded with `seed`), the id of its
+/// leader, and a follower of it that has completed a read while connected.
+fn a_follower_that_read(
+    options: NodeOptions,
+    seed: u64,
+) -> (Cluster<TestBackend>, u64, Arc<Node<TestBackend>>) {
+    let c = Cluster::<TestBackend>::new(3, options, seed).expect("cluster");
+    let leader = c.wait_leader(Duration::from_secs(10)).expect("leader");
+    let id = c
+        .ids()
+        .into_iter()
+        .find(|&i| i != leader)
+        .expect("a follower");
+    let node = c.node(id).expect("runs");
+    node.read_index().expect("a read while connected");
+    (c, leader, node)
+}
+
 /// A follower cut off from the others, its read asked of a leader it then stops hearing from,
 /// fails the read with `NotLeader` once it has no leader (it campaigns, or pre-campaigns):
 /// the old leader's answer would be dropped, and nothing asks again until a leader is known.
@@ -377,15 +395,8 @@ fn reads_of_a_follower_that_loses_its_leader_fail_as_not_leader() {
             pre_vote,
             ..fast_options()
         };
-        let c = Cluster::<TestBackend>::new(3, options, 7).expect("cluster");
-        let leader = c.wait_leader(Duration::from_secs(10)).expect("leader");
-        let id = c
-            .ids()
-            .into_iter()
-            .find(|&i| i != leader)
-            .expect("a follower");
-        let node = c.node(id).expect("runs");
-        node.read_index().expect("a read while connected");
+        let (c, _, node) = a_follower_that_read(options, 7);
+        let id = node.id();
         c.net.isolate(id);
         let started = Instant::now();
         let r = node.read_index();
@@ -417,15 +428,8 @@ fn a_read_outlives_a_follower_losing_and_finding_its_leader_in_the_same_term() {
         pre_vote: true,
         ..fast_options()
     };
-    let c = Cluster::<TestBackend>::new(3, options, 11).expect("cluster");
-    let leader = c.wait_leader(Duration::from_secs(10)).expect("leader");
-    let id = c
-        .ids()
-        .into_iter()
-        .find(|&i| i != leader)
-        .expect("a follower");
-    let node = c.node(id).expect("runs");
-    node.read_index().expect("a read while connected");
+    let (c, leader, node) = a_follower_that_read(options, 11);
+    let id = node.id();
     let term = node.status().term;
     c.net.isolate(id);
     let started = Instant::now();
@@ -488,16 +492,14 @@ fn a_read_fails_when_its_leader_is_found_again_in_a_later_term() {
         check_quorum: false,
         ..fast_options()
     };
-    let c = Cluster::<TestBackend>::new(3, options, 13).expect("cluster");
-    let l = c.wait_leader(Duration::from_secs(10)).expect("leader");
-    let followers: Vec<u64> = c.ids().into_iter().filter(|&i| i != l).collect();
-    let (m, o) = (followers[0], followers[1]);
-    let (leader, member, other) = (
-        c.node(l).expect("runs"),
-        c.node(m).expect("runs"),
-        c.node(o).expect("runs"),
-    );
-    member.read_index().expect("a read while connected");
+    let (c, l, member) = a_follower_that_read(options, 13);
+    let m = member.id();
+    let o = c
+        .ids()
+        .into_iter()
+        .find(|&i| i != l && i != m)
+        .expect("the other follower");
+    let (leader, other) = (c.node(l).expect("runs"), c.node(o).expect("runs"));
     let term = member.status().term;
     let wait = |what: &str, done: &dyn Fn() -> bool| {
         let started = Instant::now();
