@@ -199,24 +199,7 @@ fn damage_to_a_durable_frame_of_the_last_segment_is_an_error() {
         let mut damaged = pristine.clone();
         damaged[at] ^= bit;
         fs::write(&target, &damaged).unwrap();
-        match FileBackend::open(copy.path(), &small()) {
-            Err(BackendError::Corrupt {
-                path,
-                offset,
-                reason,
-            }) => {
-                assert_eq!(path, target, "{what}: the error names the segment");
-                assert_eq!(
-                    offset, bad as u64,
-                    "{what}: the error names the frame ({reason})"
-                );
-            }
-            Err(other) => panic!("{what}: expected a Corrupt error, got {other}"),
-            Ok(b) => panic!(
-                "{what}: expected a Corrupt error, but the store opened holding {}",
-                summary(&dump(&b))
-            ),
-        }
+        refused_at(copy.path(), &target, bad as u64, what);
         assert!(
             fs::read(&target).unwrap() == damaged,
             "{what}: the damaged segment was changed"
@@ -241,17 +224,7 @@ fn damage_to_the_last_frame_before_a_reopen_is_an_error() {
     let mut damaged = pristine.clone();
     damaged[bad + FRAME_HEADER + 100] ^= 0x08;
     fs::write(&seg, &damaged).unwrap();
-    match FileBackend::open(dir.path(), &small()) {
-        Err(BackendError::Corrupt { path, offset, .. }) => {
-            assert_eq!(path, seg, "the error names the segment");
-            assert_eq!(offset, bad as u64, "the error names the damaged frame");
-        }
-        Err(other) => panic!("expected a Corrupt error, got {other}"),
-        Ok(b) => panic!(
-            "expected a Corrupt error, but the store opened holding {}",
-            summary(&dump(&b))
-        ),
-    }
+    refused_at(dir.path(), &seg, bad as u64, "the damaged frame");
     assert!(
         fs::read(&seg).unwrap() == damaged,
         "the damaged segment was changed"
@@ -411,22 +384,8 @@ fn the_scan_after_a_bad_frame_is_bounded() {
     let (dir, seg, _, last, at) = third_commit_holding(value);
     let full = fs::read(&seg).unwrap();
     fs::write(&seg, &full[..at + (20 << 10)]).unwrap();
-    match FileBackend::open(dir.path(), &small()) {
-        Err(BackendError::Corrupt {
-            path,
-            offset,
-            reason,
-        }) => {
-            assert_eq!(path, seg, "the error names the segment");
-            assert_eq!(offset, last as u64, "the error names the frame ({reason})");
-            assert!(reason.contains("stopped"), "{reason}");
-        }
-        Err(other) => panic!("expected a Corrupt error, got {other}"),
-        Ok(b) => panic!(
-            "expected a Corrupt error, but the store opened holding {}",
-            summary(&dump(&b))
-        ),
-    }
+    let reason = refused_at(dir.path(), &seg, last as u64, "the torn frame");
+    assert!(reason.contains("stopped"), "{reason}");
 }
 
 /// A store whose segment is of format version 2 (frames without the durable field, as
@@ -589,17 +548,7 @@ fn one_hand_written_frame(seq: u64) -> (tempfile::TempDir, PathBuf) {
 fn a_frame_of_the_largest_sequence_number_is_corruption() {
     let (dir, seg) = one_hand_written_frame(u64::MAX);
     let bytes = fs::read(&seg).unwrap();
-    match FileBackend::open(dir.path(), &small()) {
-        Err(BackendError::Corrupt { path, offset, .. }) => {
-            assert_eq!(path, seg, "the error names the segment");
-            assert_eq!(offset, 32, "the error names the frame");
-        }
-        Err(other) => panic!("expected a Corrupt error, got {other}"),
-        Ok(b) => panic!(
-            "expected a Corrupt error, but the store opened holding {}",
-            summary(&dump(&b))
-        ),
-    }
+    refused_at(dir.path(), &seg, 32, "the frame");
     assert!(fs::read(&seg).unwrap() == bytes, "the segment was changed");
 }
 
@@ -785,5 +734,26 @@ proptest! {
         }
         // Either outcome is fine; open_damaged asserts that each is well formed.
         let _ = open_damaged(copy.path());
+    }
+}
+
+/// Opens the store in `dir`, which must be refused as corrupt at `offset` of segment `seg`;
+/// returns the reason given. `what` names the case in a failure.
+fn refused_at(dir: &Path, seg: &Path, offset: u64, what: &str) -> String {
+    match FileBackend::open(dir, &small()) {
+        Err(BackendError::Corrupt {
+            path,
+            offset: at,
+            reason,
+        }) => {
+            assert_eq!(path, seg, "{what}: the error names the segment");
+            assert_eq!(at, offset, "{what}: the error names the frame ({reason})");
+            reason
+        }
+        Err(other) => panic!("{what}: expected a Corrupt error, got {other}"),
+        Ok(b) => panic!(
+            "{what}: expected a Corrupt error, but the store opened holding {}",
+            summary(&dump(&b))
+        ),
     }
 }

@@ -209,14 +209,16 @@ mod map {
 
     use keel_backend_file::{FaultHook, WriteFault};
 
-    /// Once armed, fails the next mapping of more than `longer_than` bytes.
+    /// Once armed, fails the next mapping that is longer than `longer_than` bytes and, if
+    /// `name` is set, of the file so named.
     #[derive(Debug, Default)]
-    pub struct FailNextLongMap {
+    pub struct FailNextMap {
         pub longer_than: u64,
+        pub name: Option<&'static str>,
         pub armed: AtomicBool,
     }
 
-    impl FaultHook for FailNextLongMap {
+    impl FaultHook for FailNextMap {
         fn before_write(&self, _: &Path, _: u64, _: usize) -> WriteFault {
             WriteFault::Proceed
         }
@@ -226,35 +228,11 @@ mod map {
         fn before_truncate(&self, _: &Path, _: u64) -> std::io::Result<()> {
             Ok(())
         }
-        fn before_map(&self, _: &Path, len: u64) -> std::io::Result<()> {
-            if len > self.longer_than && self.armed.swap(false, Ordering::SeqCst) {
-                return Err(std::io::Error::from_raw_os_error(12));
-            }
-            Ok(())
-        }
-    }
-
-    /// Once armed, fails the next mapping of the file called `name`.
-    #[derive(Debug)]
-    pub struct FailMapOf {
-        pub name: &'static str,
-        pub armed: AtomicBool,
-    }
-
-    impl FaultHook for FailMapOf {
-        fn before_write(&self, _: &Path, _: u64, _: usize) -> WriteFault {
-            WriteFault::Proceed
-        }
-        fn before_sync(&self, _: &Path) -> std::io::Result<()> {
-            Ok(())
-        }
-        fn before_truncate(&self, _: &Path, _: u64) -> std::io::Result<()> {
-            Ok(())
-        }
-        fn before_map(&self, path: &Path, _: u64) -> std::io::Result<()> {
-            if path.file_name().is_some_and(|n| n == self.name)
-                && self.armed.swap(false, Ordering::SeqCst)
-            {
+        fn before_map(&self, path: &Path, len: u64) -> std::io::Result<()> {
+            let named = self
+                .name
+                .is_none_or(|name| path.file_name().is_some_and(|n| n == name));
+            if len > self.longer_than && named && self.armed.swap(false, Ordering::SeqCst) {
                 return Err(std::io::Error::from_raw_os_error(12));
             }
             Ok(())
@@ -268,18 +246,13 @@ mod map {
 #[test]
 fn a_failed_mapping_of_a_new_segment_poisons() {
     let dir = tempfile::tempdir().unwrap();
-    let hook = Arc::new(map::FailMapOf {
-        name: "0000000000000002.seg",
-        armed: Default::default(),
-    });
-    let b = FileBackend::open(
+    let (b, hook) = open_failing_maps(
         dir.path(),
-        &FileOptions {
-            fault_hook: Some(hook.clone() as _),
-            ..options(None)
+        map::FailNextMap {
+            name: Some("0000000000000002.seg"),
+            ..Default::default()
         },
-    )
-    .unwrap();
+    );
     hook.armed.store(true, std::sync::atomic::Ordering::SeqCst);
     let mut acked = dump(&b);
     let err = (0..10)
@@ -324,31 +297,14 @@ fn a_failed_mapping_of_a_new_segment_poisons() {
 fn a_durable_batch_that_cannot_be_published_poisons() {
     let dir = tempfile::tempdir().unwrap();
     let segment = options(None).segment_size;
-    let hook = Arc::new(map::FailNextLongMap {
-        longer_than: segment,
-        ..Default::default()
-    });
-    let b = FileBackend::open(
-        dir.path(),
-        &FileOptions {
-            fault_hook: Some(hook.clone() as _),
-            ..options(None)
-        },
-    )
-    .unwrap();
+    let (b, hook) = open_failing_long_maps(dir.path(), segment);
     b.commit(&batch(1)).unwrap();
     let before = dump(&b);
     let mut big = WriteBatch::new();
     big.put(&B, b"big".to_vec(), vec![7; segment as usize + (16 << 10)]);
     hook.armed.store(true, std::sync::atomic::Ordering::SeqCst);
     let err = b.commit(&big).expect_err("the mapping fails");
-    let unpublished = match &err {
-        BackendError::Other(inner) => inner.downcast_ref::<UnpublishedCommit>(),
-        _ => None,
-    };
-    let Some(unpublished) = unpublished else {
-        panic!("expected an UnpublishedCommit error, got {err}");
-    };
+    let unpublished = unpublished(&err);
     assert_eq!(unpublished.seq, 2, "the batch's sequence number");
     assert!(unpublished.synced, "the batch was synced");
     assert!(err.to_string().contains("durable"), "{err}");
@@ -386,6 +342,47 @@ fn a_durable_batch_that_cannot_be_published_poisons() {
     b.check_integrity().unwrap();
 }
 
+/// A backend in `dir` whose next mapping longer than `segment` fails once the returned
+/// hook is armed.
+fn open_failing_long_maps(
+    dir: &std::path::Path,
+    segment: u64,
+) -> (FileBackend, Arc<map::FailNextMap>) {
+    open_failing_maps(
+        dir,
+        map::FailNextMap {
+            longer_than: segment,
+            ..Default::default()
+        },
+    )
+}
+
+/// A backend in `dir` that consults `hook` before every mapping.
+fn open_failing_maps(
+    dir: &std::path::Path,
+    hook: map::FailNextMap,
+) -> (FileBackend, Arc<map::FailNextMap>) {
+    let hook = Arc::new(hook);
+    let b = FileBackend::open(
+        dir,
+        &FileOptions {
+            fault_hook: Some(hook.clone() as _),
+            ..options(None)
+        },
+    )
+    .unwrap();
+    (b, hook)
+}
+
+/// The UnpublishedCommit inside `err`; panics if it holds none.
+fn unpublished(err: &BackendError) -> &UnpublishedCommit {
+    let found = match err {
+        BackendError::Other(inner) => inner.downcast_ref::<UnpublishedCommit>(),
+        _ => None,
+    };
+    found.unwrap_or_else(|| panic!("expected an UnpublishedCommit error, got {err}"))
+}
+
 /// The text of an error and of every error below it, as a chain printer shows them.
 fn error_chain(e: &dyn std::error::Error) -> String {
     let mut out = e.to_string();
@@ -405,30 +402,13 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 fn a_restore_batch_that_cannot_be_published_says_to_discard_the_store() {
     let dir = tempfile::tempdir().unwrap();
     let segment = options(None).segment_size;
-    let hook = Arc::new(map::FailNextLongMap {
-        longer_than: segment,
-        ..Default::default()
-    });
-    let b = FileBackend::open(
-        dir.path(),
-        &FileOptions {
-            fault_hook: Some(hook.clone() as _),
-            ..options(None)
-        },
-    )
-    .unwrap();
+    let (b, hook) = open_failing_long_maps(dir.path(), segment);
     hook.armed.store(true, std::sync::atomic::Ordering::SeqCst);
     let stream = crate::support::stream(200, 1024);
     let err = b
         .restore(&mut stream.as_slice())
         .expect_err("the mapping fails");
-    let unpublished = match &err {
-        BackendError::Other(inner) => inner.downcast_ref::<UnpublishedCommit>(),
-        _ => None,
-    };
-    let Some(unpublished) = unpublished else {
-        panic!("expected an UnpublishedCommit error, got {err}");
-    };
+    let unpublished = unpublished(&err);
     assert!(!unpublished.synced, "a restore's batch is not synced");
     let text = unpublished.to_string();
     assert!(text.contains("discard"), "{text}");
