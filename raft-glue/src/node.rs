@@ -2395,19 +2395,23 @@ impl<B: Backend> Driver<B> {
                 let (was, now) = (configured(&before), configured(&cs));
                 let departed: Vec<u64> =
                     was.iter().filter(|id| !now.contains(id)).copied().collect();
+                // A voter of either half of a joint configuration still votes: it is a
+                // learner only once neither half lists it as a voter.
+                let learner =
+                    |id: &u64| !cs.voters.contains(id) && !cs.voters_outgoing.contains(id);
                 // A member the configuration lists for the first time has joined: a learner
-                // unless it is an (incoming) voter.
+                // unless it is a voter.
                 let joined: Vec<(u64, bool)> = now
                     .iter()
                     .filter(|id| !was.contains(id))
-                    .map(|&id| (id, !cs.voters.contains(&id)))
+                    .map(|&id| (id, learner(&id)))
                     .collect();
                 // A listed member whose role the configuration now gives otherwise (a
                 // learner promoted, a voter demoted, by this conf change) takes that role,
                 // by the same rule.
                 let roles: Vec<(u64, bool)> = now
                     .iter()
-                    .map(|&id| (id, !cs.voters.contains(&id)))
+                    .map(|&id| (id, learner(&id)))
                     .filter(|&(id, is_learner)| {
                         self.members
                             .get(id)

@@ -819,9 +819,11 @@ fn a_member_removed_by_a_raw_conf_change_leaves_the_members() {
         "the transfer under way at the change was replaced by one begun {:?} after it",
         t.started.saturating_duration_since(changed_at)
     );
-    assert!(
-        leader.member_list().iter().any(|m| m.id == gone),
-        "an outgoing voter is still a member"
+    let listed = leader.member_list().into_iter().find(|m| m.id == gone);
+    assert_eq!(
+        listed.map(|m| m.is_learner),
+        Some(false),
+        "an outgoing voter is still a member, and still a voter"
     );
 
     // Member 5 runs: the incoming voters have a quorum, and the configuration leaves the
