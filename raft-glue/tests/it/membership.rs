@@ -698,6 +698,22 @@ fn a_member_added_by_a_raw_conf_change_is_listed() {
 fn a_raw_conf_change_of_a_listed_members_role_lists_its_new_role() {
     let (c, leader) = cluster(3, manual(), 15);
     leader.add_learner(4).expect("learner");
+    // Through whichever member leads: on a loaded machine an election may move the lead.
+    let current_leader = || {
+        c.node(c.wait_leader(T).expect("leader"))
+            .expect("leader runs")
+    };
+    let propose = |req: Request| {
+        for _ in 0..20 {
+            match current_leader().propose(req.clone()) {
+                Err(keel_raft_glue::NodeError::NotLeader { .. }) => {
+                    thread::sleep(Duration::from_millis(50))
+                }
+                r => return r.expect("raw conf change"),
+            }
+        }
+        panic!("no leader took {req:?}");
+    };
     let listed_role = |n: &N| {
         n.member_list()
             .iter()
@@ -708,10 +724,7 @@ fn a_raw_conf_change_of_a_listed_members_role_lists_its_new_role() {
         (MemberChange::AddVoter(4), false, "a voter"),
         (MemberChange::AddLearner(4), true, "a learner"),
     ] {
-        match leader
-            .propose(Request::ConfChange(vec![change]))
-            .expect("raw conf change")
-        {
+        match propose(Request::ConfChange(vec![change])) {
             Response::ConfChange { voters, learners } => {
                 assert_eq!(voters.contains(&4), !is_learner, "{voters:?}");
                 assert_eq!(learners.contains(&4), is_learner, "{learners:?}");
@@ -737,7 +750,7 @@ fn a_raw_conf_change_of_a_listed_members_role_lists_its_new_role() {
         }
         if !is_learner {
             expect_err(
-                leader.member_promote(4),
+                current_leader().member_promote(4),
                 "can only promote a learner member",
             );
         }
