@@ -334,20 +334,11 @@ impl SegmentWriter {
                 continue;
             }
             self.crc = record::encode_batch(&mut self.buf, run, prev);
-            let len = record::batch_payload_len(run) as u32;
-            let mut data_at = (record::BATCH_PREFIX + 4 * n) as u32;
+            let len = record::batch_payload_len(run);
+            let mut data_at = record::BATCH_PREFIX + 4 * n;
             for e in run {
-                let data_len = e.data.len() as u32;
-                let loc = Loc {
-                    term: e.term,
-                    seq: self.seq,
-                    offset: at,
-                    len,
-                    prev_crc: prev,
-                    data_at,
-                    data_len,
-                };
-                data_at += data_len;
+                let loc = Loc::in_batch(e.term, self.seq, at, len, prev, data_at, e.data.len());
+                data_at += e.data.len();
                 each(e.index, loc);
             }
         }

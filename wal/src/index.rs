@@ -41,6 +41,28 @@ impl Loc {
         }
     }
 
+    /// An entry of a batch record of `payload_len` bytes, its data at `data_at` of the
+    /// payload.
+    pub(crate) fn in_batch(
+        term: u64,
+        seq: u64,
+        offset: u64,
+        payload_len: usize,
+        prev_crc: u32,
+        data_at: usize,
+        data_len: usize,
+    ) -> Loc {
+        Loc {
+            term,
+            seq,
+            offset,
+            len: payload_len as u32,
+            prev_crc,
+            data_at: data_at as u32,
+            data_len: data_len as u32,
+        }
+    }
+
     /// Offset just past the record.
     pub(crate) fn end(&self) -> u64 {
         self.offset + crate::record::record_len(self.len as usize) as u64

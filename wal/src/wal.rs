@@ -436,17 +436,16 @@ impl Wal {
                                 }
                             }
                             Record::Batch(b) => {
-                                let payload_len = b.payload_len() as u32;
                                 for (index, data_at, data) in b.entries() {
-                                    let loc = Loc {
-                                        term: b.term,
+                                    let loc = Loc::in_batch(
+                                        b.term,
                                         seq,
                                         offset,
-                                        len: payload_len,
-                                        prev_crc: prev,
-                                        data_at: data_at as u32,
-                                        data_len: data.len() as u32,
-                                    };
+                                        b.payload_len(),
+                                        prev,
+                                        data_at,
+                                        data.len(),
+                                    );
                                     if let Err(last) = st.index.push(index, loc) {
                                         return Err(corrupt(
                                             &path,

@@ -363,10 +363,20 @@ impl MemberSet {
         if self.is_taken(m.id) {
             return Ok(false);
         }
+        self.put(m, txn)?;
+        Ok(true)
+    }
+
+    /// Lists `m`, replacing what its id listed, staged into `txn`.
+    fn put<B: Backend>(
+        &mut self,
+        m: Member,
+        txn: &mut WriteTxn<'_, B>,
+    ) -> Result<(), MembershipError> {
         txn.put_aux(&MEMBERS_BUCKET, &m.id.to_be_bytes(), &m.encode())
             .map_err(store_err)?;
         self.members.insert(m.id, m);
-        Ok(true)
+        Ok(())
     }
 
     /// Records that listed member `id` has the role `is_learner` in the Raft configuration
@@ -387,9 +397,7 @@ impl MemberSet {
             is_learner,
             ..m.clone()
         };
-        txn.put_aux(&MEMBERS_BUCKET, &id.to_be_bytes(), &m.encode())
-            .map_err(store_err)?;
-        self.members.insert(id, m);
+        self.put(m, txn)?;
         Ok(true)
     }
 
@@ -447,10 +455,7 @@ impl MemberSet {
         m.name = name.to_owned();
         m.client_urls = client_urls;
         m.validate()?;
-        txn.put_aux(&MEMBERS_BUCKET, &id.to_be_bytes(), &m.encode())
-            .map_err(store_err)?;
-        self.members.insert(id, m);
-        Ok(())
+        self.put(m, txn)
     }
 }
 
