@@ -101,6 +101,7 @@ mod index;
 mod io;
 mod options;
 mod record;
+mod recovery;
 mod repair;
 mod segment;
 mod stats;

@@ -37,6 +37,13 @@ pub struct WalOptions {
     pub write_buffer: usize,
     /// Size of the reads that scan a segment at open and stream entries. Default: 4 MiB.
     pub read_buffer: usize,
+    /// Threads that read and check segments at open, each one segment at a time (each with
+    /// a read buffer of `read_buffer` bytes), while the opening thread applies what they
+    /// found in segment order. Reading a log held in the page cache is the kernel's copy to
+    /// user space plus the checksums, which several CPUs do faster than one. One scans on
+    /// the opening thread alone. Between 1 and 64. Default: the CPUs available to the
+    /// process, at most 4.
+    pub recovery_threads: usize,
     /// Group commit: longest time a sync leader waits for the durable appenders released by
     /// the previous `fdatasync` to come back, so that they share the next one instead of
     /// splitting into alternating half groups. The leader waits only while fewer appenders
@@ -75,6 +82,7 @@ impl Default for WalOptions {
             recycle_segments: 2,
             write_buffer: 1 << 20,
             read_buffer: 4 << 20,
+            recovery_threads: std::thread::available_parallelism().map_or(1, |n| n.get().min(4)),
             group_commit_wait: Duration::from_millis(1),
             durable_spin: Duration::from_millis(1),
             direct_writes: true,
@@ -93,6 +101,7 @@ impl std::fmt::Debug for WalOptions {
             .field("recycle_segments", &self.recycle_segments)
             .field("write_buffer", &self.write_buffer)
             .field("read_buffer", &self.read_buffer)
+            .field("recovery_threads", &self.recovery_threads)
             .field("group_commit_wait", &self.group_commit_wait)
             .field("durable_spin", &self.durable_spin)
             .field("direct_writes", &self.direct_writes)
@@ -125,6 +134,12 @@ impl WalOptions {
             return Err(WalError::InvalidOption {
                 field: "read_buffer",
                 reason: format!("{} bytes is outside [4 KiB, 64 MiB]", self.read_buffer),
+            });
+        }
+        if !(1..=64).contains(&self.recovery_threads) {
+            return Err(WalError::InvalidOption {
+                field: "recovery_threads",
+                reason: format!("{} threads is outside [1, 64]", self.recovery_threads),
             });
         }
         if self.recycle_segments > 64 {

@@ -53,10 +53,10 @@ use crate::options::WalOptions;
 use crate::record::{
     ENTRY_PREFIX, Entry, HardState, MAX_PAYLOAD, Metadata, Record, SnapshotMarker, record_len,
 };
-use crate::repair;
+use crate::recovery::{self, LastSegment, Listed, Recovered};
 use crate::segment::{
-    self, BATCH_VERSION, FORMAT_VERSION, Free, HeaderError, Prepared, SEGMENT_HEADER_LEN, Writes,
-    parse_free_name, parse_segment_name,
+    self, FORMAT_VERSION, Free, Prepared, SEGMENT_HEADER_LEN, Writes, parse_free_name,
+    parse_segment_name,
 };
 use crate::stats::WalStats;
 
@@ -107,9 +107,9 @@ struct Waiter {
 
 /// A segment of the log.
 #[derive(Debug)]
-struct SegInfo {
-    path: PathBuf,
-    file: Arc<dyn WalFile>,
+pub(crate) struct SegInfo {
+    pub(crate) path: PathBuf,
+    pub(crate) file: Arc<dyn WalFile>,
 }
 
 /// The next segment, being prepared or ready.
@@ -198,28 +198,6 @@ impl std::fmt::Debug for Wal {
 /// Segment files a read needs, by sequence number.
 type OpenFiles = BTreeMap<u64, (PathBuf, Arc<dyn WalFile>)>;
 
-/// The last segment found at open.
-struct LastSegment {
-    seq: u64,
-    path: PathBuf,
-    file: Arc<dyn WalFile>,
-    /// Offset where its records end.
-    end: u64,
-    /// Whether its seed record was found.
-    seeded: bool,
-    /// Its format version.
-    version: u32,
-}
-
-/// State rebuilt by scanning the segments at open.
-struct Replay {
-    index: LogIndex,
-    hard_state: Option<HardState>,
-    snapshot: Option<SnapshotMarker>,
-    metadata: Option<Metadata>,
-    crc: u32,
-}
-
 fn lock_dir(dir: &Path) -> Result<File, WalError> {
     let path = dir.join(LOCK_NAME);
     let f = OpenOptions::new()
@@ -249,7 +227,7 @@ fn lock_dir(dir: &Path) -> Result<File, WalError> {
     }
 }
 
-fn corrupt(path: &Path, offset: u64, reason: impl Into<String>) -> WalError {
+pub(crate) fn corrupt(path: &Path, offset: u64, reason: impl Into<String>) -> WalError {
     WalError::Corrupt {
         path: path.to_path_buf(),
         offset,
@@ -273,235 +251,40 @@ impl Wal {
         let names = fs
             .list(dir)
             .map_err(|e| WalError::io("list directory", dir, e))?;
-        let mut segs: Vec<(u64, u64, String)> = Vec::new();
+        let mut segs: Vec<Listed> = Vec::new();
         let mut tmps = Vec::new();
         let mut frees = Vec::new();
         for name in names {
             if let Some((seq, first)) = parse_segment_name(&name) {
-                segs.push((seq, first, name));
+                segs.push(Listed { seq, first, name });
             } else if name.ends_with(".tmp") {
                 tmps.push(name);
             } else if parse_free_name(&name).is_some() {
                 frees.push(name);
             }
         }
-        segs.sort();
+        segs.sort_by(|a, b| (a.seq, a.first, &a.name).cmp(&(b.seq, b.first, &b.name)));
         for w in segs.windows(2) {
-            if w[1].0 != w[0].0 + 1 {
+            if w[1].seq != w[0].seq + 1 {
                 return Err(WalError::MissingSegment {
                     dir: dir.to_path_buf(),
                     reason: format!(
                         "segment {} is followed by {}: sequence numbers {:x}..{:x} are missing",
-                        w[0].2,
-                        w[1].2,
-                        w[0].0 + 1,
-                        w[1].0 - 1
+                        w[0].name,
+                        w[1].name,
+                        w[0].seq + 1,
+                        w[1].seq - 1
                     ),
                 });
             }
         }
 
-        let mut st = Replay {
-            index: LogIndex::new(1),
-            hard_state: None,
-            snapshot: None,
-            metadata: None,
-            crc: 0,
-        };
-        let mut segments = BTreeMap::new();
-        let mut last: Option<LastSegment> = None;
-        let mut fresh = (0u64, 1u64);
-        let mut scratch = Vec::new();
-        let n = segs.len();
-        for (i, (seq, first, name)) in segs.into_iter().enumerate() {
-            let is_last = i + 1 == n;
-            let path = dir.join(&name);
-            let file = fs
-                .open(&path, true)
-                .map_err(|e| WalError::io("open segment", &path, e))?;
-            let mut h = [0u8; SEGMENT_HEADER_LEN as usize];
-            let got =
-                read_full_at(&*file, &mut h, 0).map_err(|e| WalError::io("read", &path, e))?;
-            let version = match segment::decode_header(&h[..got]) {
-                Ok((s, v)) if s == seq => v,
-                Ok((s, _)) => {
-                    return Err(corrupt(
-                        &path,
-                        0,
-                        format!("header holds sequence number {s:x}, the name {seq:x}"),
-                    ));
-                }
-                Err(HeaderError::Version(found)) => {
-                    return Err(WalError::UnknownVersion {
-                        path,
-                        found,
-                        expected: FORMAT_VERSION,
-                    });
-                }
-                Err(HeaderError::Damaged(reason)) => {
-                    if !is_last || options.strict {
-                        return Err(corrupt(&path, 0, reason));
-                    }
-                    // Headers are synced before a segment is renamed into place, so a bad
-                    // one in the last segment is a crash in the middle of starting it.
-                    let kept = repair::set_aside(&*fs, &path)
-                        .map_err(|e| WalError::io("set aside", &path, e))?;
-                    warn!(segment = %path.display(), kept = %kept.display(), %reason,
-                        "WAL: last segment has a damaged header; set aside");
-                    if i == 0 {
-                        fresh = (seq, first);
-                    }
-                    break;
-                }
-            };
-            let len = file.len().map_err(|e| WalError::io("stat", &path, e))?;
-            let mut reader = SegmentReader::with_buffer(
-                &*file,
-                SEGMENT_HEADER_LEN,
-                len,
-                options.read_buffer,
-                std::mem::take(&mut scratch),
-            );
-            reader.allow_batches(version >= BATCH_VERSION);
-            let mut seeded = false;
-            let end = loop {
-                let prev = if seeded {
-                    st.crc
-                } else {
-                    segment::chain_seed(seq, version)
-                };
-                let next = reader
-                    .next(prev)
-                    .map_err(|e| WalError::io("read", &path, e))?;
-                match next {
-                    Next::Record {
-                        offset,
-                        crc,
-                        record,
-                    } => {
-                        if !seeded {
-                            let Record::Seed {
-                                prev_crc,
-                                first_index,
-                            } = record
-                            else {
-                                return Err(corrupt(
-                                    &path,
-                                    offset,
-                                    "segment does not start with a seed record",
-                                ));
-                            };
-                            if i > 0 && prev_crc != st.crc {
-                                return Err(corrupt(
-                                    &path,
-                                    offset,
-                                    format!(
-                                        "crc chain broken: segment continues from {prev_crc:08x}, \
-                                         the previous one ends with {:08x}",
-                                        st.crc
-                                    ),
-                                ));
-                            }
-                            if i > 0 && first_index != st.index.last() + 1 {
-                                return Err(corrupt(
-                                    &path,
-                                    offset,
-                                    format!(
-                                        "segment starts at index {first_index}, the previous \
-                                         one ends at {}",
-                                        st.index.last()
-                                    ),
-                                ));
-                            }
-                            if i == 0 {
-                                st.index = LogIndex::new(first_index);
-                            }
-                            seeded = true;
-                            st.crc = crc;
-                            continue;
-                        }
-                        st.crc = crc;
-                        match record {
-                            Record::Seed { .. } => {
-                                return Err(corrupt(&path, offset, "seed record inside a segment"));
-                            }
-                            Record::Entry { index, term, data } => {
-                                let loc = Loc::entry(term, seq, offset, data.len(), prev);
-                                if let Err(last) = st.index.push(index, loc) {
-                                    return Err(corrupt(
-                                        &path,
-                                        offset,
-                                        format!("entry {index} leaves a gap after entry {last}"),
-                                    ));
-                                }
-                            }
-                            Record::Batch(b) => {
-                                for (index, data_at, data) in b.entries() {
-                                    let loc = Loc::in_batch(
-                                        b.term,
-                                        seq,
-                                        offset,
-                                        b.payload_len(),
-                                        prev,
-                                        data_at,
-                                        data.len(),
-                                    );
-                                    if let Err(last) = st.index.push(index, loc) {
-                                        return Err(corrupt(
-                                            &path,
-                                            offset,
-                                            format!(
-                                                "entry {index} leaves a gap after entry {last}"
-                                            ),
-                                        ));
-                                    }
-                                }
-                            }
-                            Record::HardState(hs) => st.hard_state = Some(hs),
-                            Record::Snapshot(m) => {
-                                st.index.apply_snapshot(&m);
-                                st.snapshot = Some(m);
-                            }
-                            Record::Metadata(m) => st.metadata = Some(m),
-                        }
-                    }
-                    Next::End { offset } => break offset,
-                    Next::Invalid { offset, reason } => {
-                        // Whole (its checksum holds), so no torn write: always an error.
-                        return Err(corrupt(&path, offset, reason));
-                    }
-                    Next::Bad { offset, reason } => {
-                        if !is_last || options.strict {
-                            return Err(corrupt(&path, offset, reason));
-                        }
-                        let kept = repair::truncate_tail(&*fs, &path, &*file, offset)
-                            .map_err(|e| WalError::io("repair", &path, e))?;
-                        warn!(segment = %path.display(), offset, kept = %kept.display(), %reason,
-                            "WAL: torn tail truncated to the last whole record");
-                        break offset;
-                    }
-                }
-            };
-            scratch = reader.into_buffer();
-            if !seeded && i == 0 {
-                st.index = LogIndex::new(first);
-            }
-            segments.insert(
-                seq,
-                SegInfo {
-                    path: path.clone(),
-                    file: file.clone(),
-                },
-            );
-            last = Some(LastSegment {
-                seq,
-                path,
-                file,
-                end,
-                seeded,
-                version,
-            });
-        }
+        let Recovered {
+            state: mut st,
+            mut segments,
+            last,
+            fresh,
+        } = recovery::recover(&*fs, dir, &segs, &options)?;
 
         let size = options.segment_size;
         let (writer, seeded) = match last {

@@ -8,6 +8,7 @@ mod direct;
 mod faults;
 mod model;
 mod page_bypass;
+mod recovery;
 mod recycle;
 mod torn;
 mod util;

@@ -178,8 +178,20 @@ fn run(seed: u64, steps: usize) {
             m.metadata = Some(meta);
         } else {
             drop(wal);
-            wal = Wal::open(dir.path(), opts()).unwrap();
-            m.check(&wal, &format!("{ctx} after reopen"));
+            // Both ways of recovering: on the opening thread, or on several.
+            let threads = rng.random_range(1..=4);
+            wal = Wal::open(
+                dir.path(),
+                WalOptions {
+                    recovery_threads: threads,
+                    ..opts()
+                },
+            )
+            .unwrap();
+            m.check(
+                &wal,
+                &format!("{ctx} after reopen with {threads} recovery threads"),
+            );
         }
         m.check(&wal, &ctx);
     }

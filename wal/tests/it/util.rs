@@ -249,7 +249,7 @@ impl FileSystem for FaultFs {
 }
 
 /// A record as the segment file holds it.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct Rec {
     /// Offset of its header.
     pub offset: usize,
