@@ -4,8 +4,9 @@
 //! Raft entries, hard states, snapshot markers and metadata. [`Wal::append`] writes entries
 //! and a hard state as one durability point; concurrent durable appends share one
 //! `fdatasync` (group commit). [`Wal::open`] reads every record back, checks it, rebuilds an
-//! in-memory index (index → segment, offset, term) and repairs a torn tail; reads go to the
-//! files by positioned reads through that index.
+//! in-memory index (index → segment, offset, term) and repairs a torn tail, reading several
+//! segments at a time ([`WalOptions::recovery_threads`]); reads go to the files by
+//! positioned reads through that index.
 //!
 //! # Files
 //!
