@@ -1,7 +1,7 @@
 //! The one error type of the WAL.
 
 use std::io;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Everything that can go wrong in the WAL. `Display` is a sentence naming what failed, on
 /// which file, and why.
@@ -121,6 +121,15 @@ pub enum WalError {
 
 impl WalError {
     /// Wraps an I/O error, mapping "no space left on device" to [`WalError::DiskFull`].
+    /// Damage at `offset` of the file at `path`.
+    pub(crate) fn corrupt(path: &Path, offset: u64, reason: impl Into<String>) -> WalError {
+        WalError::Corrupt {
+            path: path.to_path_buf(),
+            offset,
+            reason: reason.into(),
+        }
+    }
+
     pub(crate) fn io(op: &'static str, path: impl Into<PathBuf>, source: io::Error) -> WalError {
         if is_disk_full(&source) {
             WalError::DiskFull {

@@ -318,7 +318,8 @@ impl<'a> Batch<'a> {
 
 impl<'a> Record<'a> {
     /// Decodes a payload whose length was checked against its type; a batch whose
-    /// contents do not add up is refused with the reason.
+    /// contents do not add up, or a snapshot marker at index `u64::MAX`, is refused with the
+    /// reason.
     pub(crate) fn decode(ty: RecordType, p: &'a [u8]) -> Result<Record<'a>, String> {
         Ok(match ty {
             RecordType::Seed => Record::Seed {
@@ -335,10 +336,17 @@ impl<'a> Record<'a> {
                 vote: u64_at(p, 8),
                 commit: u64_at(p, 16),
             }),
-            RecordType::Snapshot => Record::Snapshot(SnapshotMarker {
-                index: u64_at(p, 0),
-                term: u64_at(p, 8),
-            }),
+            RecordType::Snapshot => {
+                let index = u64_at(p, 0);
+                if index == u64::MAX {
+                    // No build writes one: the next entry's index would not exist.
+                    return Err("snapshot marker at index u64::MAX".into());
+                }
+                Record::Snapshot(SnapshotMarker {
+                    index,
+                    term: u64_at(p, 8),
+                })
+            }
             RecordType::Metadata => Record::Metadata(Metadata {
                 cluster_id: u64_at(p, 0),
                 member_id: u64_at(p, 8),

@@ -6,22 +6,30 @@
 //! names the crc the segment before it ends with and the index it continues from. So a
 //! worker thread reads a whole segment and checks every record against the chain, and hands
 //! over a [`Scan`]: the seed, the effects of the records after it in order (entry locations,
-//! hard states, snapshot markers, metadata), the crc the segment ends with, and how it ends.
+//! hard states, snapshot markers, metadata), the crc the segment ends with, and how it ends:
+//! at its end, at a record that fails its checks, at damage no crash leaves, or at a read
+//! error. Scanning changes nothing on disk.
 //!
 //! The opening thread takes the scans in segment order. It checks each seed against the
-//! segment before it and applies the effects, exactly as one sequential pass would. Damage is
-//! judged there too: a torn tail of the last segment is repaired, and damage anywhere else is
-//! an error. So the first error in segment order is the one reported, and nothing is repaired
-//! before every earlier segment was found whole. Scanning has no side effects.
+//! segment before it, applies the effects, then judges how the segment ended, as one
+//! sequential pass does record by record: a torn tail of the last segment is repaired, and
+//! damage anywhere else, or a read error, is an error. So the error reported is the one a
+//! sequential pass meets first, and nothing is repaired before every earlier segment was
+//! found whole. A worker that panics hands over its panic, which goes on only if the
+//! opening thread reaches that segment.
 //!
-//! Workers run at most [`AHEAD`] segments per worker ahead of the segment being applied,
-//! which bounds the memory held by finished scans waiting their turn. With one thread
+//! Workers run at most `workers + 1` segments ahead of the segment being applied (applying
+//! is much faster than reading), which bounds what finished scans hold while they wait:
+//! about 56 bytes per entry, against the index's 40. With one thread
 //! ([`WalOptions::recovery_threads`]), or one segment, the opening thread scans each segment
 //! itself, one at a time.
 
+use std::any::Any;
 use std::collections::BTreeMap;
+use std::panic::{self, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use parking_lot::{Condvar, Mutex};
 use tracing::warn;
@@ -33,11 +41,9 @@ use crate::io::{FileSystem, WalFile, read_full_at};
 use crate::options::WalOptions;
 use crate::record::{HardState, Metadata, Record, SnapshotMarker};
 use crate::repair;
-use crate::segment::{self, BATCH_VERSION, FORMAT_VERSION, HeaderError, SEGMENT_HEADER_LEN};
-use crate::wal::{SegInfo, corrupt};
-
-/// Segments a worker may have scanned beyond the one being applied, per worker.
-pub(crate) const AHEAD: usize = 2;
+use crate::segment::{
+    self, BATCH_VERSION, FORMAT_VERSION, HeaderError, SEGMENT_HEADER_LEN, SegInfo,
+};
 
 /// A segment file found in the directory.
 pub(crate) struct Listed {
@@ -51,18 +57,25 @@ pub(crate) struct Listed {
 
 /// The state rebuilt from the segments.
 pub(crate) struct Replay {
+    /// Where every entry held is.
     pub index: LogIndex,
+    /// The last hard state recorded.
     pub hard_state: Option<HardState>,
+    /// The last snapshot marker recorded.
     pub snapshot: Option<SnapshotMarker>,
+    /// The last metadata recorded.
     pub metadata: Option<Metadata>,
-    /// Crc of the last record applied.
+    /// Crc of the last record applied: the chain appends continue.
     pub crc: u32,
 }
 
 /// The last segment kept, which appends continue.
 pub(crate) struct LastSegment {
+    /// Its sequence number.
     pub seq: u64,
+    /// Its path.
     pub path: PathBuf,
+    /// Its file.
     pub file: Arc<dyn WalFile>,
     /// Offset where its records end.
     pub end: u64,
@@ -74,8 +87,11 @@ pub(crate) struct LastSegment {
 
 /// What recovery found.
 pub(crate) struct Recovered {
+    /// The state the segments rebuilt.
     pub state: Replay,
+    /// The segments kept, by sequence number.
     pub segments: BTreeMap<u64, SegInfo>,
+    /// The last segment kept, if any.
     pub last: Option<LastSegment>,
     /// `(seq, first index)` for a fresh first segment, when no segment was kept.
     pub fresh: (u64, u64),
@@ -84,19 +100,22 @@ pub(crate) struct Recovered {
 /// What one record after a segment's seed does to the rebuilt state.
 enum Effect {
     /// Entry `index` (of an entry record, or of a batch) is at `loc`.
-    Entry {
-        index: u64,
-        loc: Loc,
-    },
+    Entry { index: u64, loc: Loc },
+    /// A hard state record.
     HardState(HardState),
+    /// A snapshot marker record.
     Snapshot(SnapshotMarker),
+    /// A metadata record.
     Metadata(Metadata),
 }
 
 /// A segment's seed record.
 struct Seed {
+    /// Offset of the record.
     offset: u64,
+    /// Crc the previous segment ends with, as this one says.
     prev_crc: u32,
+    /// Index of the first entry this segment may hold.
     first_index: u64,
 }
 
@@ -108,32 +127,49 @@ enum Ending {
     Bad { offset: u64, reason: String },
     /// Damage that no crash leaves behind: always an error.
     Corrupt { offset: u64, reason: String },
+    /// Reading the file failed.
+    Failed(WalError),
+}
+
+/// The records of a segment whose header is whole.
+struct Records {
+    /// The segment's format version.
+    version: u32,
+    /// Its seed record, if its first record is one.
+    seed: Option<Seed>,
+    /// What the records after the seed do, in order.
+    effects: Vec<Effect>,
+    /// Crc of the last record that passed its checks (a seed's own, if only the seed did).
+    crc: u32,
+    /// How the records end.
+    ending: Ending,
 }
 
 /// One segment, read and checked.
 struct Scan {
+    /// Sequence number.
     seq: u64,
+    /// First index, from the name.
     first: u64,
+    /// Its path.
     path: PathBuf,
+    /// Its file.
     file: Arc<dyn WalFile>,
-    /// Its format version, or why its header is not a whole one.
-    version: Result<u32, String>,
-    seed: Option<Seed>,
-    effects: Vec<Effect>,
-    /// Crc of the last record that passed its checks.
-    crc: u32,
-    ending: Ending,
+    /// Its records, or why its header is not a whole one.
+    body: Result<Records, String>,
 }
 
-/// Reads and checks segment `l` of `dir`, with `scratch` as its read buffer. Errors that do
-/// not depend on the segment's place (an unreadable file, a foreign format version, a header
-/// naming another segment) are returned as such; the rest is judged when the scan is applied.
+/// Reads and checks segment `l` of `dir`, with `scratch` as its read buffer; stops early
+/// (with a meaningless ending) once `halt` is set. Errors before any record is read (the
+/// file cannot be opened or its header read, a foreign format version, a header naming
+/// another segment) are returned as such.
 fn scan(
     fs: &dyn FileSystem,
     dir: &Path,
     l: &Listed,
     options: &WalOptions,
     scratch: &mut Vec<u8>,
+    halt: &AtomicBool,
 ) -> Result<Scan, WalError> {
     let path = dir.join(&l.name);
     let file = fs
@@ -141,69 +177,100 @@ fn scan(
         .map_err(|e| WalError::io("open segment", &path, e))?;
     let mut h = [0u8; SEGMENT_HEADER_LEN as usize];
     let got = read_full_at(&*file, &mut h, 0).map_err(|e| WalError::io("read", &path, e))?;
-    let mut s = Scan {
-        seq: l.seq,
-        first: l.first,
-        path,
-        file,
-        version: Ok(FORMAT_VERSION),
-        seed: None,
-        effects: Vec::new(),
-        crc: 0,
-        ending: Ending::End(SEGMENT_HEADER_LEN),
-    };
     let version = match segment::decode_header(&h[..got]) {
         Ok((seq, v)) if seq == l.seq => v,
         Ok((seq, _)) => {
-            return Err(corrupt(
-                &s.path,
+            return Err(WalError::corrupt(
+                &path,
                 0,
                 format!("header holds sequence number {seq:x}, the name {:x}", l.seq),
             ));
         }
         Err(HeaderError::Version(found)) => {
             return Err(WalError::UnknownVersion {
-                path: s.path,
+                path,
                 found,
                 expected: FORMAT_VERSION,
             });
         }
         Err(HeaderError::Damaged(reason)) => {
-            s.version = Err(reason);
-            return Ok(s);
+            return Ok(Scan {
+                seq: l.seq,
+                first: l.first,
+                path,
+                file,
+                body: Err(reason),
+            });
         }
     };
-    s.version = Ok(version);
-    let len = s.file.len().map_err(|e| WalError::io("stat", &s.path, e))?;
+    let body = match file.len() {
+        Ok(len) => scan_records(&*file, &path, l.seq, version, len, options, scratch, halt),
+        Err(e) => Records {
+            version,
+            seed: None,
+            effects: Vec::new(),
+            crc: 0,
+            ending: Ending::Failed(WalError::io("stat", &path, e)),
+        },
+    };
+    Ok(Scan {
+        seq: l.seq,
+        first: l.first,
+        path,
+        file,
+        body: Ok(body),
+    })
+}
+
+/// Reads the records of segment `seq` (format `version`, `len` bytes long) up to its end,
+/// the first one that fails its checks, or a read error.
+#[allow(clippy::too_many_arguments)]
+fn scan_records(
+    file: &dyn WalFile,
+    path: &Path,
+    seq: u64,
+    version: u32,
+    len: u64,
+    options: &WalOptions,
+    scratch: &mut Vec<u8>,
+    halt: &AtomicBool,
+) -> Records {
     let mut reader = SegmentReader::with_buffer(
-        &*s.file,
+        file,
         SEGMENT_HEADER_LEN,
         len,
         options.read_buffer,
         std::mem::take(scratch),
     );
     reader.allow_batches(version >= BATCH_VERSION);
-    let mut crc = segment::chain_seed(l.seq, version);
-    s.ending = loop {
-        let prev = crc;
-        let next = reader
-            .next(prev)
-            .map_err(|e| WalError::io("read", &s.path, e))?;
-        let (offset, record) = match next {
-            Next::Record {
+    let mut r = Records {
+        version,
+        seed: None,
+        effects: Vec::new(),
+        crc: segment::chain_seed(seq, version),
+        ending: Ending::End(SEGMENT_HEADER_LEN),
+    };
+    r.ending = loop {
+        if halt.load(Ordering::Relaxed) {
+            break Ending::End(reader.position());
+        }
+        let prev = r.crc;
+        let (offset, record) = match reader.next(prev) {
+            Ok(Next::Record {
                 offset,
-                crc: c,
+                crc,
                 record,
-            } => {
-                crc = c;
+            }) => {
+                r.crc = crc;
                 (offset, record)
             }
-            Next::End { offset } => break Ending::End(offset),
-            Next::Bad { offset, reason } => break Ending::Bad { offset, reason },
+            Ok(Next::End { offset }) => break Ending::End(offset),
+            Ok(Next::Bad { offset, reason }) => break Ending::Bad { offset, reason },
             // Whole (its checksum holds), so no torn write.
-            Next::Invalid { offset, reason } => break Ending::Corrupt { offset, reason },
+            Ok(Next::Invalid { offset, reason }) => break Ending::Corrupt { offset, reason },
+            Err(e) => break Ending::Failed(WalError::io("read", path, e)),
         };
-        if s.seed.is_none() {
+        if r.seed.is_none() {
             let Record::Seed {
                 prev_crc,
                 first_index,
@@ -214,7 +281,7 @@ fn scan(
                     reason: "segment does not start with a seed record".into(),
                 };
             };
-            s.seed = Some(Seed {
+            r.seed = Some(Seed {
                 offset,
                 prev_crc,
                 first_index,
@@ -228,38 +295,37 @@ fn scan(
                     reason: "seed record inside a segment".into(),
                 };
             }
-            Record::Entry { index, term, data } => s.effects.push(Effect::Entry {
+            Record::Entry { index, term, data } => r.effects.push(Effect::Entry {
                 index,
-                loc: Loc::entry(term, l.seq, offset, data.len(), prev),
+                loc: Loc::entry(term, seq, offset, data.len(), prev),
             }),
             Record::Batch(b) => {
-                s.effects.reserve(b.len());
+                r.effects.reserve(b.len());
                 for (index, data_at, data) in b.entries() {
                     let loc = Loc::in_batch(
                         b.term,
-                        l.seq,
+                        seq,
                         offset,
                         b.payload_len(),
                         prev,
                         data_at,
                         data.len(),
                     );
-                    s.effects.push(Effect::Entry { index, loc });
+                    r.effects.push(Effect::Entry { index, loc });
                 }
             }
-            Record::HardState(hs) => s.effects.push(Effect::HardState(hs)),
-            Record::Snapshot(m) => s.effects.push(Effect::Snapshot(m)),
-            Record::Metadata(m) => s.effects.push(Effect::Metadata(m)),
+            Record::HardState(hs) => r.effects.push(Effect::HardState(hs)),
+            Record::Snapshot(m) => r.effects.push(Effect::Snapshot(m)),
+            Record::Metadata(m) => r.effects.push(Effect::Metadata(m)),
         }
     };
-    // The crc of the last record that passed (a seed's own, if only the seed did).
-    s.crc = crc;
     *scratch = reader.into_buffer();
-    Ok(s)
+    r
 }
 
 /// Whether recovery goes on after a segment.
 enum Flow {
+    /// On to the next segment.
     Continue,
     /// The segment's header was damaged: it and anything after it are not the log.
     Stop,
@@ -267,10 +333,13 @@ enum Flow {
 
 /// Applies the scans in segment order.
 struct Applier<'a> {
+    /// The file system, for repairs.
     fs: &'a dyn FileSystem,
+    /// Whether to refuse repairs.
     strict: bool,
-    /// Segments listed.
+    /// Number of segments listed.
     n: usize,
+    /// What has been rebuilt so far.
     out: Recovered,
 }
 
@@ -279,11 +348,11 @@ impl Applier<'_> {
     /// and judges how it ends.
     fn apply(&mut self, i: usize, s: Scan) -> Result<Flow, WalError> {
         let is_last = i + 1 == self.n;
-        let version = match s.version {
-            Ok(v) => v,
+        let r = match s.body {
+            Ok(r) => r,
             Err(reason) => {
                 if !is_last || self.strict {
-                    return Err(corrupt(&s.path, 0, reason));
+                    return Err(WalError::corrupt(&s.path, 0, reason));
                 }
                 // Headers are synced before a segment is renamed into place, so a bad one in
                 // the last segment is a crash in the middle of starting it.
@@ -298,9 +367,9 @@ impl Applier<'_> {
             }
         };
         let st = &mut self.out.state;
-        if let Some(seed) = &s.seed {
+        if let Some(seed) = &r.seed {
             if i > 0 && seed.prev_crc != st.crc {
-                return Err(corrupt(
+                return Err(WalError::corrupt(
                     &s.path,
                     seed.offset,
                     format!(
@@ -311,7 +380,7 @@ impl Applier<'_> {
                 ));
             }
             if i > 0 && seed.first_index != st.index.last() + 1 {
-                return Err(corrupt(
+                return Err(WalError::corrupt(
                     &s.path,
                     seed.offset,
                     format!(
@@ -324,15 +393,15 @@ impl Applier<'_> {
             if i == 0 {
                 st.index = LogIndex::new(seed.first_index);
             }
-            st.crc = s.crc;
+            st.crc = r.crc;
         } else if i == 0 {
             st.index = LogIndex::new(s.first);
         }
-        for effect in s.effects {
+        for effect in r.effects {
             match effect {
                 Effect::Entry { index, loc } => {
                     if let Err(last) = st.index.push(index, loc) {
-                        return Err(corrupt(
+                        return Err(WalError::corrupt(
                             &s.path,
                             loc.offset,
                             format!("entry {index} leaves a gap after entry {last}"),
@@ -347,12 +416,15 @@ impl Applier<'_> {
                 Effect::Metadata(m) => st.metadata = Some(m),
             }
         }
-        let end = match s.ending {
+        let end = match r.ending {
             Ending::End(offset) => offset,
-            Ending::Corrupt { offset, reason } => return Err(corrupt(&s.path, offset, reason)),
+            Ending::Failed(e) => return Err(e),
+            Ending::Corrupt { offset, reason } => {
+                return Err(WalError::corrupt(&s.path, offset, reason));
+            }
             Ending::Bad { offset, reason } => {
                 if !is_last || self.strict {
-                    return Err(corrupt(&s.path, offset, reason));
+                    return Err(WalError::corrupt(&s.path, offset, reason));
                 }
                 let kept = repair::truncate_tail(self.fs, &s.path, &*s.file, offset)
                     .map_err(|e| WalError::io("repair", &s.path, e))?;
@@ -373,8 +445,8 @@ impl Applier<'_> {
             path: s.path,
             file: s.file,
             end,
-            seeded: s.seed.is_some(),
-            version,
+            seeded: r.seed.is_some(),
+            version: r.version,
         });
         Ok(Flow::Continue)
     }
@@ -406,21 +478,14 @@ pub(crate) fn recover(
         },
     };
     let workers = options.recovery_threads.min(listed.len());
-    if workers <= 1 {
-        let mut scratch = Vec::new();
-        for (i, l) in listed.iter().enumerate() {
-            let s = scan(fs, dir, l, options, &mut scratch)?;
-            if let Flow::Stop = applier.apply(i, s)? {
-                break;
-            }
-        }
-    } else {
-        scan_parallel(fs, dir, listed, options, workers, |i, s| {
-            applier.apply(i, s?)
-        })?;
-    }
+    scan_all(fs, dir, listed, options, workers, |i, s| {
+        applier.apply(i, s)
+    })?;
     Ok(applier.out)
 }
+
+/// A worker's scan of one segment: its result, or the panic it raised.
+type Outcome = Result<Result<Scan, WalError>, Box<dyn Any + Send>>;
 
 /// Work shared by the scanning workers and the applying thread.
 struct Board {
@@ -428,60 +493,74 @@ struct Board {
     next: usize,
     /// Segments applied.
     applied: usize,
-    /// Set when the applying thread is done (an error, or a segment ending the log).
+    /// Set when the applying thread is done (an error, a panic, or a segment ending the
+    /// log): workers take no more segments.
     stop: bool,
-    /// Set by a worker that panicked: the applying thread stops waiting (the panic goes on
-    /// once every worker has ended).
-    panicked: bool,
     /// Finished scans, by segment, until applied.
-    done: Vec<Option<Result<Scan, WalError>>>,
+    done: Vec<Option<Outcome>>,
 }
 
-/// Tells the applying thread when a worker unwinds, so it does not wait for a scan that
-/// will never come.
-struct Unwind<'a> {
+/// Ends the workers when the applying thread leaves, whether it returns or unwinds.
+struct StopOnDrop<'a> {
     board: &'a Mutex<Board>,
     changed: &'a Condvar,
+    halt: &'a AtomicBool,
 }
 
-impl Drop for Unwind<'_> {
+impl Drop for StopOnDrop<'_> {
     fn drop(&mut self) {
-        if std::thread::panicking() {
-            let mut b = self.board.lock();
-            b.panicked = true;
-            b.stop = true;
-            drop(b);
-            self.changed.notify_all();
-        }
+        self.halt.store(true, Ordering::Relaxed);
+        self.board.lock().stop = true;
+        self.changed.notify_all();
     }
 }
 
-/// Scans `listed` on `workers` threads, handing each scan to `apply` in segment order on
-/// the calling thread.
-fn scan_parallel(
+/// Scans `listed` on up to `workers` threads (on the calling thread alone if one, or if no
+/// thread can be started), handing each scan to `apply` in segment order on the calling
+/// thread.
+fn scan_all(
     fs: &dyn FileSystem,
     dir: &Path,
     listed: &[Listed],
     options: &WalOptions,
     workers: usize,
-    mut apply: impl FnMut(usize, Result<Scan, WalError>) -> Result<Flow, WalError>,
+    mut apply: impl FnMut(usize, Scan) -> Result<Flow, WalError>,
 ) -> Result<(), WalError> {
+    let sequential = |apply: &mut dyn FnMut(usize, Scan) -> Result<Flow, WalError>| {
+        let mut scratch = Vec::new();
+        let never = AtomicBool::new(false);
+        for (i, l) in listed.iter().enumerate() {
+            let s = scan(fs, dir, l, options, &mut scratch, &never)?;
+            if let Flow::Stop = apply(i, s)? {
+                break;
+            }
+        }
+        Ok(())
+    };
+    if workers <= 1 {
+        return sequential(&mut apply);
+    }
     let board = Mutex::new(Board {
         next: 0,
         applied: 0,
         stop: false,
-        panicked: false,
         done: (0..listed.len()).map(|_| None).collect(),
     });
     let changed = Condvar::new();
-    let ahead = workers * AHEAD;
+    let halt = AtomicBool::new(false);
+    let ahead = workers + 1;
     std::thread::scope(|scope| {
+        let stop = StopOnDrop {
+            board: &board,
+            changed: &changed,
+            halt: &halt,
+        };
+        let mut started = 0;
         for w in 0..workers {
-            let (board, changed) = (&board, &changed);
+            let (board, changed, halt) = (&board, &changed, &halt);
             let spawned = std::thread::Builder::new()
                 .name(format!("keel-wal-recover-{w}"))
                 .spawn_scoped(scope, move || {
-                    let _unwind = Unwind { board, changed };
                     let mut scratch = Vec::new();
                     loop {
                         let j = {
@@ -498,46 +577,47 @@ fn scan_parallel(
                             b.next += 1;
                             b.next - 1
                         };
-                        let s = scan(fs, dir, &listed[j], options, &mut scratch);
-                        board.lock().done[j] = Some(s);
+                        let outcome = panic::catch_unwind(AssertUnwindSafe(|| {
+                            scan(fs, dir, &listed[j], options, &mut scratch, halt)
+                        }));
+                        board.lock().done[j] = Some(outcome);
                         changed.notify_all();
                     }
                 });
-            if let Err(e) = spawned {
-                board.lock().stop = true;
-                changed.notify_all();
-                return Err(WalError::io("start a recovery thread", dir, e));
-            }
-        }
-        let result = (|| {
-            for i in 0..listed.len() {
-                let s = {
-                    let mut b = board.lock();
-                    loop {
-                        if let Some(s) = b.done[i].take() {
-                            break s;
-                        }
-                        if b.panicked {
-                            return Err(WalError::io(
-                                "scan segments",
-                                dir,
-                                std::io::Error::other("a recovery thread panicked"),
-                            ));
-                        }
-                        changed.wait(&mut b);
-                    }
-                };
-                let flow = apply(i, s)?;
-                board.lock().applied = i + 1;
-                changed.notify_all();
-                if let Flow::Stop = flow {
+            match spawned {
+                Ok(_) => started += 1,
+                Err(e) => {
+                    warn!(error = %e, started, "WAL: could not start a recovery thread");
                     break;
                 }
             }
-            Ok(())
-        })();
-        board.lock().stop = true;
-        changed.notify_all();
-        result
+        }
+        if started == 0 {
+            drop(stop);
+            return sequential(&mut apply);
+        }
+        for i in 0..listed.len() {
+            let outcome = {
+                let mut b = board.lock();
+                loop {
+                    if let Some(o) = b.done[i].take() {
+                        break o;
+                    }
+                    changed.wait(&mut b);
+                }
+            };
+            let s = match outcome {
+                Ok(s) => s?,
+                Err(payload) => panic::resume_unwind(payload),
+            };
+            let flow = apply(i, s)?;
+            board.lock().applied = i + 1;
+            changed.notify_all();
+            if let Flow::Stop = flow {
+                break;
+            }
+        }
+        drop(stop);
+        Ok(())
     })
 }

@@ -40,6 +40,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::io::{FileSystem, WalFile, write_all_at};
 
+/// A segment of the log, open.
+#[derive(Debug)]
+pub(crate) struct SegInfo {
+    /// Its path.
+    pub(crate) path: PathBuf,
+    /// Its file.
+    pub(crate) file: Arc<dyn WalFile>,
+}
+
 /// Size of the segment header.
 pub const SEGMENT_HEADER_LEN: u64 = 32;
 /// The format version this build writes (it reads this one and [`OLDEST_VERSION`] on).

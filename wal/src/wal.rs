@@ -55,7 +55,7 @@ use crate::record::{
 };
 use crate::recovery::{self, LastSegment, Listed, Recovered};
 use crate::segment::{
-    self, FORMAT_VERSION, Free, Prepared, SEGMENT_HEADER_LEN, Writes, parse_free_name,
+    self, FORMAT_VERSION, Free, Prepared, SEGMENT_HEADER_LEN, SegInfo, Writes, parse_free_name,
     parse_segment_name,
 };
 use crate::stats::WalStats;
@@ -103,13 +103,6 @@ impl EntryRef<'_> {
 struct Waiter {
     target: u64,
     thread: Thread,
-}
-
-/// A segment of the log.
-#[derive(Debug)]
-pub(crate) struct SegInfo {
-    pub(crate) path: PathBuf,
-    pub(crate) file: Arc<dyn WalFile>,
 }
 
 /// The next segment, being prepared or ready.
@@ -224,14 +217,6 @@ fn lock_dir(dir: &Path) -> Result<File, WalError> {
             }
             Err(TryLockError::Error(e)) => return Err(WalError::io("lock", &path, e)),
         }
-    }
-}
-
-pub(crate) fn corrupt(path: &Path, offset: u64, reason: impl Into<String>) -> WalError {
-    WalError::Corrupt {
-        path: path.to_path_buf(),
-        offset,
-        reason: reason.into(),
     }
 }
 
@@ -934,8 +919,15 @@ impl Wal {
     ///
     /// Entries at or below `marker.index` are no longer served (and their segments can be
     /// released); the next append may start at `marker.index + 1` even if that leaves a gap
-    /// after the old last index. A marker below the recorded one is refused.
+    /// after the old last index. A marker below the recorded one, or at index `u64::MAX`, is
+    /// refused.
     pub fn save_snapshot_marker(&self, marker: &SnapshotMarker) -> Result<(), WalError> {
+        if marker.index == u64::MAX {
+            return Err(WalError::InvalidAppend {
+                reason: "a snapshot marker at index u64::MAX leaves no index for the next entry"
+                    .into(),
+            });
+        }
         let mut g = self.inner.lock();
         check_poison(&g)?;
         if let Some(cur) = g.snapshot
@@ -1153,7 +1145,7 @@ impl Wal {
                         }
                         let index = lo + (start + want) as u64;
                         let expected = || {
-                            corrupt(
+                            WalError::corrupt(
                                 path,
                                 offset,
                                 format!("expected entry {index} at offset {}", run[want].offset),
@@ -1190,7 +1182,7 @@ impl Wal {
                                         || data_at != loc.data_at as usize
                                         || data.len() != loc.data_len as usize
                                     {
-                                        return Err(corrupt(
+                                        return Err(WalError::corrupt(
                                             path,
                                             offset,
                                             format!("batch does not hold entry {index} as indexed"),
@@ -1206,11 +1198,19 @@ impl Wal {
                             _ => return Err(expected()),
                         }
                     }
-                    Next::Invalid { offset, reason } => return Err(corrupt(path, offset, reason)),
-                    Next::End { offset } => {
-                        return Err(corrupt(path, offset, "record expected, found zeros"));
+                    Next::Invalid { offset, reason } => {
+                        return Err(WalError::corrupt(path, offset, reason));
                     }
-                    Next::Bad { offset, reason } => return Err(corrupt(path, offset, reason)),
+                    Next::End { offset } => {
+                        return Err(WalError::corrupt(
+                            path,
+                            offset,
+                            "record expected, found zeros",
+                        ));
+                    }
+                    Next::Bad { offset, reason } => {
+                        return Err(WalError::corrupt(path, offset, reason));
+                    }
                 }
             }
         }

@@ -89,6 +89,12 @@ pub struct Faults {
     pub dir_syncs_held: AtomicU64,
     /// Every page-cache hint given: (file name, "will_need" or "dont_need").
     pub hints: Mutex<Vec<(String, &'static str)>>,
+    /// `(file name, offset)`: reads of that file at or past the offset fail with EIO.
+    pub fail_read: Mutex<Option<(String, u64)>>,
+    /// Every read of this file first sleeps 300 ms.
+    pub slow_read: Mutex<Option<String>>,
+    /// Opening this file panics.
+    pub panic_open: Mutex<Option<String>>,
     /// Every file opened, to follow renames.
     files: Mutex<Vec<Weak<FaultFile>>>,
 }
@@ -114,7 +120,17 @@ fn enospc() -> io::Error {
 
 impl WalFile for FaultFile {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
-        self.faults.reads.lock().push(self.name.lock().clone());
+        let name = self.name.lock().clone();
+        if let Some((failing, from)) = &*self.faults.fail_read.lock()
+            && *failing == name
+            && offset >= *from
+        {
+            return Err(io::Error::from_raw_os_error(5));
+        }
+        if self.faults.slow_read.lock().as_ref() == Some(&name) {
+            std::thread::sleep(std::time::Duration::from_millis(300));
+        }
+        self.faults.reads.lock().push(name);
         self.inner.read_at(buf, offset)
     }
     fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<usize> {
@@ -201,6 +217,9 @@ impl FileSystem for FaultFs {
         Ok(self.wrap(path, f))
     }
     fn open(&self, path: &Path, writable: bool) -> io::Result<Arc<dyn WalFile>> {
+        if self.0.panic_open.lock().as_deref() == Some(name_of(path).as_str()) {
+            panic!("injected panic opening {}", path.display());
+        }
         let f = RealFs.open(path, writable)?;
         Ok(self.wrap(path, f))
     }
