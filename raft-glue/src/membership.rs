@@ -4,12 +4,14 @@
 //!
 //! - [`Member`] ([`member`]): a member's random 64-bit id (never reused), name, peer and
 //!   client URLs and learner flag, with the versioned, checksummed encoding stored in the
-//!   `members` aux bucket; [`MemberOp`] is one membership operation (add, remove, update peer
-//!   URLs, promote) with its own encoding, carried in the conf-change entry.
-//! - [`MemberSet`] ([`set`]): the cluster's members and the ids of removed members, loaded
-//!   from the store and changed through [`keel_mvcc::WriteTxn::put_aux`] in the same
-//!   transaction that records the conf change's consistent index, so membership and applied
-//!   index never disagree. It validates every operation with etcd's error texts.
+//!   `members` aux bucket (with, for a learner, whether it is held from automatic
+//!   promotion); [`MemberOp`] is one membership operation (add, remove, update peer URLs,
+//!   promote) with its own encoding, carried in the conf-change entry.
+//! - [`MemberSet`] ([`set`]): the cluster's members, the learners among them held from
+//!   automatic promotion, and the ids of removed members, loaded from the store and changed
+//!   through [`keel_mvcc::WriteTxn::put_aux`] in the same transaction that records the conf
+//!   change's consistent index, so membership and applied index never disagree. It
+//!   validates every operation with etcd's error texts.
 //! - [`strict_check`] ([`check`]): the strict reconfiguration check, a pure function of the
 //!   voters, the learners, the members recently heard from ([`ActivityTracker`]) and the
 //!   proposed change.
@@ -39,12 +41,18 @@
 //!   Raft conf change, on `Ok(NoOp)` or `Err` skip it (do not apply an empty `ConfChangeV2`:
 //!   that means "leave joint"); then `auto.on_applied(op.id())`.
 //! - **Applying a raw conf change** (a [`Request::ConfChange`](crate::Request), no
-//!   operation): every member the applied configuration no longer lists (in its voters,
-//!   learners or outgoing voters) is removed with `members.remove_departed(id, index, &mut
-//!   txn)` in the transaction that records the entry's index and the conf state, then
+//!   operation), in the transaction that records the entry's index and the conf state:
+//!   every member the applied configuration no longer lists (in its voters, learners or
+//!   outgoing voters) is removed with `members.remove_departed(id, index, &mut txn)`, then
 //!   forgotten (its transfer cancelled, no gate state kept); an outgoing voter of a joint
-//!   configuration stays until the configuration leaves it.
-//! - **Each loop turn on the leader**: build the gate verdict of every learner and call
+//!   configuration stays until the configuration leaves it. Every member it lists for the
+//!   first time is listed with `members.add_joined(member, &mut txn)`, and every listed
+//!   member whose role it changes takes that role with `members.set_role(id, is_learner,
+//!   &mut txn)`. A learner so added, or a voter so demoted, is held from automatic promotion
+//!   ([`MemberSet::is_held`]) until it stops being a learner: the operator who made it a
+//!   learner that way promotes it.
+//! - **Each loop turn on the leader**: build the gate verdict of every learner that is not
+//!   held from automatic promotion and call
 //!   `auto.tick(now, &gates, raft.pending_conf_index > raft_log.applied, &options)`; propose
 //!   `MemberOp::Promote { id, automatic: true }` for the id it returns (`auto.on_failed` if
 //!   the proposal is dropped); `auto.reset()` when leadership is lost.
@@ -202,6 +210,18 @@ pub struct MembershipOptions {
     pub learner_by_default: bool,
     /// The leader promotes a learner by itself once the promotion gate has held for
     /// `auto_promote_after`. Default: true.
+    ///
+    /// A learner whose role was set by a raw conf change (a
+    /// [`Request::ConfChange`](crate::Request), or any conf change entry that carries no
+    /// membership operation) is never promoted automatically: one that such a change added
+    /// as a learner, or a voter that such a change demoted, stays a learner, caught up or
+    /// not, until it is promoted explicitly, by [`MemberOp::Promote`]
+    /// ([`Node::member_promote`](crate::Node::member_promote), through the promotion gate) or
+    /// by a raw conf change that makes it a voter. A demotion made that way is meant, and
+    /// automatic promotion would undo it. That hold is part of the member set
+    /// ([`MemberSet::is_held`], [`Node::held_learners`](crate::Node::held_learners)): it is
+    /// replicated, persisted and carried by snapshots with it, so it survives restarts and a
+    /// change of leader.
     pub auto_promote: bool,
     /// How long the gate must hold without interruption before an automatic promotion.
     /// Default: 1 s.

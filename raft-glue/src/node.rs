@@ -405,8 +405,24 @@ struct Shared<B: Backend> {
     stop_reason: Mutex<Option<String>>,
     membership: MembershipOptions,
     is_learner: AtomicBool,
-    members: RwLock<Vec<Member>>,
+    members: RwLock<Listed>,
     transfers: Mutex<HashMap<u64, TransferProgress>>,
+}
+
+/// The members as last applied, published by the Raft thread for the callers.
+struct Listed {
+    members: Vec<Member>,
+    /// The learners held from automatic promotion ([`MemberSet::is_held`]).
+    held: Vec<u64>,
+}
+
+impl Listed {
+    fn of(set: &MemberSet) -> Listed {
+        Listed {
+            members: set.members().cloned().collect(),
+            held: set.held_learners().into_iter().collect(),
+        }
+    }
 }
 
 /// One replicated keel member. Share it between threads with `Arc`.
@@ -557,7 +573,7 @@ impl<B: Backend> Node<B> {
             stop_reason: Mutex::new(None),
             membership: config.membership.clone(),
             is_learner: AtomicBool::new(false),
-            members: RwLock::new(members.members().cloned().collect()),
+            members: RwLock::new(Listed::of(&members)),
             transfers: Mutex::new(HashMap::new()),
         });
         let acks: AckWaiters = Arc::new(Mutex::new(HashMap::new()));
@@ -927,7 +943,14 @@ impl<B: Backend> Node<B> {
         peer_urls: Vec<String>,
         as_learner: bool,
     ) -> Result<Member, NodeError> {
-        let taken: Vec<u64> = self.shared.members.read().iter().map(|m| m.id).collect();
+        let taken: Vec<u64> = self
+            .shared
+            .members
+            .read()
+            .members
+            .iter()
+            .map(|m| m.id)
+            .collect();
         let m = Member::with_random_id(
             name,
             peer_urls,
@@ -972,7 +995,17 @@ impl<B: Backend> Node<B> {
 
     /// The members as this member last applied them (etcd `member list`).
     pub fn member_list(&self) -> Vec<Member> {
-        self.shared.members.read().clone()
+        self.shared.members.read().members.clone()
+    }
+
+    /// The learners held from automatic promotion, as this member last applied them, by id:
+    /// those whose role was last set by a raw conf change ([`Request::ConfChange`], or any
+    /// conf change entry that carries no membership operation) that added them as learners
+    /// or demoted them. The leader never promotes them automatically (see
+    /// [`MembershipOptions::auto_promote`]); [`member_promote`](Self::member_promote), or a
+    /// raw conf change making one a voter, still does, and ends its hold.
+    pub fn held_learners(&self) -> Vec<u64> {
+        self.shared.members.read().held.clone()
     }
 
     /// Runs one membership operation through the leader.
@@ -2400,7 +2433,8 @@ impl<B: Backend> Driver<B> {
                 let learner =
                     |id: &u64| !cs.voters.contains(id) && !cs.voters_outgoing.contains(id);
                 // A member the configuration lists for the first time has joined: a learner
-                // unless it is a voter.
+                // unless it is a voter, and then held from automatic promotion (the operator
+                // who added it that way promotes it).
                 let joined: Vec<(u64, bool)> = now
                     .iter()
                     .filter(|id| !was.contains(id))
@@ -2408,7 +2442,9 @@ impl<B: Backend> Driver<B> {
                     .collect();
                 // A listed member whose role the configuration now gives otherwise (a
                 // learner promoted, a voter demoted, by this conf change) takes that role,
-                // by the same rule.
+                // by the same rule: a voter demoted is held from automatic promotion (else
+                // the leader would undo the demotion once it caught up), a learner promoted
+                // no longer is.
                 let roles: Vec<(u64, bool)> = now
                     .iter()
                     .map(|&id| (id, learner(&id)))
@@ -2497,6 +2533,7 @@ impl<B: Backend> Driver<B> {
                 ?departed,
                 ?joined,
                 changed_roles = ?changed_roles,
+                held_from_auto_promotion = ?self.members.held_learners(),
                 "members joined, left or changed role in the configuration through a conf change"
             );
         }
@@ -2963,7 +3000,7 @@ impl<B: Backend> Driver<B> {
     }
 
     fn publish_members(&self) {
-        *self.shared.members.write() = self.members.members().cloned().collect();
+        *self.shared.members.write() = Listed::of(&self.members);
     }
 
     /// Once per tick: a learner reports its applied index to the leader; the leader runs
@@ -2990,6 +3027,10 @@ impl<B: Backend> Driver<B> {
             }
             return;
         }
+        // A learner held from automatic promotion (its role was last set by a raw conf
+        // change) is left out: the operator who made it a learner that way promotes it. Only
+        // the proposal is left out, not the apply of an automatic promote, which every
+        // member must apply alike whatever its build or its view of the holds.
         let learners: Vec<u64> = self
             .raw
             .raft
@@ -2998,6 +3039,7 @@ impl<B: Backend> Driver<B> {
             .learners()
             .iter()
             .copied()
+            .filter(|&l| !self.members.is_held(l))
             .collect();
         if learners.is_empty() {
             return;

@@ -110,6 +110,14 @@ pub enum Request {
     /// added as a learner) is listed with that role, a learner unless it is an (incoming)
     /// voter. A member the configuration no longer lists at all is removed from the members
     /// for good, as by [`MemberOp::Remove`].
+    ///
+    /// A learner added this way, or a voter demoted this way, is held from automatic
+    /// promotion (see [`MembershipOptions::auto_promote`]): it stays a learner, however
+    /// caught up, until it is promoted explicitly, by [`MemberOp::Promote`] (as
+    /// [`Node::member_promote`](crate::Node::member_promote) proposes it) or by a conf
+    /// change like this one adding it as a voter, which ends the hold.
+    ///
+    /// [`MembershipOptions::auto_promote`]: crate::membership::MembershipOptions::auto_promote
     ConfChange(Vec<MemberChange>),
     /// A membership operation with etcd's semantics (carried in the context of a
     /// `ConfChangeV2` entry, or in a normal entry for an update of peer URLs).

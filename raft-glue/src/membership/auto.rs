@@ -7,7 +7,9 @@
 //! flight at a time: nothing is proposed while a conf change is pending in Raft or while the
 //! previous automatic promote is unresolved. An automatic promote that loses a race with a
 //! manual one applies as a no-op ([`MemberSet::apply`](super::MemberSet::apply)), so either
-//! order ends with one promotion.
+//! order ends with one promotion. A learner held from automatic promotion
+//! ([`MemberSet::is_held`](super::MemberSet::is_held): its role was set by a raw conf
+//! change) is left out of the gates the leader passes, so it never becomes due.
 
 use std::collections::HashMap;
 use std::time::Instant;

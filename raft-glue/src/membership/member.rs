@@ -9,11 +9,28 @@
 //!             | crc32:u32 (IEEE, of every byte before it)
 //! str       = len:u32 | len bytes
 //! member_op = version:u8 (=1) | tag:u8 | body | crc32:u32 (of every byte before it)
-//!   tag 1 add:     member
+//!   tag 1 add:     member (without its version and crc32)
 //!   tag 2 remove:  id:u64
 //!   tag 3 update:  id:u64 | peer_count:u32 | peer_count × url:str
 //!   tag 4 promote: id:u64 | automatic:u8 (0 or 1)
+//! listed    = a member as a member set lists it (the value of the `members` bucket), in
+//!             one of two versions:
+//!   version 1: a member, byte for byte (flags bit 0: learner)
+//!   version 2: version:u8 (=2) | flags:u8 | id:u64
+//!             | name:str | peer_count:u32 | peer_count × url:str
+//!             | client_count:u32 | client_count × url:str
+//!             | crc32:u32 (IEEE, of every byte before it)
+//!     flags bit 0: learner
+//!     flags bit 1: held from automatic promotion (its role was last set by a conf change
+//!                  that carried no membership operation); set only with bit 0
 //! ```
+//!
+//! In a version 1 encoding (a member, a member operation, a listed member) only bit 0 of
+//! the flags may be set; any other bit, or any other version, is refused. Version 2 exists
+//! for listed members only, and is written only for a held learner: any other listed member
+//! is written as version 1, so a build that reads version 1 alone still reads every record
+//! that holds nothing it does not know. Both versions are read: [`Member::decode`] reads a
+//! listed member of either (without its hold), [`Member::decode_listed`] with its hold.
 //!
 //! Lengths are checked against [`MAX_NAME_BYTES`], [`MAX_URL_BYTES`] and [`MAX_URLS`] before
 //! anything is allocated, so a corrupt length can never make a reader allocate gigabytes.
@@ -23,8 +40,11 @@ use rand::Rng;
 use super::MembershipError;
 use super::check::ProposedChange;
 
-/// Encoding version of [`Member`] and [`MemberOp`].
+/// Encoding version of [`Member`] and [`MemberOp`], and of a listed member that is not held
+/// from automatic promotion.
 pub const MEMBER_FORMAT: u8 = 1;
+/// Encoding version of a listed member that is held from automatic promotion (module docs).
+pub const LISTED_MEMBER_FORMAT: u8 = 2;
 /// Longest member name, in bytes.
 pub const MAX_NAME_BYTES: usize = 256;
 /// Longest URL, in bytes.
@@ -102,45 +122,86 @@ impl Member {
     /// Encodes the member (format in the module docs).
     pub fn encode(&self) -> Vec<u8> {
         let mut w = vec![MEMBER_FORMAT];
-        self.encode_body(&mut w);
+        self.encode_body(&mut w, u8::from(self.is_learner));
         seal(w)
     }
 
-    fn encode_body(&self, w: &mut Vec<u8>) {
-        w.push(u8::from(self.is_learner));
+    /// Encodes the member as a member set lists it (`listed` in the module docs): `held`
+    /// says that it is held from automatic promotion, which only a learner can be. A member
+    /// that is not held is encoded exactly as [`encode`](Self::encode) encodes it (version
+    /// 1); a held one as version 2.
+    pub fn encode_listed(&self, held: bool) -> Vec<u8> {
+        debug_assert!(!held || self.is_learner, "only a learner is held");
+        if !(held && self.is_learner) {
+            return self.encode();
+        }
+        let mut w = vec![LISTED_MEMBER_FORMAT];
+        self.encode_body(&mut w, FLAG_LEARNER | FLAG_HELD);
+        seal(w)
+    }
+
+    fn encode_body(&self, w: &mut Vec<u8>, flags: u8) {
+        w.push(flags);
         w.extend_from_slice(&self.id.to_le_bytes());
         put_str(w, &self.name);
         put_urls(w, &self.peer_urls);
         put_urls(w, &self.client_urls);
     }
 
-    /// Decodes a member, refusing anything malformed.
+    /// Decodes a member, refusing anything malformed. A listed member of either version is
+    /// read too, without what only its listing says (see
+    /// [`decode_listed`](Self::decode_listed)).
     pub fn decode(bytes: &[u8]) -> Result<Member, MembershipError> {
-        let body = unseal("member", bytes)?;
-        let mut r = Reader::new("member", body);
-        let member = Member::decode_body(&mut r)?;
-        r.finish()?;
-        Ok(member)
+        Member::decode_listed(bytes).map(|(m, _)| m)
     }
 
-    fn decode_body(r: &mut Reader<'_>) -> Result<Member, MembershipError> {
+    /// Decodes a member as a member set lists it (`listed` in the module docs, either
+    /// version), refusing anything malformed: the member, and whether it is held from
+    /// automatic promotion (never, in version 1).
+    pub fn decode_listed(bytes: &[u8]) -> Result<(Member, bool), MembershipError> {
+        let (version, body) = unseal("member", bytes, LISTED_MEMBER_FORMAT)?;
+        let mut r = Reader::new("member", body);
+        let (member, flags) = Member::decode_body(&mut r, version)?;
+        r.finish()?;
+        Ok((member, flags & FLAG_HELD != 0))
+    }
+
+    /// Decodes a member's body of encoding `version`; returns it with its flags.
+    fn decode_body(r: &mut Reader<'_>, version: u8) -> Result<(Member, u8), MembershipError> {
         let flags = r.u8()?;
-        if flags > 1 {
-            return Err(r.err(format!("unknown flags {flags:#x}")));
+        let known = match version {
+            MEMBER_FORMAT => FLAG_LEARNER,
+            _ => FLAG_LEARNER | FLAG_HELD,
+        };
+        if flags & !known != 0 {
+            return Err(r.err(format!(
+                "unknown flags {flags:#x} in a version {version} encoding"
+            )));
+        }
+        if flags & FLAG_HELD != 0 && flags & FLAG_LEARNER == 0 {
+            return Err(r.err(format!(
+                "flags {flags:#x}: only a learner is held from automatic promotion"
+            )));
         }
         let id = r.u64()?;
         let name = r.string(MAX_NAME_BYTES)?;
         let peer_urls = r.urls()?;
         let client_urls = r.urls()?;
-        Ok(Member {
+        let member = Member {
             id,
             name,
             peer_urls,
             client_urls,
-            is_learner: flags == 1,
-        })
+            is_learner: flags & FLAG_LEARNER != 0,
+        };
+        Ok((member, flags))
     }
 }
+
+/// Flags bit 0: a learner.
+const FLAG_LEARNER: u8 = 1;
+/// Flags bit 1 (version 2 of a listed member only): held from automatic promotion.
+const FLAG_HELD: u8 = 2;
 
 fn check_urls(urls: &[String]) -> Result<(), String> {
     if urls.len() > MAX_URLS {
@@ -209,7 +270,7 @@ impl MemberOp {
         match self {
             MemberOp::Add(m) => {
                 w.push(1);
-                m.encode_body(&mut w);
+                m.encode_body(&mut w, u8::from(m.is_learner));
             }
             MemberOp::Remove(id) => {
                 w.push(2);
@@ -231,10 +292,10 @@ impl MemberOp {
 
     /// Decodes an operation, refusing anything malformed.
     pub fn decode(bytes: &[u8]) -> Result<MemberOp, MembershipError> {
-        let body = unseal("member operation", bytes)?;
+        let (version, body) = unseal("member operation", bytes, MEMBER_FORMAT)?;
         let mut r = Reader::new("member operation", body);
         let op = match r.u8()? {
-            1 => MemberOp::Add(Member::decode_body(&mut r)?),
+            1 => MemberOp::Add(Member::decode_body(&mut r, version)?.0),
             2 => MemberOp::Remove(r.u64()?),
             3 => MemberOp::UpdatePeerUrls {
                 id: r.u64()?,
@@ -274,8 +335,13 @@ fn seal(mut w: Vec<u8>) -> Vec<u8> {
     w
 }
 
-/// Checks version and CRC; returns the bytes between the version and the CRC.
-fn unseal<'a>(what: &'static str, bytes: &'a [u8]) -> Result<&'a [u8], MembershipError> {
+/// Checks the CRC and that the version is one of `MEMBER_FORMAT..=newest`; returns the
+/// version and the bytes between it and the CRC.
+fn unseal<'a>(
+    what: &'static str,
+    bytes: &'a [u8],
+    newest: u8,
+) -> Result<(u8, &'a [u8]), MembershipError> {
     let err = |reason: String| MembershipError::Decode { what, reason };
     if bytes.len() < 5 {
         return Err(err(format!("{} bytes is too short", bytes.len())));
@@ -288,13 +354,18 @@ fn unseal<'a>(what: &'static str, bytes: &'a [u8]) -> Result<&'a [u8], Membershi
             "checksum mismatch: stored {stored:08x}, computed {actual:08x}"
         )));
     }
-    if data[0] != MEMBER_FORMAT {
+    if !(MEMBER_FORMAT..=newest).contains(&data[0]) {
+        let reads = if newest == MEMBER_FORMAT {
+            format!("{MEMBER_FORMAT}")
+        } else {
+            format!("{MEMBER_FORMAT} to {newest}")
+        };
         return Err(err(format!(
-            "unknown version {} (this build reads {MEMBER_FORMAT})",
+            "unknown version {} (this build reads {reads})",
             data[0]
         )));
     }
-    Ok(&data[1..])
+    Ok((data[0], &data[1..]))
 }
 
 struct Reader<'a> {
@@ -396,6 +467,96 @@ mod tests {
         for n in 0..bytes.len() {
             assert!(Member::decode(&bytes[..n]).is_err(), "prefix {n} accepted");
         }
+    }
+
+    /// `m` encoded by hand as the module docs lay a member out, with `version` and `flags`
+    /// as given: independent of the encoder, as a build before version 2 wrote it.
+    fn by_hand(version: u8, flags: u8, m: &Member) -> Vec<u8> {
+        let mut w = vec![version, flags];
+        w.extend_from_slice(&m.id.to_le_bytes());
+        let s = |w: &mut Vec<u8>, s: &str| {
+            w.extend_from_slice(&(s.len() as u32).to_le_bytes());
+            w.extend_from_slice(s.as_bytes());
+        };
+        s(&mut w, &m.name);
+        for urls in [&m.peer_urls, &m.client_urls] {
+            w.extend_from_slice(&(urls.len() as u32).to_le_bytes());
+            for u in urls {
+                s(&mut w, u);
+            }
+        }
+        let crc = crc32fast::hash(&w);
+        w.extend_from_slice(&crc.to_le_bytes());
+        w
+    }
+
+    #[test]
+    fn listed_members_of_both_versions_are_read_and_version_2_is_written_only_when_held() {
+        let learner = member(7, true);
+        let voter = member(8, false);
+        // Version 1, as every store written before version 2 holds it: read, never held,
+        // and still what a member that is not held is written as.
+        for m in [&learner, &voter] {
+            let v1 = by_hand(1, u8::from(m.is_learner), m);
+            assert_eq!(m.encode(), v1);
+            assert_eq!(m.encode_listed(false), v1);
+            assert_eq!(Member::decode_listed(&v1), Ok((m.clone(), false)));
+            assert_eq!(Member::decode(&v1), Ok(m.clone()));
+        }
+        // Version 2: a held learner, flags bits 0 and 1.
+        let v2 = by_hand(2, 0b11, &learner);
+        assert_eq!(learner.encode_listed(true), v2);
+        assert_eq!(Member::decode_listed(&v2), Ok((learner.clone(), true)));
+        assert_eq!(
+            Member::decode(&v2),
+            Ok(learner.clone()),
+            "read without its hold"
+        );
+        assert_eq!(
+            Member::decode_listed(&by_hand(2, 0b01, &learner)),
+            Ok((learner.clone(), false))
+        );
+        for i in 0..v2.len() {
+            let mut b = v2.clone();
+            b[i] ^= 0x40;
+            assert!(
+                Member::decode_listed(&b).is_err(),
+                "flip at byte {i} accepted"
+            );
+        }
+        let refused = [
+            (
+                by_hand(1, 0b11, &learner),
+                "unknown flags 0x3 in a version 1 encoding",
+            ),
+            (
+                by_hand(2, 0b111, &learner),
+                "unknown flags 0x7 in a version 2 encoding",
+            ),
+            (by_hand(2, 0b10, &voter), "only a learner is held"),
+            (
+                by_hand(3, 0b01, &learner),
+                "unknown version 3 (this build reads 1 to 2)",
+            ),
+            (
+                by_hand(0, 0b01, &learner),
+                "unknown version 0 (this build reads 1 to 2)",
+            ),
+        ];
+        for (bytes, text) in refused {
+            let e = Member::decode_listed(&bytes).expect_err(text);
+            assert!(e.to_string().contains(text), "{e} does not say {text:?}");
+        }
+        // A member operation is version 1 only, its member's flags bit 0 only.
+        let op = MemberOp::Add(learner.clone()).encode();
+        let mut v2_op = op[..op.len() - 4].to_vec();
+        v2_op[0] = LISTED_MEMBER_FORMAT;
+        let e = MemberOp::decode(&seal(v2_op)).expect_err("version 2 operation");
+        assert!(e.to_string().contains("this build reads 1)"), "{e}");
+        let mut held_op = op[..op.len() - 4].to_vec();
+        held_op[2] = 0b11;
+        let e = MemberOp::decode(&seal(held_op)).expect_err("held flag in an operation");
+        assert!(e.to_string().contains("unknown flags 0x3"), "{e}");
     }
 
     #[test]

@@ -4,9 +4,22 @@
 //! consistent index of the entry that changed them:
 //!
 //! ```text
-//! members          key = id:u64 big-endian (sorted by id)   value = encoded Member
+//! members          key = id:u64 big-endian (sorted by id)   value = listed member (member.rs)
 //! members_removed  key = id:u64 big-endian                  value = version:u8 (=1) | removed_at:u64 LE
 //! ```
+//!
+//! A listed member is the member's own encoding (version 1) unless it is a learner held from
+//! automatic promotion, which version 2 of that encoding records in its flags (see
+//! [`member`](super::member)); stores written before version 2 existed hold version 1 only,
+//! and read as holding no learner.
+//!
+//! A learner is held from automatic promotion when its role was last set by a conf change
+//! that carried no membership operation (a raw one): it joined as a learner through one
+//! ([`add_joined`](MemberSet::add_joined)) or was demoted by one
+//! ([`set_role`](MemberSet::set_role)). The hold ends when it stops being a learner
+//! ([`MemberOp::Promote`], or a raw conf change making it a voter) or a member. Since every
+//! member applies the same entries, every member holds the same learners; the hold travels
+//! with the listed member in snapshots, as the members bucket does.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -20,10 +33,13 @@ pub const MEMBERS_BUCKET: Bucket = Bucket::new("members");
 /// The bucket holding the ids of removed members.
 pub const REMOVED_BUCKET: Bucket = Bucket::new("members_removed");
 
-/// The cluster's members and the ids of removed members.
+/// The cluster's members, the learners among them held from automatic promotion, and the
+/// ids of removed members.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct MemberSet {
     members: BTreeMap<u64, Member>,
+    /// Learners held from automatic promotion (module docs): always listed learners.
+    held: BTreeSet<u64>,
     removed: BTreeMap<u64, u64>,
 }
 
@@ -77,12 +93,15 @@ impl MemberSet {
         let mut set = MemberSet::new();
         for (k, v) in store.aux_scan(&MEMBERS_BUCKET).map_err(store_err)? {
             let id = id_from_key("member key", &k)?;
-            let m = Member::decode(&v)?;
+            let (m, held) = Member::decode_listed(&v)?;
             if m.id != id {
                 return Err(MembershipError::Decode {
                     what: "member",
                     reason: format!("stored under id {id:016x} but names {:016x}", m.id),
                 });
+            }
+            if held {
+                set.held.insert(id);
             }
             set.members.insert(id, m);
         }
@@ -107,7 +126,7 @@ impl MemberSet {
         txn: &mut WriteTxn<'_, B>,
     ) -> Result<(), MembershipError> {
         for m in self.members.values() {
-            txn.put_aux(&MEMBERS_BUCKET, &m.id.to_be_bytes(), &m.encode())
+            txn.put_aux(&MEMBERS_BUCKET, &m.id.to_be_bytes(), &self.encode_listed(m))
                 .map_err(store_err)?;
         }
         for (id, at) in &self.removed {
@@ -150,6 +169,23 @@ impl MemberSet {
             .filter(|m| m.is_learner)
             .map(|m| m.id)
             .collect()
+    }
+
+    /// Whether learner `id` is held from automatic promotion: its role was last set by a
+    /// conf change that carried no membership operation (module docs). The leader does not
+    /// promote it automatically; an explicit promotion still can.
+    pub fn is_held(&self, id: u64) -> bool {
+        self.held.contains(&id)
+    }
+
+    /// Ids of the learners held from automatic promotion (see [`is_held`](Self::is_held)).
+    pub fn held_learners(&self) -> BTreeSet<u64> {
+        self.held.clone()
+    }
+
+    /// `m` as this set lists it (`listed` in [`member`](super::member)'s format).
+    fn encode_listed(&self, m: &Member) -> Vec<u8> {
+        m.encode_listed(self.is_held(m.id))
     }
 
     /// Whether `id` is taken (a member now or removed): random ids skip these.
@@ -324,6 +360,7 @@ impl MemberSet {
             }
             MemberOp::Remove(id) => {
                 next.members.remove(id);
+                next.held.remove(id);
                 next.removed.insert(*id, index);
                 txn.delete_aux(&MEMBERS_BUCKET, &id.to_be_bytes())
                     .map_err(store_err)?;
@@ -336,13 +373,16 @@ impl MemberSet {
                 }
             }
             MemberOp::Promote { id, .. } => {
+                // An explicit promotion (or an automatic one proposed before the hold, or by
+                // a leader that does not know it) ends the hold with the learner.
+                next.held.remove(id);
                 if let Some(m) = next.members.get_mut(id) {
                     m.is_learner = false;
                 }
             }
         }
         if let Some(m) = next.members.get(&op.id()) {
-            txn.put_aux(&MEMBERS_BUCKET, &m.id.to_be_bytes(), &m.encode())
+            txn.put_aux(&MEMBERS_BUCKET, &m.id.to_be_bytes(), &next.encode_listed(m))
                 .map_err(store_err)?;
         }
         *self = next;
@@ -351,7 +391,8 @@ impl MemberSet {
 
     /// Records that member `m` joined the Raft configuration through a conf change that
     /// carried no membership operation (a raw one): it is listed as [`MemberOp::Add`] lists
-    /// an added member, staged into `txn`. The caller chooses its description and checks it
+    /// an added member, staged into `txn`, and, a learner, held from automatic promotion
+    /// (see [`is_held`](Self::is_held)). The caller chooses its description and checks it
     /// with [`validate_add`](Self::validate_add) first. Returns whether anything changed:
     /// nothing when its id is already a member, or was removed (a removed id never becomes a
     /// member again, whatever the Raft configuration says).
@@ -363,26 +404,36 @@ impl MemberSet {
         if self.is_taken(m.id) {
             return Ok(false);
         }
-        self.put(m, txn)?;
+        let held = m.is_learner;
+        self.put(m, held, txn)?;
         Ok(true)
     }
 
-    /// Lists `m`, replacing what its id listed, staged into `txn`.
+    /// Lists `m`, replacing what its id listed, held from automatic promotion when `held`
+    /// (and a learner), staged into `txn`.
     fn put<B: Backend>(
         &mut self,
         m: Member,
+        held: bool,
         txn: &mut WriteTxn<'_, B>,
     ) -> Result<(), MembershipError> {
-        txn.put_aux(&MEMBERS_BUCKET, &m.id.to_be_bytes(), &m.encode())
+        let held = held && m.is_learner;
+        txn.put_aux(&MEMBERS_BUCKET, &m.id.to_be_bytes(), &m.encode_listed(held))
             .map_err(store_err)?;
+        if held {
+            self.held.insert(m.id);
+        } else {
+            self.held.remove(&m.id);
+        }
         self.members.insert(m.id, m);
         Ok(())
     }
 
     /// Records that listed member `id` has the role `is_learner` in the Raft configuration
     /// after a conf change that carried no membership operation (a raw one): a learner
-    /// promoted by it is listed as a voter, as [`MemberOp::Promote`] lists it, and a voter
-    /// demoted by it as a learner, staged into `txn`. Returns whether anything changed:
+    /// promoted by it is listed as a voter, as [`MemberOp::Promote`] lists it (and is no
+    /// longer held), and a voter demoted by it as a learner held from automatic promotion
+    /// (see [`is_held`](Self::is_held)), staged into `txn`. Returns whether anything changed:
     /// nothing when `id` is not listed or is listed with that role already.
     pub fn set_role<B: Backend>(
         &mut self,
@@ -397,7 +448,7 @@ impl MemberSet {
             is_learner,
             ..m.clone()
         };
-        self.put(m, txn)?;
+        self.put(m, is_learner, txn)?;
         Ok(true)
     }
 
@@ -421,16 +472,18 @@ impl MemberSet {
         txn.put_aux(&REMOVED_BUCKET, &id.to_be_bytes(), &removed_value(index))
             .map_err(store_err)?;
         self.members.remove(&id);
+        self.held.remove(&id);
         self.removed.insert(id, index);
         Ok(true)
     }
 
     /// The membership after forcing a new cluster of member `id` alone (etcd's
     /// `--force-new-cluster`): every other member is recorded as removed at `index`; `id`
-    /// stays (as a voter), or `fallback` is used when it is not a member.
+    /// stays (as a voter, so held by nothing), or `fallback` is used when it is not a member.
     pub fn forced_single(&self, id: u64, index: u64, fallback: Member) -> MemberSet {
         let mut next = MemberSet {
             members: BTreeMap::new(),
+            held: BTreeSet::new(),
             removed: self.removed.clone(),
         };
         for (&other, _) in self.members.iter().filter(|(o, _)| **o != id) {
@@ -455,7 +508,8 @@ impl MemberSet {
         m.name = name.to_owned();
         m.client_urls = client_urls;
         m.validate()?;
-        self.put(m, txn)
+        let held = self.is_held(id);
+        self.put(m, held, txn)
     }
 }
 
@@ -700,6 +754,77 @@ mod tests {
         };
         let m = set.new_member("n", vec!["http://x:1".into()], vec![], false, &opts);
         assert!(!m.is_learner);
+    }
+
+    /// A learner added or demoted by a raw conf change is held from automatic promotion
+    /// until it stops being a learner; the holds are stored with the members (read back by
+    /// a reload, as after a restart or a snapshot), and a store of version 1 records only
+    /// holds none.
+    #[test]
+    fn holds_follow_raw_roles_and_are_stored() {
+        let opts = MembershipOptions::default();
+        let mut set = three();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let st = store(dir.path());
+        let mut txn = st.write();
+        set.persist_all(&mut txn).expect("persist");
+        txn.commit().expect("commit");
+        assert!(
+            MemberSet::load(&st)
+                .expect("load")
+                .held_learners()
+                .is_empty()
+        );
+
+        let mut txn = st.write();
+        assert!(set.add_joined(member(4, true), &mut txn).expect("join"));
+        assert!(set.add_joined(member(6, false), &mut txn).expect("join"));
+        assert!(set.set_role(3, true, &mut txn).expect("demote"));
+        set.apply(&MemberOp::Add(member(5, true)), 10, &opts, &mut txn)
+            .expect("add");
+        set.publish(3, "renamed", Vec::new(), &mut txn)
+            .expect("publish");
+        txn.commit().expect("commit");
+        assert_eq!(set.held_learners(), BTreeSet::from([3, 4]));
+        assert!(!set.is_held(5), "added by a membership operation");
+        assert!(!set.is_held(6), "joined as a voter");
+        let loaded = MemberSet::load(&st).expect("load");
+        assert_eq!(loaded, set);
+        assert_eq!(loaded.held_learners(), BTreeSet::from([3, 4]));
+        let (m3, held) = Member::decode_listed(
+            &st.aux_get(&MEMBERS_BUCKET, &3u64.to_be_bytes())
+                .expect("get")
+                .expect("listed"),
+        )
+        .expect("decode");
+        assert!(held && m3.is_learner && m3.name == "renamed", "{m3:?}");
+
+        // Promoted by a raw conf change, by a membership operation, or removed: no hold.
+        let mut txn = st.write();
+        assert!(set.set_role(4, false, &mut txn).expect("raw promote"));
+        set.apply(
+            &MemberOp::Promote {
+                id: 3,
+                automatic: false,
+            },
+            11,
+            &opts,
+            &mut txn,
+        )
+        .expect("promote");
+        assert!(set.set_role(2, true, &mut txn).expect("demote"));
+        assert!(set.remove_departed(2, 12, &mut txn).expect("depart"));
+        txn.commit().expect("commit");
+        assert!(set.held_learners().is_empty(), "{:?}", set.held_learners());
+        assert_eq!(MemberSet::load(&st).expect("load"), set);
+
+        let mut txn = st.write();
+        set.set_role(1, true, &mut txn).expect("demote");
+        txn.commit().expect("commit");
+        assert!(set.is_held(1));
+        let forced = set.forced_single(1, 13, member(1, false));
+        assert!(forced.held_learners().is_empty());
+        assert_eq!(forced.voters(), BTreeSet::from([1]));
     }
 
     #[test]

@@ -63,6 +63,26 @@ fn follower_of(c: &Cluster<TestBackend>, leader: &N) -> N {
     c.node(id).expect("follower runs")
 }
 
+/// The member that leads now, once one does.
+fn current_leader(c: &Cluster<TestBackend>) -> N {
+    c.node(c.wait_leader(T).expect("leader"))
+        .expect("leader runs")
+}
+
+/// Proposes `req` through whichever member leads, retrying on `NotLeader`: on a loaded
+/// machine an election may move the lead between finding the leader and proposing.
+fn propose_via_leader(c: &Cluster<TestBackend>, req: Request) -> Response {
+    for _ in 0..20 {
+        match current_leader(c).propose(req.clone()) {
+            Err(keel_raft_glue::NodeError::NotLeader { .. }) => {
+                thread::sleep(Duration::from_millis(50))
+            }
+            r => return r.expect("proposal"),
+        }
+    }
+    panic!("no leader took {req:?}");
+}
+
 #[test]
 fn promote_errors_are_etcds() {
     let (c, leader) = cluster(3, manual(), 1);
@@ -698,22 +718,6 @@ fn a_member_added_by_a_raw_conf_change_is_listed() {
 fn a_raw_conf_change_of_a_listed_members_role_lists_its_new_role() {
     let (c, leader) = cluster(3, manual(), 15);
     leader.add_learner(4).expect("learner");
-    // Through whichever member leads: on a loaded machine an election may move the lead.
-    let current_leader = || {
-        c.node(c.wait_leader(T).expect("leader"))
-            .expect("leader runs")
-    };
-    let propose = |req: Request| {
-        for _ in 0..20 {
-            match current_leader().propose(req.clone()) {
-                Err(keel_raft_glue::NodeError::NotLeader { .. }) => {
-                    thread::sleep(Duration::from_millis(50))
-                }
-                r => return r.expect("raw conf change"),
-            }
-        }
-        panic!("no leader took {req:?}");
-    };
     let listed_role = |n: &N| {
         n.member_list()
             .iter()
@@ -724,7 +728,7 @@ fn a_raw_conf_change_of_a_listed_members_role_lists_its_new_role() {
         (MemberChange::AddVoter(4), false, "a voter"),
         (MemberChange::AddLearner(4), true, "a learner"),
     ] {
-        match propose(Request::ConfChange(vec![change])) {
+        match propose_via_leader(&c, Request::ConfChange(vec![change])) {
             Response::ConfChange { voters, learners } => {
                 assert_eq!(voters.contains(&4), !is_learner, "{voters:?}");
                 assert_eq!(learners.contains(&4), is_learner, "{learners:?}");
@@ -750,7 +754,7 @@ fn a_raw_conf_change_of_a_listed_members_role_lists_its_new_role() {
         }
         if !is_learner {
             expect_err(
-                current_leader().member_promote(4),
+                current_leader(&c).member_promote(4),
                 "can only promote a learner member",
             );
         }
@@ -866,4 +870,136 @@ fn a_member_removed_by_a_raw_conf_change_leaves_the_members() {
     c.kill(gone);
     expect_err(c.start(gone), "permanently removed");
     leader.put(b"after", b"1").expect("the leader goes on");
+}
+
+/// Automatic promotion after 200 ms: a learner that is not held is promoted well within
+/// the [`HOLD`] these tests watch a held one for.
+fn auto_promoting() -> MembershipOptions {
+    MembershipOptions {
+        auto_promote_after: Duration::from_millis(200),
+        ..MembershipOptions::default()
+    }
+}
+
+/// How long a learner held from automatic promotion is watched: ten times
+/// `auto_promote_after` of [`auto_promoting`].
+const HOLD: Duration = Duration::from_secs(2);
+
+/// Asserts that member `id` is a learner, held from automatic promotion, on every running
+/// member throughout `hold`; `what` says how it became a learner.
+fn stays_a_held_learner(c: &Cluster<TestBackend>, id: u64, hold: Duration, what: &str) {
+    let since = Instant::now();
+    loop {
+        for n in c.running() {
+            let s = n.status();
+            assert!(
+                s.learners.contains(&id) && !s.voters.contains(&id),
+                "member {id}, {what}, was promoted automatically: {:?} into the hold, member {} \
+                 has voters {:?} and learners {:?}",
+                since.elapsed(),
+                n.id(),
+                s.voters,
+                s.learners
+            );
+            assert_eq!(
+                n.held_learners(),
+                vec![id],
+                "member {} lists the learners held from automatic promotion",
+                n.id()
+            );
+            assert_eq!(
+                n.member_list()
+                    .iter()
+                    .find(|m| m.id == id)
+                    .map(|m| m.is_learner),
+                Some(true),
+                "member {} lists member {id} as a learner",
+                n.id()
+            );
+        }
+        if since.elapsed() >= hold {
+            return;
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Promotes learner `id` explicitly (once the promotion gate holds) and waits until every
+/// running member lists it as a voter held by nothing.
+fn promote_explicitly(c: &Cluster<TestBackend>, id: u64) {
+    wait_until("the explicit promotion", || {
+        current_leader(c).member_promote(id).is_ok()
+    });
+    for n in c.running() {
+        wait_until("the promotion applied", || {
+            n.status().voters.contains(&id)
+                && n.member_list().iter().any(|m| m.id == id && !m.is_learner)
+        });
+        assert_eq!(n.held_learners(), Vec::<u64>::new(), "member {}", n.id());
+    }
+}
+
+/// A caught-up voter demoted by a raw conf change (a [`Request::ConfChange`] adding it as a
+/// learner) stays a learner with automatic promotion on, for ten times
+/// `auto_promote_after`, on every member, and after every member restarted (the hold is
+/// stored with the members); an explicit promotion still promotes it.
+#[test]
+fn a_voter_demoted_by_a_raw_conf_change_is_not_promoted_automatically() {
+    let (mut c, leader) = cluster(3, auto_promoting(), 16);
+    leader.put(b"before", b"1").expect("put");
+    c.wait_converged(1, T).expect("converged");
+    let demoted = follower_of(&c, &leader).id();
+    match propose_via_leader(
+        &c,
+        Request::ConfChange(vec![MemberChange::AddLearner(demoted)]),
+    ) {
+        Response::ConfChange { learners, .. } => assert_eq!(learners, vec![demoted]),
+        other => panic!("unexpected answer {other:?}"),
+    }
+    for n in c.running() {
+        wait_until("the demotion applied", || {
+            n.status().learners.contains(&demoted)
+        });
+    }
+    stays_a_held_learner(&c, demoted, HOLD, "demoted by a raw conf change");
+
+    // Every member restarted, one after the other: the hold is read back with the members.
+    drop(leader);
+    for id in c.ids() {
+        c.kill(id);
+        c.start(id).expect("restart");
+        c.wait_leader(T).expect("leader");
+    }
+    current_leader(&c).put(b"after", b"1").expect("put");
+    c.wait_converged(2, T).expect("converged");
+    stays_a_held_learner(&c, demoted, HOLD, "demoted by a raw conf change, restarted");
+
+    promote_explicitly(&c, demoted);
+}
+
+/// A learner added by a raw conf change (a [`Request::ConfChange`]) is not promoted
+/// automatically once it has caught up, on every member, itself included, which learns the
+/// hold from the snapshot it joined with; an explicit promotion still promotes it.
+#[test]
+fn a_learner_added_by_a_raw_conf_change_is_not_promoted_automatically() {
+    let (mut c, leader) = cluster(3, auto_promoting(), 17);
+    for i in 0..150u32 {
+        leader.put(format!("a{i}").as_bytes(), b"v").expect("put");
+    }
+    c.add_dir(4);
+    match propose_via_leader(&c, Request::ConfChange(vec![MemberChange::AddLearner(4)])) {
+        Response::ConfChange { learners, .. } => assert_eq!(learners, vec![4]),
+        other => panic!("unexpected answer {other:?}"),
+    }
+    c.start(4).expect("start 4");
+    let n4 = c.node(4).expect("4");
+    wait_until("4 caught up from a snapshot", || {
+        let s = n4.status();
+        s.snapshots_installed >= 1 && s.applied + 2 >= current_leader(&c).status().commit
+    });
+    stays_a_held_learner(&c, 4, HOLD, "added by a raw conf change");
+
+    promote_explicitly(&c, 4);
+    n4.put(b"from-4", b"ok")
+        .expect("a promoted member takes writes");
 }
