@@ -34,6 +34,28 @@ fn options() -> NodeOptions {
     }
 }
 
+/// Options of a scenario that asserts that no election happens although one side of a
+/// partition holds exactly a quorum (figure 4's 3–1 split), so that its leader keeps leading
+/// only while it hears from every other voter of its side within each check-quorum window
+/// (an election timeout, not randomised), and its followers only while they hear from it
+/// within theirs. With [`options`]'s 10 ticks of 20 ms that window is 200 ms, and on a loaded
+/// 2-core machine a member's threads go unscheduled that long (its Raft thread, or its
+/// persist thread, whose fsync its replies to the leader wait for under the client load):
+/// the leader then logs "stepped down to follower since quorum is not active" and another
+/// member is elected. 50 ticks make the window 1 s, with heartbeats still every tick.
+fn steady_options() -> NodeOptions {
+    NodeOptions {
+        election_ticks: 50,
+        ..options()
+    }
+}
+
+/// The shortest election timeout of `o` (the leader's check-quorum window); a follower's is
+/// drawn from this to twice this.
+fn election_timeout(o: &NodeOptions) -> Duration {
+    o.tick_interval * o.election_ticks as u32
+}
+
 fn membership(flow: Flow, strict: bool) -> MembershipOptions {
     match flow {
         Flow::Voter => MembershipOptions {
@@ -55,6 +77,18 @@ fn cluster(n: u64, flow: Flow, strict: bool, seed: u64) -> Cluster<TestBackend> 
     crate::init_tracing();
     let c = Cluster::<TestBackend>::with_membership(n, options(), membership(flow, strict), seed)
         .expect("cluster");
+    c.wait_leader(T).expect("leader");
+    c
+}
+
+/// A cluster with [`steady_options`]; member 1 is asked to campaign at once rather than
+/// waiting out its first election timeout.
+fn steady_cluster(n: u64, flow: Flow, seed: u64) -> Cluster<TestBackend> {
+    crate::init_tracing();
+    let c =
+        Cluster::<TestBackend>::with_membership(n, steady_options(), membership(flow, false), seed)
+            .expect("cluster");
+    c.node(1).expect("1 runs").campaign().expect("campaign");
     c.wait_leader(T).expect("leader");
     c
 }
@@ -295,8 +329,22 @@ fn figure3_leader_isolated_learner() {
 
 /// Figures 4 and 5: a partition after adding a 4th member, 3–1 with the new member on the
 /// leader's side (4) or 2–2 (5).
+///
+/// The 3–1 split, where no election must happen, runs with [`steady_options`], its
+/// partition held for two and a half election timeouts (more than two check-quorum windows
+/// of the leader, and more than the longest election timeout of a follower: a side that
+/// could not keep its leader would have lost it), and the writes of the leader's side given
+/// seconds to commit. The 2–2 split keeps [`options`]: in the learner flow the two voters
+/// of one side must elect a leader while the partition lasts.
 fn figure4_5(flow: Flow, two_two: bool) {
-    let mut c = cluster(3, flow, false, 45);
+    let (mut c, partition_for, commit_within) = if two_two {
+        let c = cluster(3, flow, false, 45);
+        (c, Duration::from_millis(1200), Duration::from_millis(900))
+    } else {
+        let c = steady_cluster(3, flow, 45);
+        let partition_for = election_timeout(&steady_options()) * 5 / 2;
+        (c, partition_for, Duration::from_secs(5))
+    };
     let old = leader_of(&c, &[1, 2, 3]).expect("leader");
     let lid = old.id();
     let followers: Vec<u64> = [1, 2, 3].into_iter().filter(|&i| i != lid).collect();
@@ -319,10 +367,11 @@ fn figure4_5(flow: Flow, two_two: bool) {
         (vec![lid, 4, followers[0]], vec![followers[1]])
     };
     c.net.partition(&a, &b);
-    thread::sleep(Duration::from_millis(1200));
+    thread::sleep(partition_for);
     let a_nodes = nodes(&c, &a);
     let b_nodes = nodes(&c, &b);
-    let commits_a = writes_commit(&a_nodes, Duration::from_millis(900));
+    // In the 3–1 split side a, the leader's, must commit: it is given seconds.
+    let commits_a = writes_commit(&a_nodes, commit_within);
     let commits_b = writes_commit(&b_nodes, Duration::from_millis(900));
     let commits = commits_a || commits_b;
     for n in c.running() {
