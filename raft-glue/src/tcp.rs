@@ -41,6 +41,7 @@ use crate::error::NodeError;
 use crate::transport::{Mailbox, SnapshotFrame, Transport};
 use frame::{Frame, HEADER_BYTES, Path};
 pub use limiter::RateLimiter;
+use limiter::Reservation;
 use pacer::Pacer;
 
 /// How often blocked threads look at the shutdown flag.
@@ -584,18 +585,46 @@ impl Transport for TcpTransport {
 /// granted only once the pacer lets the chunk go too, so a chunk cancelled while the pacer
 /// holds it back gives that budget back as well.
 fn pace(inner: &Inner, n: u64, cancelled: &mut dyn FnMut() -> bool) -> bool {
-    let mut budget = inner.limiter.reserve_at(n, Instant::now());
+    let chunk = |n| inner.pacer.as_ref().map(|p| p.chunk(n));
+    pace_with(&inner.limiter, &chunk, n, cancelled)
+}
+
+/// [`pace`] with the shared `limiter` and `paced`, which reserves a chunk's bytes in the
+/// pacer (`None`: no pacer).
+///
+/// A rate can change while a chunk waits for the other one: a shared rate set to unlimited
+/// lets the budget's wait end at once, and set back while the pacer holds the chunk, it
+/// leaves the budget due later again. So each reservation is granted only once it is due
+/// at that moment, and a chunk whose reservation fell due later again waits for it again,
+/// instead of being dropped as if its transfer had been cancelled.
+fn pace_with<'p>(
+    limiter: &RateLimiter,
+    paced: &dyn Fn(u64) -> Option<Reservation<'p>>,
+    n: u64,
+    cancelled: &mut dyn FnMut() -> bool,
+) -> bool {
+    let mut budget = limiter.reserve_at(n, Instant::now());
     if !budget.wait_unless(cancelled) {
         return false;
     }
-    if let Some(pacer) = &inner.pacer {
-        let mut paced = pacer.chunk(n);
-        if !paced.wait_unless(cancelled) {
+    if let Some(mut paced) = paced(n) {
+        loop {
+            if !paced.wait_unless(cancelled) {
+                return false;
+            }
+            if paced.grant() {
+                break;
+            }
+        }
+    }
+    loop {
+        if budget.grant() {
+            return true;
+        }
+        if !budget.wait_unless(cancelled) {
             return false;
         }
-        paced.grant();
     }
-    budget.grant()
 }
 
 fn raft_writer(inner: Arc<Inner>, to: u64, addr: Arc<Mutex<SocketAddr>>, rx: Receiver<Message>) {
@@ -896,6 +925,42 @@ mod tests {
         a.0.add_peer(2, b.0.local_addr()).expect("peer");
         b.0.add_peer(1, a.0.local_addr()).expect("peer");
         (a, b)
+    }
+
+    /// A shared rate set to unlimited while a chunk's budget waited, and back while the
+    /// pacer held the chunk, left the budget due later again: the chunk was dropped as if
+    /// its transfer had been cancelled. It now waits for its budget again and goes.
+    #[test]
+    fn a_chunk_waits_again_for_a_budget_that_fell_due_later() {
+        // The shared limiter owes 100 bytes at once: its chunk is due in 100 ms.
+        let shared = RateLimiter::new(1_000, 0);
+        // The pacer holds the chunk back for 20 ms.
+        let pacer = RateLimiter::new(5_000, 0);
+        let paced = |n| Some(pacer.reserve_at(n, Instant::now()));
+        let mut calls = 0;
+        let mut toggle = || {
+            calls += 1;
+            match calls {
+                // The budget's first wait slice: the shared rate goes unlimited, so the
+                // budget is due at once.
+                1 => shared.set_rate(0),
+                // The pacer's first wait slice: the shared rate comes back, and the budget,
+                // still owing, is due later again.
+                2 => shared.set_rate(1_000),
+                _ => {}
+            }
+            false
+        };
+        let start = Instant::now();
+        assert!(
+            pace_with(&shared, &paced, 100, &mut toggle),
+            "the chunk goes: its transfer was never cancelled"
+        );
+        assert!(
+            calls >= 3,
+            "the chunk waited for its budget again ({calls} slices)"
+        );
+        assert!(start.elapsed() >= Duration::from_millis(100));
     }
 
     #[test]
