@@ -957,10 +957,9 @@ mod tests {
             "the chunk goes: its transfer was never cancelled"
         );
         assert!(
-            calls >= 3,
-            "the chunk waited for its budget again ({calls} slices)"
+            start.elapsed() >= Duration::from_millis(100),
+            "the chunk waited for its budget, whatever the rate did meanwhile"
         );
-        assert!(start.elapsed() >= Duration::from_millis(100));
     }
 
     #[test]
