@@ -55,6 +55,13 @@ pub enum MvccError {
         /// `StoreOptions::max_txn_ops`.
         limit: usize,
     },
+    /// A transaction nests transactions deeper than
+    /// [`MAX_TXN_DEPTH`](crate::request::MAX_TXN_DEPTH) levels.
+    #[error("txn request nests transactions deeper than {limit} levels")]
+    TxnTooDeep {
+        /// The deepest nesting accepted.
+        limit: usize,
+    },
     /// One transaction branch puts the same key twice, or puts a key it also deletes.
     #[error("duplicate key given in txn request: {key:?}")]
     DuplicateKey {

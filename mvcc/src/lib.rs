@@ -44,9 +44,9 @@ pub use pace::ReadPacing;
 pub use read::ReadView;
 pub use rebuild::{IndexBuilder, IndexThread};
 pub use request::{
-    Compare, CompareResult, CompareTarget, DeleteRangeRequest, DeleteResponse, HashKv, PutRequest,
-    PutResponse, RangeRequest, RangeResponse, TxnOp, TxnOpResponse, TxnRequest, TxnResponse,
-    prefix_end,
+    Compare, CompareResult, CompareTarget, DeleteRangeRequest, DeleteResponse, HashKv,
+    MAX_TXN_DEPTH, PutRequest, PutResponse, RangeRequest, RangeResponse, TxnOp, TxnOpResponse,
+    TxnRequest, TxnResponse, prefix_end,
 };
 pub use revision::Revision;
 pub use store::{AuxPairs, KEY_BUCKET, META_BUCKET, STORE_FORMAT, Store};

@@ -266,8 +266,13 @@ pub enum TxnOp {
     Txn(TxnRequest),
 }
 
+/// Deepest nesting of transactions a request may hold, the outermost one counted: deeper
+/// requests are refused with [`MvccError::TxnTooDeep`](crate::MvccError::TxnTooDeep) before
+/// anything walks them recursively.
+pub const MAX_TXN_DEPTH: usize = 16;
+
 /// A transaction: if every compare holds, run `success`, else `failure`; atomically, as one
-/// revision.
+/// revision. Nested transactions ([`TxnOp::Txn`]) go at most [`MAX_TXN_DEPTH`] levels deep.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct TxnRequest {
     /// Guards, all evaluated at the transaction's start.

@@ -9,8 +9,8 @@ use crate::backend::Backend;
 use crate::error::{MvccError, show};
 use crate::kv::KeyValue;
 use crate::request::{
-    Compare, CompareResult, CompareTarget, RangeRequest, TxnOp, TxnOpResponse, TxnRequest,
-    TxnResponse, check_range,
+    Compare, CompareResult, CompareTarget, MAX_TXN_DEPTH, RangeRequest, TxnOp, TxnOpResponse,
+    TxnRequest, TxnResponse, check_range,
 };
 use crate::write::WriteTxn;
 
@@ -31,6 +31,8 @@ pub(crate) fn validate(
     options: &crate::options::StoreOptions,
     req: &TxnRequest,
 ) -> Result<(), MvccError> {
+    // First, and without recursion: everything after walks the request recursively.
+    check_depth(req)?;
     let size = request_bytes(req);
     if size > options.max_request_bytes {
         return Err(MvccError::RequestTooLarge {
@@ -41,6 +43,25 @@ pub(crate) fn validate(
     check_limits(options.max_txn_ops, req)?;
     check_intervals(&req.success)?;
     check_intervals(&req.failure)?;
+    Ok(())
+}
+
+/// Refuses a request nesting transactions deeper than [`MAX_TXN_DEPTH`] levels, walking it
+/// with a stack of its own.
+fn check_depth(req: &TxnRequest) -> Result<(), MvccError> {
+    let mut stack = vec![(req, 1usize)];
+    while let Some((t, depth)) = stack.pop() {
+        if depth > MAX_TXN_DEPTH {
+            return Err(MvccError::TxnTooDeep {
+                limit: MAX_TXN_DEPTH,
+            });
+        }
+        for op in t.success.iter().chain(&t.failure) {
+            if let TxnOp::Txn(inner) = op {
+                stack.push((inner, depth + 1));
+            }
+        }
+    }
     Ok(())
 }
 

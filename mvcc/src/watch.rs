@@ -868,6 +868,9 @@ impl WatchHub {
         self.shared.count.fetch_sub(n, Ordering::AcqRel);
         drop(st);
         let _ = self.shared.wake.0.try_send(());
+        // The notifier may be parked for up to `watch_sync_interval`: wake it to see the
+        // shutdown, so a store's drop, which joins it, does not wait that long.
+        let _ = self.kick.0.try_send(());
     }
 
     /// Queues the events of `revision` for the notifier thread; called by the committing

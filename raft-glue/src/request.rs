@@ -46,8 +46,9 @@ use crate::membership::MemberOp;
 
 /// Encoding version written by this build.
 pub const REQUEST_VERSION: u8 = 1;
-/// Deepest nesting of transactions accepted.
-pub const MAX_TXN_DEPTH: usize = 16;
+/// Deepest nesting of transactions accepted: the store's own limit, so a request that
+/// decodes is never refused for its depth when applied.
+pub use keel_mvcc::MAX_TXN_DEPTH;
 
 /// A lease's remaining TTL, replicated by the leader so a leader change neither renews nor
 /// immortalises it.

@@ -1,8 +1,8 @@
 //! Bad input is refused with etcd's wording, and refusing it changes nothing.
 
 use keel_mvcc::{
-    Compare, CompareResult, CompareTarget, DeleteRangeRequest, MvccError, PutRequest, RangeRequest,
-    StoreOptions, TxnOp, TxnRequest, WatchRequest,
+    Compare, CompareResult, CompareTarget, DeleteRangeRequest, MAX_TXN_DEPTH, MvccError,
+    PutRequest, RangeRequest, StoreOptions, TxnOp, TxnRequest, WatchRequest,
 };
 
 use crate::common::{fresh_path, open_at, store};
@@ -176,6 +176,72 @@ fn every_bad_input_is_a_typed_error_and_changes_nothing() {
     let lease = keel_mvcc::Bucket::new("key");
     let mut t = s.write();
     check(t.put_aux(&lease, b"x", b"y").unwrap_err(), "reserved");
+}
+
+/// Transactions nested `levels` deep (the outermost counted), the innermost one putting `k`.
+fn nested(levels: usize) -> TxnRequest {
+    let mut req = TxnRequest {
+        success: vec![put("k")],
+        ..TxnRequest::default()
+    };
+    for _ in 1..levels {
+        req = TxnRequest {
+            success: vec![TxnOp::Txn(req)],
+            ..TxnRequest::default()
+        };
+    }
+    req
+}
+
+/// Takes a deeply nested request apart without recursion (its drop would recurse).
+fn dismantle(mut req: TxnRequest) {
+    while let Some(TxnOp::Txn(inner)) = req.success.pop() {
+        req = inner;
+    }
+}
+
+/// Nesting is bounded before anything walks a request recursively: a request nested far
+/// deeper than a thread's stack allows is refused with a typed error, not a stack overflow
+/// that aborts the process; the deepest nesting allowed runs.
+#[test]
+fn transactions_nested_too_deep_are_refused_without_recursion() {
+    let (_d, _p, s) = store();
+    let s = std::sync::Arc::new(s);
+    let deep = s.clone();
+    // A small stack: before the bound, validation recursed once per level and overflowed.
+    let refused = std::thread::Builder::new()
+        .stack_size(256 << 10)
+        .spawn(move || {
+            let req = nested(50_000);
+            let r = deep.txn(&req).map(|_| ());
+            dismantle(req);
+            r
+        })
+        .unwrap()
+        .join()
+        .expect("no stack overflow");
+    let err = refused.unwrap_err();
+    assert!(
+        matches!(err, MvccError::TxnTooDeep { limit } if limit == MAX_TXN_DEPTH),
+        "{err}"
+    );
+    assert!(err.to_string().contains("deeper than"), "{err}");
+    let err = s.txn(&nested(MAX_TXN_DEPTH + 1)).unwrap_err();
+    assert!(matches!(err, MvccError::TxnTooDeep { .. }), "{err}");
+    assert!(
+        s.range(&RangeRequest::key(b"k".to_vec()))
+            .unwrap()
+            .kvs
+            .is_empty()
+    );
+    s.txn(&nested(MAX_TXN_DEPTH)).unwrap();
+    assert_eq!(
+        s.range(&RangeRequest::key(b"k".to_vec()))
+            .unwrap()
+            .kvs
+            .len(),
+        1
+    );
 }
 
 #[test]

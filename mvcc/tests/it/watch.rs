@@ -845,3 +845,28 @@ fn a_revisions_events_read_alike_for_one_change_or_several() {
     assert_eq!(one.clone().into_iter().len(), 1);
     assert_ne!(one, two);
 }
+
+/// Dropping a store does not wait out `watch_sync_interval`: its shutdown wakes the parked
+/// watch notifier, which the drop joins.
+#[test]
+fn dropping_a_store_does_not_wait_for_the_watch_notifier() {
+    let (_d, p) = fresh_path();
+    let s = open_at(
+        &p,
+        StoreOptions {
+            watch_sync_interval: Duration::from_secs(5),
+            ..StoreOptions::default()
+        },
+    );
+    let _w = s.watch(WatchRequest::key(b"k".to_vec())).unwrap();
+    s.put(b"k", b"v", 0).unwrap();
+    // Let the notifier deliver the event and park again.
+    std::thread::sleep(Duration::from_millis(200));
+    let t = Instant::now();
+    drop(s);
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "dropping the store took {:?}",
+        t.elapsed()
+    );
+}
