@@ -215,8 +215,23 @@ fn sync_round<B: Backend>(inner: &Arc<Inner<B>>) -> Result<bool, MvccError> {
         )?;
         flush(inner, &view, &mut cur, &mut targets);
     }
+    // The compaction point read above is older than the backend read transactions the scan
+    // used, and the compactor does not wait for this view (it reads at the current revision,
+    // at or above any compaction point), so a compaction may have deleted part of what the
+    // scan read. Read the point again now that the scan is done: a compaction's deletions
+    // follow its `compacted` store (the compactor takes the job after `compact` stored it,
+    // and commits through the backend, which every read transaction opened later sees), so
+    // if the scan saw any deletion of a compaction at `c`, this load sees `c` or more. A
+    // target whose next revision is above the point read here saw only revisions no
+    // compaction up to it deletes, so its share is whole; any other may have been read with
+    // holes and ends with `Compacted` instead of getting it.
+    let compacted = inner.compacted.load(Ordering::Acquire);
     let mut progressed = false;
     for t in &mut targets {
+        if t.next <= compacted {
+            t.parts.clear();
+            continue;
+        }
         if !t.parts.is_empty() {
             let parts = std::mem::take(&mut t.parts);
             let msg = if parts.len() == 1 {
@@ -242,6 +257,20 @@ fn sync_round<B: Backend>(inner: &Arc<Inner<B>>) -> Result<bool, MvccError> {
             continue;
         };
         if w.synced {
+            continue;
+        }
+        if t.next <= compacted {
+            if let Some(w) = st.remove(t.id) {
+                hub.shared.count.fetch_sub(1, Ordering::AcqRel);
+                w.ended(
+                    t.id,
+                    MvccError::Compacted {
+                        requested: t.next,
+                        compacted,
+                    },
+                );
+                progressed = true;
+            }
             continue;
         }
         w.next_rev = t.next;
@@ -315,4 +344,77 @@ fn prev_at<B: Backend>(
         .ok()?
         .kvs
         .pop()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use crate::error::MvccError;
+    use crate::options::StoreOptions;
+    use crate::store::{KEY_BUCKET, mem_store};
+    use crate::watch::WatchRequest;
+
+    fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !cond() {
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    /// A catch-up round that read the compaction point just before a compaction, and opens
+    /// its backend read transaction after the compactor deleted part of the history it reads,
+    /// does not deliver that history with holes: the watcher ends with `Compacted`.
+    #[test]
+    fn catch_up_racing_a_compaction_ends_the_watcher_with_compacted() {
+        let (_d, s) = mem_store(StoreOptions {
+            watch_channel_capacity: 1,
+            watch_sync_interval: Duration::from_millis(500),
+            compaction_sleep_interval: Duration::from_millis(1),
+            ..StoreOptions::default()
+        });
+        let w = s.watch(WatchRequest::key(b"k".to_vec())).unwrap();
+        s.put(b"k", b"1", 0).unwrap(); // rev 1: fills the channel of capacity 1
+        s.put(b"k", b"2", 0).unwrap(); // rev 2: the watcher turns unsynced from 2
+        let hub = &s.inner.watch;
+        wait_for("the watcher to fall behind", || {
+            hub.shared.state.lock().unsynced.contains(&w.id())
+        });
+        for i in 3..=10u32 {
+            s.put(b"k", i.to_string().as_bytes(), 0).unwrap();
+        }
+        s.force_commit().unwrap();
+        // Stall the syncer's next round right after it read the compaction point (0).
+        let held = hub.shared.state.lock();
+        let first = w.try_recv().unwrap().expect("rev 1 is in the channel");
+        assert_eq!(first[0].mod_revision(), 1);
+        // Receiving made room: the syncer's round opens its view (pinned at 10) and reads the
+        // compaction point, then waits for the hub lock.
+        wait_for("the syncer's view", || s.inner.oldest_view() == Some(10));
+        std::thread::sleep(Duration::from_millis(50));
+        s.compact(8).unwrap();
+        // Revisions 1..=7 of "k" are deleted (the syncer's view at 10 does not hold them back).
+        wait_for("physical compaction", || s.backend().len(&KEY_BUCKET) == 3);
+        drop(held);
+        let mut got = Vec::new();
+        loop {
+            match w.recv_timeout(Duration::from_secs(2)) {
+                Ok(Some(events)) => got.extend(events.iter().map(|e| e.mod_revision())),
+                Ok(None) => break,
+                Err(MvccError::Compacted { .. }) => {
+                    assert!(
+                        got.is_empty() || got[0] == 2,
+                        "events before the error: {got:?}"
+                    );
+                    return;
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+        panic!(
+            "the watcher from revision 2 received revisions {got:?} and no Compacted error: \
+             revisions 2..=7 were lost silently"
+        );
+    }
 }
