@@ -185,30 +185,44 @@ pub(crate) fn hash_kv<B: Backend>(
         });
     }
     let rev = if revision == 0 { current } else { revision };
-    let (keep, compacted) = {
-        let idx = inner.index.read();
-        if rev < idx.compacted {
-            return Err(MvccError::Compacted {
-                requested: rev,
-                compacted: idx.compacted,
+    // The compaction point and what it keeps are read before the scan opens its backend read
+    // transaction, and the compactor does not wait for this view (it reads at or above any
+    // compaction point), so a newer compaction's deletions may land in between: hashing them
+    // under the older point gives a hash of neither state. After the scan the point is read
+    // again: a compaction's deletions follow its update of the point, and a read transaction
+    // opened after them sees them, so if the scan saw any deletion of a newer compaction the
+    // point read there has moved, and the hash is taken again under it. An unchanged point
+    // means the scan saw everything that compaction keeps, and records it deletes are skipped
+    // whether the scan saw them or not. Each retry follows a newer compaction at or below
+    // `rev`, so retries are bounded.
+    loop {
+        let (keep, compacted) = {
+            let idx = inner.index.read();
+            if rev < idx.compacted {
+                return Err(MvccError::Compacted {
+                    requested: rev,
+                    compacted: idx.compacted,
+                });
+            }
+            (idx.keys.keep(rev), idx.compacted)
+        };
+        let mut h = crc32fast::Hasher::new();
+        h.update(KEY_BUCKET.name().as_bytes());
+        view.sources(None)
+            .for_each_change(Revision::default(), rev, |r, _, k, v| {
+                if r.main <= compacted && !keep.contains(&r) {
+                    return Ok(true);
+                }
+                h.update(k);
+                hash_as_format_1(&mut h, r, v)?;
+                Ok(true)
+            })?;
+        if inner.index.read().compacted == compacted {
+            return Ok(HashKv {
+                hash: h.finalize(),
+                compact_revision: compacted,
+                revision: rev,
             });
         }
-        (idx.keys.keep(rev), idx.compacted)
-    };
-    let mut h = crc32fast::Hasher::new();
-    h.update(KEY_BUCKET.name().as_bytes());
-    view.sources(None)
-        .for_each_change(Revision::default(), rev, |r, _, k, v| {
-            if r.main <= compacted && !keep.contains(&r) {
-                return Ok(true);
-            }
-            h.update(k);
-            hash_as_format_1(&mut h, r, v)?;
-            Ok(true)
-        })?;
-    Ok(HashKv {
-        hash: h.finalize(),
-        compact_revision: compacted,
-        revision: rev,
-    })
+    }
 }

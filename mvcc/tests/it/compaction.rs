@@ -129,3 +129,113 @@ fn an_interrupted_compaction_resumes_on_open_and_hashes_agree() {
         b"9"
     );
 }
+
+/// A backend whose first read transaction opened by a thread named "gated", once armed,
+/// waits until released: it stops a read between its setup and its backend read.
+mod gated {
+    use std::path::Path;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use keel_mvcc::testing::{MemBackend, MemOptions};
+    use keel_mvcc::{Backend, BackendError, BackendSize, BatchSource, WriteBatch};
+    use parking_lot::{Condvar, Mutex};
+
+    /// Armed, the next read transaction opened by the "gated" thread waits.
+    pub static ARMED: AtomicBool = AtomicBool::new(false);
+    /// (reached, released).
+    pub static STATE: Mutex<(bool, bool)> = Mutex::new((false, false));
+    /// Signals changes of [`STATE`].
+    pub static CV: Condvar = Condvar::new();
+
+    /// [`MemBackend`] with the gate.
+    pub struct Gated(pub MemBackend);
+
+    impl Backend for Gated {
+        type Options = MemOptions;
+        type ReadTxn = <MemBackend as Backend>::ReadTxn;
+        fn open(path: &Path, options: &MemOptions) -> Result<Self, BackendError> {
+            Ok(Gated(MemBackend::open(path, options)?))
+        }
+        fn read_txn(&self) -> Result<Self::ReadTxn, BackendError> {
+            if std::thread::current().name() == Some("gated") && ARMED.swap(false, Ordering::AcqRel)
+            {
+                let mut st = STATE.lock();
+                st.0 = true;
+                CV.notify_all();
+                while !st.1 {
+                    CV.wait(&mut st);
+                }
+            }
+            self.0.read_txn()
+        }
+        fn commit(&self, batch: &WriteBatch) -> Result<(), BackendError> {
+            self.0.commit(batch)
+        }
+        fn commit_from(&self, source: &dyn BatchSource) -> Result<(), BackendError> {
+            self.0.commit_from(source)
+        }
+        fn size(&self) -> Result<BackendSize, BackendError> {
+            self.0.size()
+        }
+        fn defragment(&self) -> Result<(), BackendError> {
+            self.0.defragment()
+        }
+    }
+}
+
+/// hash_kv reads the compaction point, then opens its backend read transaction: a compaction
+/// whose deletions land in between must not make it hash a history of neither state under
+/// the old compaction point.
+#[test]
+fn hash_kv_racing_a_compaction_hashes_one_state() {
+    use gated::*;
+    use std::sync::atomic::Ordering;
+    let (_d, p) = fresh_path();
+    let backend = Gated(MemBackend::open(&p, &Default::default()).unwrap());
+    let s = std::sync::Arc::new(
+        Store::open(
+            backend,
+            StoreOptions {
+                compaction_sleep_interval: Duration::from_millis(1),
+                ..Default::default()
+            },
+        )
+        .unwrap(),
+    );
+    for i in 1..=10u32 {
+        s.put(b"k", i.to_string().as_bytes(), 0).unwrap();
+    }
+    s.compact(3).unwrap();
+    wait_for("first compaction", || s.backend().0.len(&KEY_BUCKET) == 8);
+    let before = s.hash_kv(10).unwrap();
+    assert_eq!(before.compact_revision, 3);
+    ARMED.store(true, Ordering::Release);
+    let hasher = {
+        let s = s.clone();
+        std::thread::Builder::new()
+            .name("gated".into())
+            .spawn(move || s.hash_kv(10))
+            .unwrap()
+    };
+    {
+        let mut st = STATE.lock();
+        while !st.0 {
+            CV.wait(&mut st);
+        }
+    }
+    s.compact(8).unwrap();
+    wait_for("second compaction", || s.backend().0.len(&KEY_BUCKET) == 3);
+    {
+        let mut st = STATE.lock();
+        st.1 = true;
+        CV.notify_all();
+    }
+    let raced = hasher.join().unwrap().unwrap();
+    let after = s.hash_kv(10).unwrap();
+    assert_eq!(after.compact_revision, 8);
+    assert!(
+        raced == before || raced == after,
+        "hash_kv(10) racing compact(8) returned {raced:?}; before the compaction it is \
+         {before:?}, after it {after:?}"
+    );
+}
