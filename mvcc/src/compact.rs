@@ -11,7 +11,8 @@
 //!
 //! Before each batch the compactor waits while a read view below `c` is open: such a view
 //! may still be reading, from fresh backend read transactions, revisions that this
-//! compaction deletes (see `read`).
+//! compaction deletes (see `read`). Compactions queued meanwhile do not pile up behind it:
+//! the newest takes the place of the waiting one, whose deletions it covers.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -85,37 +86,84 @@ pub(crate) fn compact<B: Backend>(inner: &Arc<Inner<B>>, revision: u64) -> Resul
 
 /// The compactor thread; `stop` disconnects when the store is dropped, which also cuts the
 /// pause between batches short.
+///
+/// Jobs queued while one waits (for a read view below it, or between its batches) are not
+/// run one after another: the newest takes the place of the running one (see [`take_newer`]),
+/// so the queue, and the kept-revision sets its jobs hold, stay bounded however many
+/// compactions an open view holds back.
 pub(crate) fn compactor_loop<B: Backend>(
     inner: &Inner<B>,
     rx: &Receiver<CompactJob>,
     stop: &Receiver<()>,
 ) {
-    while let Ok(job) = rx.recv() {
+    // The newest compaction this thread finished: a job at or below it has nothing left to
+    // delete (a job can be queued after a newer one, by a `compact` that committed first).
+    let mut finished = 0;
+    while let Ok(mut job) = rx.recv() {
         if job.revision == 0 || inner.shutdown.load(Ordering::Acquire) {
             return;
         }
-        match delete_compacted(inner, &job, stop) {
-            Ok(true) => tracing::debug!(revision = job.revision, "compaction finished"),
+        if job.revision <= finished {
+            continue;
+        }
+        match delete_compacted(inner, &mut job, rx, stop) {
+            Ok(true) => {
+                finished = job.revision;
+                tracing::debug!(revision = job.revision, "compaction finished");
+            }
             Ok(false) => return,
             Err(e) => tracing::error!(revision = job.revision, error = %e, "compaction failed"),
         }
     }
 }
 
-/// Deletes what `job` does not keep; false when stopped by a shutdown (resumed on reopen).
+/// Replaces `job` with the newest queued job when that is newer; `None` when a shutdown was
+/// queued, else whether `job` was replaced.
+///
+/// A newer compaction deletes everything an older one does (the index compaction that made
+/// its kept set started from the older one's), and `compact` recorded the newer point as
+/// scheduled before queueing it, so a store reopened before it finished resumes it, older
+/// points included. Nothing waits on a particular job: `finished_compact_rev` records the
+/// newest point whose deletions are done.
+fn take_newer(rx: &Receiver<CompactJob>, job: &mut CompactJob) -> Option<bool> {
+    let mut replaced = false;
+    while let Ok(next) = rx.try_recv() {
+        if next.revision == 0 {
+            return None;
+        }
+        if next.revision > job.revision {
+            *job = next;
+            replaced = true;
+        }
+    }
+    Some(replaced)
+}
+
+/// Deletes what `job` does not keep, or what a newer queued job taking its place does not;
+/// false when stopped by a shutdown (resumed on reopen).
 fn delete_compacted<B: Backend>(
     inner: &Inner<B>,
-    job: &CompactJob,
+    job: &mut CompactJob,
+    rx: &Receiver<CompactJob>,
     stop: &Receiver<()>,
 ) -> Result<bool, MvccError> {
-    let end = Revision::new(job.revision.saturating_add(1), 0).to_bytes();
     let mut from: Vec<u8> = Vec::new();
     let limit = inner.options.compaction_batch_limit;
     loop {
         if inner.shutdown.load(Ordering::Acquire) {
             return Ok(false);
         }
-        while inner.oldest_view().is_some_and(|r| r < job.revision) {
+        loop {
+            match take_newer(rx, job) {
+                None => return Ok(false),
+                // The newer job keeps less: scan again from the start.
+                Some(true) => from.clear(),
+                Some(false) => {}
+            }
+            // Wait while a view below the job is open: it may still read what the job deletes.
+            if inner.oldest_view().is_none_or(|r| r >= job.revision) {
+                break;
+            }
             if inner.shutdown.load(Ordering::Acquire) {
                 return Ok(false);
             }
@@ -123,6 +171,7 @@ fn delete_compacted<B: Backend>(
                 return Ok(false);
             }
         }
+        let end = Revision::new(job.revision.saturating_add(1), 0).to_bytes();
         let mut batch = WriteBatch::new();
         let mut next = None;
         {
@@ -224,5 +273,57 @@ pub(crate) fn hash_kv<B: Backend>(
                 revision: rev,
             });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use crate::backend::{Backend, ReadTxn};
+    use crate::options::StoreOptions;
+    use crate::store::{KEY_BUCKET, META_BUCKET, META_FINISHED_COMPACT, mem_store};
+
+    /// Compactions issued while an open read view holds the compactor back do not each queue
+    /// a job holding the set of every kept revision: the newest replaces the others, and once
+    /// the view is gone it deletes what they all would have.
+    #[test]
+    fn compaction_jobs_behind_an_open_view_do_not_pile_up() {
+        let (_d, s) = mem_store(StoreOptions::default());
+        for i in 0..10_000u32 {
+            s.put(format!("k{i:05}").as_bytes(), b"v", 0).unwrap();
+        }
+        let view = s.read().unwrap(); // at 10 000
+        for round in 0..20u32 {
+            s.put(b"k00000", round.to_string().as_bytes(), 0).unwrap();
+            s.compact(s.current_revision()).unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        let queued = s.inner.compactor.len();
+        drop(view);
+        assert!(
+            queued <= 1,
+            "{queued} compaction jobs queued behind the view, each holding a set of 10 000 \
+             kept revisions"
+        );
+        let last = s.current_revision();
+        let finished = || {
+            s.backend()
+                .read_txn()
+                .unwrap()
+                .get(&META_BUCKET, META_FINISHED_COMPACT)
+                .unwrap()
+                .map(<[u8]>::to_vec)
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while finished() != Some(last.to_be_bytes().to_vec()) {
+            assert!(
+                Instant::now() < deadline,
+                "the newest compaction never finished"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // One revision per key: the 20 overwritten puts of k00000 and its first are gone.
+        assert_eq!(s.backend().len(&KEY_BUCKET), 10_000);
     }
 }
