@@ -49,6 +49,16 @@ pub(crate) fn validate(
 /// Refuses a request nesting transactions deeper than [`MAX_TXN_DEPTH`] levels, walking it
 /// with a stack of its own.
 fn check_depth(req: &TxnRequest) -> Result<(), MvccError> {
+    let nests = |t: &TxnRequest| {
+        t.success
+            .iter()
+            .chain(&t.failure)
+            .any(|op| matches!(op, TxnOp::Txn(_)))
+    };
+    // Most requests nest nothing: no stack to allocate.
+    if !nests(req) {
+        return Ok(());
+    }
     let mut stack = vec![(req, 1usize)];
     while let Some((t, depth)) = stack.pop() {
         if depth > MAX_TXN_DEPTH {
