@@ -545,15 +545,21 @@ mod tests {
         Store::open(b, StoreOptions::default()).expect("store")
     }
 
-    #[test]
-    fn add_errors_follow_etcd() {
-        let opts = MembershipOptions::default();
-        let mut set = three();
+    /// [`three`], persisted in a fresh store (kept as long as the directory).
+    fn persisted_three() -> (tempfile::TempDir, Store<MemBackend>, MemberSet) {
+        let set = three();
         let dir = tempfile::tempdir().expect("tempdir");
         let st = store(dir.path());
         let mut txn = st.write();
         set.persist_all(&mut txn).expect("persist");
         txn.commit().expect("commit");
+        (dir, st, set)
+    }
+
+    #[test]
+    fn add_errors_follow_etcd() {
+        let opts = MembershipOptions::default();
+        let (_dir, st, mut set) = persisted_three();
         // peerURL exists
         let mut dup = member(9, false);
         dup.peer_urls = vec!["http://10.0.1.2:2380".into()];
@@ -606,12 +612,7 @@ mod tests {
     #[test]
     fn promote_errors_follow_etcd() {
         let opts = MembershipOptions::default();
-        let mut set = three();
-        let dir = tempfile::tempdir().expect("tempdir");
-        let st = store(dir.path());
-        let mut txn = st.write();
-        set.persist_all(&mut txn).expect("persist");
-        txn.commit().expect("commit");
+        let (_dir, st, mut set) = persisted_three();
         assert_eq!(
             set.validate(
                 &MemberOp::Promote {
@@ -682,12 +683,7 @@ mod tests {
     #[test]
     fn update_and_remove_validate_and_persist() {
         let opts = MembershipOptions::default();
-        let mut set = three();
-        let dir = tempfile::tempdir().expect("tempdir");
-        let st = store(dir.path());
-        let mut txn = st.write();
-        set.persist_all(&mut txn).expect("persist");
-        txn.commit().expect("commit");
+        let (_dir, st, mut set) = persisted_three();
         assert_eq!(
             set.validate(&MemberOp::Remove(77), &opts),
             Err(MembershipError::MemberNotFound { id: 77 })
@@ -763,12 +759,7 @@ mod tests {
     #[test]
     fn holds_follow_raw_roles_and_are_stored() {
         let opts = MembershipOptions::default();
-        let mut set = three();
-        let dir = tempfile::tempdir().expect("tempdir");
-        let st = store(dir.path());
-        let mut txn = st.write();
-        set.persist_all(&mut txn).expect("persist");
-        txn.commit().expect("commit");
+        let (_dir, st, mut set) = persisted_three();
         assert!(
             MemberSet::load(&st)
                 .expect("load")
