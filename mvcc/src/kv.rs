@@ -43,6 +43,8 @@
 
 use std::sync::LazyLock;
 
+use bytes::{Bytes, BytesMut};
+
 use crate::error::MvccError;
 use crate::pending::{RecordAt, Records};
 use crate::revision::Revision;
@@ -62,12 +64,18 @@ const MAX_HEADER_2: usize = 1 + 5 * 10;
 pub(crate) const RECORD_CRC: usize = 4;
 const CRC: usize = RECORD_CRC;
 
-/// A key with its value and metadata, as of some revision. The key and the value share one
-/// allocation: read them with [`key`](KeyValue::key) and [`value`](KeyValue::value).
+/// A key with its value and metadata, as of some revision. Read the key and the value with
+/// [`key`](KeyValue::key) and [`value`](KeyValue::value).
+///
+/// The key and the value lie side by side in one reference-counted buffer, so cloning a
+/// `KeyValue` copies no bytes. The pairs of one range share buffers of 16 KiB (a pair of
+/// more than 2 KiB gets a buffer of its own), so a range allocates once per buffer instead
+/// of once per pair; a pair kept after the others of its range are dropped keeps its whole
+/// buffer alive, 16 KiB at most.
 #[derive(Clone, Default, PartialEq, Eq)]
 pub struct KeyValue {
     /// The key's bytes, then the value's.
-    pub(crate) bytes: Box<[u8]>,
+    pub(crate) bytes: Bytes,
     /// Where the key ends in `bytes`.
     pub(crate) key_len: usize,
     /// Revision of the put that created the key's current generation.
@@ -83,11 +91,8 @@ pub struct KeyValue {
 impl KeyValue {
     /// The pair `key`, `value`, with revisions, version and lease 0.
     pub fn new(key: &[u8], value: &[u8]) -> KeyValue {
-        let mut bytes = Vec::with_capacity(key.len() + value.len());
-        bytes.extend_from_slice(key);
-        bytes.extend_from_slice(value);
         KeyValue {
-            bytes: bytes.into_boxed_slice(),
+            bytes: pair(key, value),
             key_len: key.len(),
             ..KeyValue::default()
         }
@@ -117,19 +122,66 @@ impl KeyValue {
 
     /// Replaces the value.
     pub fn set_value(&mut self, value: &[u8]) {
-        let mut bytes = Vec::with_capacity(self.key_len + value.len());
-        bytes.extend_from_slice(self.key());
-        bytes.extend_from_slice(value);
-        self.bytes = bytes.into_boxed_slice();
+        self.bytes = pair(self.key(), value);
     }
 
     /// The key and the value, apart: the key copied out, the value moved to the front of the
-    /// pair's own allocation.
+    /// pair's buffer when the pair holds that buffer alone, copied out otherwise.
     pub fn into_parts(self) -> (Vec<u8>, Vec<u8>) {
         let key = self.key().to_vec();
         let mut value = Vec::from(self.bytes);
         value.drain(..self.key_len);
         (key, value)
+    }
+}
+
+/// `key` then `value` in a buffer of their own.
+fn pair(key: &[u8], value: &[u8]) -> Bytes {
+    let mut bytes = Vec::with_capacity(key.len() + value.len());
+    bytes.extend_from_slice(key);
+    bytes.extend_from_slice(value);
+    Bytes::from(bytes)
+}
+
+/// Buffers that the pairs of one result share: each pair is copied into the chunk being
+/// filled, and the chunk is freed once every pair in it is dropped.
+#[derive(Default)]
+pub(crate) struct KvArena {
+    /// The unfilled rest of the chunk being filled.
+    chunk: BytesMut,
+}
+
+impl KvArena {
+    /// Bytes of a chunk.
+    pub const CHUNK: usize = 16 << 10;
+    /// A pair of more bytes than this gets a buffer of its own, so at most this many bytes of
+    /// a chunk go unused.
+    pub const ALONE: usize = 2 << 10;
+
+    /// The pair with its metadata from `record` (the value left empty if `with_value` is
+    /// false), its bytes copied into the arena.
+    #[inline]
+    pub fn kv(&mut self, record: &RecordRef<'_>, with_value: bool) -> KeyValue {
+        let value = if with_value { record.value } else { &[] };
+        let len = record.key.len() + value.len();
+        let bytes = if len > Self::ALONE {
+            pair(record.key, value)
+        } else {
+            if self.chunk.capacity() < len {
+                self.chunk = BytesMut::with_capacity(Self::CHUNK);
+            }
+            self.chunk.extend_from_slice(record.key);
+            self.chunk.extend_from_slice(value);
+            self.chunk.split().freeze()
+        };
+        KeyValue {
+            bytes,
+            key_len: record.key.len(),
+            create_revision: record.create_revision,
+            mod_revision: record.mod_revision,
+            version: record.version,
+            lease: record.lease,
+        }
     }
 }
 
@@ -514,6 +566,58 @@ mod tests {
         assert!(key.capacity() < 64, "{}", key.capacity());
         assert_eq!(value, vec![7; 4096]);
         assert!(format!("{kv:?}").contains("key: [107, 101, 121]"));
+    }
+
+    /// Small pairs of one result are packed into shared chunks, side by side, with the right
+    /// fields; a pair over `ALONE` bytes, and a pair that would not fit in the chunk's rest,
+    /// do not land in the chunk being filled; every pair reads back whole after the arena and
+    /// the other pairs are dropped, and `into_parts` copies out of a shared chunk.
+    #[test]
+    fn an_arena_packs_small_pairs_into_shared_chunks() {
+        let rec = |key: &'static [u8], value: &'static [u8], rev: u64| RecordRef {
+            key,
+            value,
+            create_revision: 1,
+            mod_revision: rev,
+            version: rev,
+            lease: -3,
+        };
+        static BIG: [u8; KvArena::ALONE] = [9; KvArena::ALONE];
+        static MID: [u8; 1000] = [4; 1000];
+        let mut arena = KvArena::default();
+        let mut kvs = Vec::new();
+        for rev in 1..=40 {
+            let value: &'static [u8] = match rev {
+                7 => &BIG,
+                _ if rev % 3 == 0 => &MID,
+                _ => b"value",
+            };
+            kvs.push((arena.kv(&rec(b"key", value, rev), rev != 5), value));
+        }
+        drop(arena);
+        let end = |kv: &KeyValue| kv.bytes.as_ptr() as usize + kv.bytes.len();
+        let mut shared = 0;
+        for (i, (kv, value)) in kvs.iter().enumerate() {
+            let rev = i as u64 + 1;
+            let want: &[u8] = if rev == 5 { b"" } else { value };
+            assert_eq!((kv.key(), kv.value()), (&b"key"[..], want), "pair {rev}");
+            assert_eq!(
+                (kv.create_revision, kv.mod_revision, kv.version, kv.lease),
+                (1, rev, rev, -3)
+            );
+            if i > 0 && end(&kvs[i - 1].0) == kv.bytes.as_ptr() as usize {
+                shared += 1;
+            }
+        }
+        // 40 pairs of 1003 or 8 bytes but one (2051 bytes, alone) fill 16 KiB chunks; a pair
+        // starts a chunk only after one that did not fit, or after the big one.
+        assert!(shared >= 34, "only {shared} pairs follow the one before");
+        let big = &kvs[6].0;
+        assert!(end(&kvs[5].0) != big.bytes.as_ptr() as usize);
+        assert!(end(big) != kvs[7].0.bytes.as_ptr() as usize);
+        let (kv, _) = kvs.swap_remove(0);
+        drop(kvs);
+        assert_eq!(kv.into_parts(), (b"key".to_vec(), b"value".to_vec()));
     }
 
     fn kv(

@@ -36,7 +36,7 @@ use parking_lot::Mutex;
 use crate::backend::{Backend, ReadTxn};
 use crate::error::MvccError;
 use crate::key_index::KeyAt;
-use crate::kv::{KeyValue, decode_record};
+use crate::kv::{KeyValue, KvArena, decode_record};
 use crate::pace::Pacer;
 use crate::pending::{Changes, Pending, RecordAt, Records};
 use crate::request::{Bound, RangeRequest, RangeResponse, bound, check_range};
@@ -203,7 +203,7 @@ impl<T: ReadTxn> Sources<'_, T> {
     /// [`fetch`](Self::fetch), given with `keys` the tags of the keys the index names for
     /// the revisions, which each record's key is checked against.
     ///
-    /// Each entry's key and value are copied out into one allocation.
+    /// The entries' keys and values are copied out into buffers they share ([`KvArena`]).
     pub fn fetch_into(
         &self,
         compacted: impl Fn() -> u64,
@@ -236,6 +236,7 @@ impl<T: ReadTxn> Sources<'_, T> {
         if !in_order {
             out.resize_with(revs.len(), KeyValue::default);
         }
+        let mut arena = KvArena::default();
         let mut build = |i: usize, rev: Revision, rec: &[u8]| -> Result<(), MvccError> {
             let r = decode_record(rev, rec)?;
             if keys.is_some_and(|k| !k.matches(i, r.key)) {
@@ -244,7 +245,7 @@ impl<T: ReadTxn> Sources<'_, T> {
                     reason: "record key differs from the key index".to_owned(),
                 });
             }
-            let kv = r.to_kv(with_value);
+            let kv = arena.kv(&r, with_value);
             if i == out.len() {
                 out.push(kv);
             } else {
