@@ -136,6 +136,9 @@ struct Inner {
     covered: u64,
     /// `written` when the last sync started.
     started: u64,
+    /// `written` once the active segment's seed and state records were encoded: until it is
+    /// durable, the segments before it hold the only durable copy of the log's state.
+    opened: u64,
     /// Requests the last sync covered: how many a leader expects back.
     last_group: u64,
     /// A leader is waiting on `arrived` for its group to fill.
@@ -347,6 +350,7 @@ impl Wal {
             requests: 0,
             covered: 0,
             started: 0,
+            opened: 0,
             last_group: 0,
             gathering: false,
             waiters: Vec::new(),
@@ -573,6 +577,7 @@ impl Wal {
         write_state(g);
         g.writer.data_start = g.writer.end();
         g.written += g.writer.pending() as u64;
+        g.opened = g.written;
         g.segments.insert(
             seq,
             SegInfo {
@@ -1275,6 +1280,12 @@ impl Wal {
     /// below the first entry held. The caller makes sure the released entries are covered by
     /// a snapshot.
     ///
+    /// When only the active segment would be left and the seed and state records it opens
+    /// with are not durable yet (the rotation to it came from appends not yet synced), they
+    /// are synced first, like a durable append: the state (hard state, snapshot marker,
+    /// metadata) is never durable only in deleted segments. On a poisoned log that sync
+    /// fails with [`WalError::Poisoned`] and nothing is deleted.
+    ///
     /// The directory is synced with the log's lock released, so appends go on meanwhile;
     /// once this returns `Ok`, the renames and deletions it made are durable. (A call that
     /// finds nothing to release returns at once, even while another call's sync runs.)
@@ -1284,12 +1295,27 @@ impl Wal {
     /// next directory sync (the next call's, or a rotation's).
     pub fn release_to(&self, index: u64) -> Result<(), WalError> {
         let mut g = self.inner.lock();
-        // Below the first entry held (released, or covered by the snapshot marker), the
-        // segment holding the first entry held is the lowest one still needed.
-        let probe = index.max(g.index.first());
-        let keep = match g.index.get(probe) {
-            Some(l) => l.seq,
-            None => g.writer.seq,
+        let keep = loop {
+            // Below the first entry held (released, or covered by the snapshot marker), the
+            // segment holding the first entry held is the lowest one still needed.
+            let probe = index.max(g.index.first());
+            let keep = match g.index.get(probe) {
+                Some(l) => l.seq,
+                None => g.writer.seq,
+            };
+            // The active segment's seed and state records are the state's only copy once
+            // the segments before it are gone: made durable first. (Older segments were
+            // made durable by the rotation that ended them.)
+            if keep == g.writer.seq
+                && g.durable < g.opened
+                && g.segments.range(..keep).next().is_some()
+            {
+                let target = g.opened;
+                self.wait_durable(g, target)?;
+                g = self.inner.lock();
+                continue;
+            }
+            break keep;
         };
         let doomed: Vec<u64> = g.segments.range(..keep).map(|(s, _)| *s).collect();
         // Files an earlier release set aside but could not sync are adopted by this sync.

@@ -10,5 +10,6 @@ mod model;
 mod page_bypass;
 mod recovery;
 mod recycle;
+mod release;
 mod torn;
 mod util;
