@@ -1326,30 +1326,30 @@ impl Wal {
         if !doomed.is_empty() {
             g.index.release_below(keep);
         }
+        // A segment leaves the list only once its file is renamed or deleted: after a
+        // failure part way, the next release starts again from the lowest one left, so
+        // the files left on disk never have a hole in their sequence.
         for seq in doomed {
-            if let Some(s) = g.segments.remove(&seq) {
-                if g.free.len() + g.set_aside.len() < self.options.recycle_segments
-                    && s.file.len().ok() == Some(self.options.segment_size)
-                {
-                    let to = self.dir.join(segment::free_name(seq));
-                    self.fs
-                        .rename(&s.path, &to)
-                        .map_err(|e| WalError::io("set aside released segment", &s.path, e))?;
-                    let ticket = g.next_ticket;
-                    g.next_ticket += 1;
-                    g.set_aside.push((
-                        ticket,
-                        Free {
-                            path: to,
-                            file: s.file,
-                        },
-                    ));
-                } else {
-                    self.fs
-                        .remove(&s.path)
-                        .map_err(|e| WalError::io("delete segment", &s.path, e))?;
-                }
+            let Some(s) = g.segments.get(&seq) else {
+                continue;
+            };
+            let (path, file) = (s.path.clone(), s.file.clone());
+            if g.free.len() + g.set_aside.len() < self.options.recycle_segments
+                && file.len().ok() == Some(self.options.segment_size)
+            {
+                let to = self.dir.join(segment::free_name(seq));
+                self.fs
+                    .rename(&path, &to)
+                    .map_err(|e| WalError::io("set aside released segment", &path, e))?;
+                let ticket = g.next_ticket;
+                g.next_ticket += 1;
+                g.set_aside.push((ticket, Free { path: to, file }));
+            } else {
+                self.fs
+                    .remove(&path)
+                    .map_err(|e| WalError::io("delete segment", &path, e))?;
             }
+            g.segments.remove(&seq);
         }
         let upto = g.next_ticket;
         drop(g);

@@ -3,10 +3,12 @@
 //! behind that a later release would skip.
 
 use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use keel_wal::{HardState, Metadata, SnapshotMarker, Wal, WalOptions};
 
-use crate::util::{entries, segments};
+use crate::util::{FaultFs, entries, segments};
 
 fn opts() -> WalOptions {
     WalOptions {
@@ -72,4 +74,44 @@ fn a_release_keeps_the_state_durable_when_the_new_segment_is_not_yet() {
         "acknowledged marker lost"
     );
     assert_eq!(reopened.first_index(), wal.first_index());
+}
+
+#[test]
+fn a_release_that_fails_part_way_is_finished_by_the_next_one() {
+    for recycle in [0, 2] {
+        let dir = tempfile::tempdir().unwrap();
+        let (fs, faults) = FaultFs::new();
+        let o = WalOptions {
+            recycle_segments: recycle,
+            fs: Arc::new(fs),
+            ..opts()
+        };
+        let wal = Wal::open(dir.path(), o.clone()).unwrap();
+        let mut next = 1;
+        while wal.segment_count() < 4 {
+            wal.append(&entries(next, next + 20, 1), None, true)
+                .unwrap();
+            next += 20;
+        }
+        let last = wal.last_index();
+        wal.save_snapshot_marker(&SnapshotMarker {
+            index: last,
+            term: 1,
+        })
+        .unwrap();
+        faults.fail_release.store(true, Ordering::SeqCst);
+        let err = wal.release_to(last).unwrap_err();
+        assert!(err.to_string().contains("segment"), "{err}");
+        faults.fail_release.store(false, Ordering::SeqCst);
+        wal.release_to(last).unwrap();
+        drop(wal);
+        let wal = Wal::open(dir.path(), o).unwrap_or_else(|e| panic!("recycle {recycle}: {e}"));
+        assert_eq!(
+            segments(dir.path()).len(),
+            1,
+            "recycle {recycle}: every released segment is gone"
+        );
+        assert_eq!(wal.last_index(), last);
+        assert_eq!(wal.first_index(), last + 1);
+    }
 }

@@ -87,6 +87,8 @@ pub struct Faults {
     pub fail_dir_sync: AtomicBool,
     /// Calls of `sync_dir` that waited on [`Faults::hold_dir_sync`] so far.
     pub dir_syncs_held: AtomicU64,
+    /// Deleting a `.wal` file, or renaming one to a `.free` name, fails with EIO.
+    pub fail_release: AtomicBool,
     /// Every page-cache hint given: (file name, "will_need" or "dont_need").
     pub hints: Mutex<Vec<(String, &'static str)>>,
     /// `(file name, offset)`: reads of that file at or past the offset fail with EIO.
@@ -224,6 +226,12 @@ impl FileSystem for FaultFs {
         Ok(self.wrap(path, f))
     }
     fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        if self.0.fail_release.load(Ordering::SeqCst)
+            && name_of(from).ends_with(".wal")
+            && name_of(to).ends_with(".free")
+        {
+            return Err(io::Error::from_raw_os_error(5));
+        }
         RealFs.rename(from, to)?;
         let (old, new) = (name_of(from), name_of(to));
         for f in self.0.files.lock().iter().filter_map(Weak::upgrade) {
@@ -235,6 +243,9 @@ impl FileSystem for FaultFs {
         Ok(())
     }
     fn remove(&self, path: &Path) -> io::Result<()> {
+        if self.0.fail_release.load(Ordering::SeqCst) && name_of(path).ends_with(".wal") {
+            return Err(io::Error::from_raw_os_error(5));
+        }
         RealFs.remove(path)
     }
     fn copy(&self, from: &Path, to: &Path) -> io::Result<()> {
