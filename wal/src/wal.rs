@@ -811,12 +811,16 @@ impl Wal {
             g.stats.syncs += 1;
             g.stats.sync_time += took;
             g.syncing = false;
-            let res = match res {
-                Ok(()) => {
+            let res = match (res, g.poisoned.clone()) {
+                (Ok(()), None) => {
                     g.durable = g.durable.max(upto);
                     Ok(())
                 }
-                Err(e) => {
+                // A rotation's write or sync of this file failed while this sync ran. A
+                // file reports a writeback error to one `fdatasync` only, so the error that
+                // one met may have been this sync's bytes': this success proves nothing.
+                (Ok(()), Some(reason)) => Err(WalError::Poisoned { reason }),
+                (Err(e), _) => {
                     let err = WalError::io("fdatasync", &path, e);
                     g.poisoned = Some(err.to_string());
                     Err(err)

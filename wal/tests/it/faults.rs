@@ -209,3 +209,52 @@ fn short_writes_are_completed() {
     let wal = Wal::open(dir.path(), opts(fs)).unwrap();
     assert_eq!(wal.entries(1, 1501, None).unwrap(), want);
 }
+
+#[test]
+fn a_sync_running_when_another_sync_fails_acknowledges_nothing() {
+    // A file reports a writeback error to one fdatasync only: when a rotation's sync fails
+    // while a group commit's sync of the same file runs, the error may be the one the
+    // group's own bytes met, so the group's sync returning success proves nothing.
+    let dir = tempfile::tempdir().unwrap();
+    let (fs, faults) = FaultFs::new();
+    let o = WalOptions {
+        preallocate: false,
+        ..opts(fs)
+    };
+    let wal = Arc::new(Wal::open(dir.path(), o).unwrap());
+    wal.append(&entries(1, 11, 1), None, true).unwrap();
+    faults.sync_delay_us.store(300_000, Ordering::SeqCst);
+    let before = faults.syncs.load(Ordering::SeqCst);
+    let leader = {
+        let wal = wal.clone();
+        std::thread::spawn(move || wal.append(&[entry(11, 1)], None, true))
+    };
+    while faults.syncs.load(Ordering::SeqCst) == before {
+        std::thread::yield_now();
+    }
+    // The group's sync is running: the next rotation's sync of the same file fails.
+    faults.fail_sync.store(true, Ordering::SeqCst);
+    let mut next = wal.last_index() + 1;
+    let err = loop {
+        match wal.append(&entries(next, next + 10, 1), None, false) {
+            Ok(()) => next += 10,
+            Err(e) => break e,
+        }
+        assert!(next < 10_000, "never rotated");
+    };
+    assert!(
+        matches!(
+            err,
+            WalError::Io {
+                op: "write and sync",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let res = leader.join().unwrap();
+    assert!(
+        matches!(res, Err(WalError::Poisoned { .. })),
+        "a sync that ran across another one's failure acknowledged: {res:?}"
+    );
+}
