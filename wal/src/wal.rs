@@ -194,6 +194,30 @@ impl std::fmt::Debug for Wal {
 /// Segment files a read needs, by sequence number.
 type OpenFiles = BTreeMap<u64, (PathBuf, Arc<dyn WalFile>)>;
 
+/// Creates `dir` and its missing parents, and makes each new directory's entry in its parent
+/// durable: a crash must not lose the directory, and the log with it, once appends to the
+/// log were acknowledged.
+fn create_dir_durable(fs: &dyn FileSystem, dir: &Path) -> Result<(), WalError> {
+    let mut missing = Vec::new();
+    for d in dir.ancestors().filter(|d| !d.as_os_str().is_empty()) {
+        match fs.list(d) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => missing.push(d),
+            _ => break,
+        }
+    }
+    fs.create_dir_all(dir)
+        .map_err(|e| WalError::io("create directory", dir, e))?;
+    for d in missing.iter().rev() {
+        let parent = match d.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p,
+            _ => Path::new("."),
+        };
+        fs.sync_dir(parent)
+            .map_err(|e| WalError::io("sync directory", parent, e))?;
+    }
+    Ok(())
+}
+
 fn lock_dir(dir: &Path) -> Result<File, WalError> {
     let path = dir.join(LOCK_NAME);
     let f = OpenOptions::new()
@@ -224,7 +248,8 @@ fn lock_dir(dir: &Path) -> Result<File, WalError> {
 }
 
 impl Wal {
-    /// Opens the log in `dir`, creating the directory and an empty log if needed.
+    /// Opens the log in `dir`, creating the directory (and its missing parents, each made
+    /// durable in its parent) and an empty log if needed.
     ///
     /// Every record of every segment is read and checked. A torn tail in the last segment
     /// is repaired (a copy of the segment is kept as `<name>.broken`) unless
@@ -233,8 +258,7 @@ impl Wal {
     pub fn open(dir: &Path, options: WalOptions) -> Result<Wal, WalError> {
         options.validate()?;
         let fs = options.fs.clone();
-        fs.create_dir_all(dir)
-            .map_err(|e| WalError::io("create directory", dir, e))?;
+        create_dir_durable(&*fs, dir)?;
         let lock = lock_dir(dir)?;
         let names = fs
             .list(dir)

@@ -1,12 +1,13 @@
 //! Pins down the Raft-shaped API: round trip, rotation, release, conflict truncation, hard
-//! state, snapshot markers and metadata across reopen, the directory lock, and typed errors
-//! for bad input.
+//! state, snapshot markers and metadata across reopen, the directory lock, the durability of
+//! the directories an open creates, and typed errors for bad input.
 
 use std::ops::ControlFlow;
+use std::sync::Arc;
 
 use keel_wal::{Entry, HardState, Metadata, SnapshotMarker, Wal, WalError, WalOptions};
 
-use crate::util::{entries, entry, segments, small};
+use crate::util::{FaultFs, entries, entry, segments, small};
 
 #[test]
 fn round_trip_and_reopen() {
@@ -340,6 +341,36 @@ fn a_second_open_of_the_same_directory_is_refused() {
     assert!(err.to_string().contains("locked"), "{err}");
     drop(wal);
     Wal::open(dir.path(), small()).unwrap();
+}
+
+#[test]
+fn the_directories_an_open_creates_are_made_durable() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("data").join("wal");
+    let (fs, faults) = FaultFs::new();
+    let o = WalOptions {
+        fs: Arc::new(fs),
+        ..small()
+    };
+    let wal = Wal::open(&dir, o.clone()).unwrap();
+    wal.append(&entries(1, 3, 1), None, true).unwrap();
+    // Each new directory's entry lives in its parent: without a sync of the parent, a
+    // crash can lose the directory, and the acknowledged log with it.
+    let synced = faults.dirs_synced.lock().clone();
+    for parent in [root.path().to_path_buf(), root.path().join("data")] {
+        assert!(
+            synced.contains(&parent),
+            "{} never synced; synced: {synced:?}",
+            parent.display()
+        );
+    }
+    drop(wal);
+    // Reopening an existing directory syncs no parent.
+    faults.dirs_synced.lock().clear();
+    let wal = Wal::open(&dir, o).unwrap();
+    assert_eq!(wal.last_index(), 2);
+    let synced = faults.dirs_synced.lock().clone();
+    assert!(!synced.iter().any(|d| d != &dir), "{synced:?}");
 }
 
 #[test]

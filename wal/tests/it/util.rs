@@ -89,6 +89,8 @@ pub struct Faults {
     pub dir_syncs_held: AtomicU64,
     /// Deleting a `.wal` file, or renaming one to a `.free` name, fails with EIO.
     pub fail_release: AtomicBool,
+    /// Every directory synced, in order.
+    pub dirs_synced: Mutex<Vec<PathBuf>>,
     /// Every page-cache hint given: (file name, "will_need" or "dont_need").
     pub hints: Mutex<Vec<(String, &'static str)>>,
     /// `(file name, offset)`: reads of that file at or past the offset fail with EIO.
@@ -261,6 +263,7 @@ impl FileSystem for FaultFs {
         if self.0.fail_dir_sync.load(Ordering::SeqCst) {
             return Err(io::Error::from_raw_os_error(5));
         }
+        self.0.dirs_synced.lock().push(dir.to_path_buf());
         RealFs.sync_dir(dir)
     }
     fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
