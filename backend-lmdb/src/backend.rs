@@ -355,6 +355,9 @@ impl Backend for LmdbBackend {
             Some(number) => Generation::open(&lock, number, map_size, options)?,
             None => Generation::create(&lock, 1, map_size, options)?,
         };
+        // LMDB never maps less than the last commit's data: a store reopened with a smaller
+        // map runs on one as large as its data, which is the map to report and grow from.
+        let map_size = map_size.max(generation.env().info().map_size);
         let number = generation.number();
         tracing::debug!(path = %path.display(), generation = number, "opened LMDB backend");
         Ok(LmdbBackend {

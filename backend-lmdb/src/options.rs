@@ -12,7 +12,9 @@ pub struct LmdbOptions {
     /// 64 KiB. This much address space is reserved (not written) at open; a commit that
     /// would need more fails with [`BackendError::Full`] and the map can be enlarged with
     /// [`LmdbBackend::grow_map`](crate::LmdbBackend::grow_map) or by reopening with a larger
-    /// value. The value applies at each open. Default: 8 GiB.
+    /// value. The value applies at each open; one below the size of the data already stored
+    /// is raised to that size (LMDB never maps less), which
+    /// [`LmdbBackend::map_size`](crate::LmdbBackend::map_size) then reports. Default: 8 GiB.
     pub map_size: u64,
     /// Most read transactions open at once (LMDB reader slots). Opening one more fails
     /// until one is dropped. Default: 1024.

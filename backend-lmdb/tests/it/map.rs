@@ -272,3 +272,53 @@ fn reader_slots_running_out_is_a_typed_error() {
     let txn = backend.read_txn().expect("a freed slot is reused");
     assert_eq!(txn.get(&KV, b"k").unwrap(), Some(&b"v"[..]));
 }
+
+/// Reopened with a map smaller than its data, a store runs on the larger map LMDB keeps (it
+/// never maps less than the data): the backend reports that map, a full map reports figures
+/// that agree (used within the limit), and growing past it lets the next batch commit.
+#[test]
+fn reopening_with_a_map_smaller_than_the_data_reports_the_map_in_use() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store");
+    let big = LmdbOptions {
+        map_size: 4 << 20,
+        ..LmdbOptions::default()
+    };
+    let backend = open(&path, &big);
+    for i in 0..20u32 {
+        let mut batch = WriteBatch::new();
+        for j in 0..4u32 {
+            batch.put(&KV, format!("k{i:05}-{j}"), vec![i as u8; 32 << 10]);
+        }
+        backend.commit(&batch).unwrap();
+    }
+    drop(backend);
+    let data = std::fs::metadata(crate::common::data_file(&path))
+        .unwrap()
+        .len();
+    assert!(data > 2 << 20, "only {data} bytes of data");
+
+    let backend = open(&path, &small());
+    assert!(
+        backend.map_size() >= data,
+        "the backend reports a map of {} bytes over {data} bytes of data",
+        backend.map_size()
+    );
+    let mut batch = WriteBatch::new();
+    for j in 0..64u32 {
+        batch.put(&KV, format!("more-{j}"), vec![7u8; 32 << 10]);
+    }
+    match backend.commit(&batch) {
+        Err(BackendError::Full { used, limit }) => {
+            assert!(used <= limit, "Full reports {used} bytes used of {limit}");
+            assert_eq!(limit, backend.map_size());
+        }
+        other => panic!("a batch larger than the map returned {other:?}"),
+    }
+    backend
+        .grow_map(backend.map_size() + (4 << 20))
+        .expect("grow");
+    backend
+        .commit(&batch)
+        .expect("the batch fits after growing");
+}
