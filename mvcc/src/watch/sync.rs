@@ -10,7 +10,7 @@ use super::index::{End, Matcher};
 use super::{Change, Msg, Part, Pick, RevChanges, Shared, Target, Window};
 use crate::backend::Backend;
 use crate::error::MvccError;
-use crate::kv::{KeyValue, decode_record};
+use crate::kv::{KeyValue, decode_record, decode_record_unchecked};
 use crate::read::ReadView;
 use crate::request::RangeRequest;
 use crate::revision::Revision;
@@ -293,11 +293,26 @@ fn flush<B: Backend>(
     if cur.changes.is_empty() {
         return;
     }
-    for (c, (key, want_prev)) in cur.changes.iter_mut().zip(cur.keys.drain(..)) {
-        if want_prev {
-            c.prev = prev_at(inner, view, key, cur.main).map(Arc::new);
+    for i in 0..cur.changes.len() {
+        let (key, want_prev) = &cur.keys[i];
+        if !want_prev {
+            continue;
         }
+        // A write transaction may change a key more than once in its revision: the pair
+        // before a later change is the earlier change (none after a delete), as the
+        // notifier gives it, not the pair before the revision. Every change of one key in
+        // one revision is matched by the same watchers, so the earlier ones are here.
+        let earlier = cur.keys[..i].iter().rposition(|(k, w)| *w && k == key);
+        let prev = match earlier.map(|j| &cur.changes[j]) {
+            Some(c) if c.tombstone => None,
+            Some(c) => decode_record_unchecked(Revision::new(cur.main, 0), &c.record)
+                .ok()
+                .map(|r| r.to_kv(true)),
+            None => prev_at(inner, view, key.clone(), cur.main),
+        };
+        cur.changes[i].prev = prev.map(Arc::new);
     }
+    cur.keys.clear();
     let total = cur.changes.len();
     let single = match cur.changes.as_slice() {
         [c] if c.prev.is_none() && !cur.hits.iter().any(|h| targets[h.0 as usize].prev_kv) => {

@@ -870,3 +870,48 @@ fn dropping_a_store_does_not_wait_for_the_watch_notifier() {
         t.elapsed()
     );
 }
+
+/// A write transaction that changes one key several times makes one event per change in one
+/// revision, and each change's previous pair is the key's pair just before that change (the
+/// change before it in the same revision, none after a delete), whether the watcher was
+/// synced when the revision committed or caught it up from the store later.
+#[test]
+fn a_key_changed_several_times_in_one_revision_has_the_same_prev_values_live_and_caught_up() {
+    let (_d, _p, s) = store();
+    s.put(b"k", b"v0", 0).unwrap(); // revision 1
+    let request = WatchRequest {
+        prev_kv: true,
+        ..WatchRequest::key(b"k".to_vec())
+    };
+    let live = s.watch(request.clone()).unwrap();
+    let mut t = s.write();
+    t.put(b"k", b"v1", 0).unwrap();
+    t.put(b"k", b"v2", 0).unwrap();
+    t.delete_range(b"k", None).unwrap();
+    t.put(b"k", b"v3", 0).unwrap();
+    assert_eq!(t.commit().unwrap(), 2);
+    let caught = s.watch(request.from(2)).unwrap();
+    // Kind, value, version and previous value of each event.
+    type Summary = Vec<(EventKind, Vec<u8>, u64, Option<Vec<u8>>)>;
+    let summary = |events: Vec<Event>| -> Summary {
+        events
+            .iter()
+            .map(|e| {
+                (
+                    e.kind(),
+                    e.value().to_vec(),
+                    e.version(),
+                    e.prev_kv().map(|p| p.value().to_vec()),
+                )
+            })
+            .collect()
+    };
+    let expected = vec![
+        (EventKind::Put, b"v1".to_vec(), 2, Some(b"v0".to_vec())),
+        (EventKind::Put, b"v2".to_vec(), 3, Some(b"v1".to_vec())),
+        (EventKind::Delete, Vec::new(), 0, Some(b"v2".to_vec())),
+        (EventKind::Put, b"v3".to_vec(), 1, None),
+    ];
+    assert_eq!(summary(collect(&live, 4)), expected, "synced watcher");
+    assert_eq!(summary(collect(&caught, 4)), expected, "caught-up watcher");
+}
