@@ -279,13 +279,6 @@ impl LmdbBackend {
         let pairs = snapshot::restore_from(input, |batch| {
             let full = |e: heed::Error, op: &'static str| match e {
                 heed::Error::Mdb(MdbError::MapFull) => map_full(&lmdb, map_size, &self.path),
-                heed::Error::Mdb(MdbError::DbsFull) => {
-                    BackendError::Other(Box::new(LmdbError::TooManyBuckets {
-                        path: tmp.clone(),
-                        bucket: String::new(),
-                        max_buckets: self.options.max_buckets,
-                    }))
-                }
                 e => from_heed(&tmp, op, e),
             };
             let mut wtxn = lmdb
@@ -295,7 +288,16 @@ impl LmdbBackend {
             for (bucket, key, value) in batch.iter() {
                 check_op(BatchOpRef::Put { bucket, key, value }, max_key)?;
                 let Some(db) = env::bucket_db(&lmdb, &mut wtxn, &none, &mut created, bucket, true)
-                    .map_err(|e| full(e, "create a bucket database"))?
+                    .map_err(|e| match e {
+                        heed::Error::Mdb(MdbError::DbsFull) => {
+                            BackendError::Other(Box::new(LmdbError::TooManyBuckets {
+                                path: tmp.clone(),
+                                bucket: bucket.name().to_owned(),
+                                max_buckets: self.options.max_buckets,
+                            }))
+                        }
+                        e => full(e, "create a bucket database"),
+                    })?
                 else {
                     continue;
                 };

@@ -239,3 +239,34 @@ fn killed_restore_leaves_the_store_empty_or_whole() {
     assert!(whole >= 1, "no round restored");
     eprintln!("killed restore: {empty} rounds empty, {whole} whole (seed {seed})");
 }
+
+/// A stream with more buckets than the target's `max_buckets` fails whole with
+/// `TooManyBuckets` naming the bucket that did not fit, and leaves the store empty.
+#[test]
+fn too_many_buckets_name_the_bucket_and_leave_the_store_empty() {
+    let (_, stream) = source(30, 16);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("target");
+    let options = LmdbOptions {
+        max_buckets: 2,
+        ..LmdbOptions::default()
+    };
+    let backend = open(&path, &options);
+    let err = backend
+        .restore(&mut &stream[..])
+        .expect_err("three buckets restored into a store of two");
+    let BackendError::Other(inner) = &err else {
+        panic!("too many buckets returned {err:?}");
+    };
+    match inner.downcast_ref::<keel_backend_lmdb::LmdbError>() {
+        Some(keel_backend_lmdb::LmdbError::TooManyBuckets {
+            bucket,
+            max_buckets: 2,
+            ..
+        }) => assert_eq!(bucket, "meta", "{err}"),
+        other => panic!("too many buckets returned {other:?}"),
+    }
+    assert!(err.to_string().contains("bucket meta"), "{err}");
+    assert!(dump_backend(&backend).is_empty(), "partial copy visible");
+    no_temporary_generation(&path);
+}
