@@ -1,5 +1,6 @@
 //! The syncer: catches unsynced watchers up from the store, one shared scan per round.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -293,16 +294,18 @@ fn flush<B: Backend>(
     if cur.changes.is_empty() {
         return;
     }
-    for i in 0..cur.changes.len() {
-        let (key, want_prev) = &cur.keys[i];
+    // A write transaction may change a key more than once in its revision: the pair before a
+    // later change is the earlier change (none after a delete), as the notifier gives it,
+    // not the pair before the revision. Every change of one key in one revision is matched
+    // by the same watchers, so the earlier ones are here. `latest` maps a key to its latest
+    // change so far (a revision of a delete_range may hold a great many keys).
+    let several = cur.changes.len() > 1;
+    let mut latest: HashMap<&[u8], usize> = HashMap::new();
+    for (i, (key, want_prev)) in cur.keys.iter().enumerate() {
         if !want_prev {
             continue;
         }
-        // A write transaction may change a key more than once in its revision: the pair
-        // before a later change is the earlier change (none after a delete), as the
-        // notifier gives it, not the pair before the revision. Every change of one key in
-        // one revision is matched by the same watchers, so the earlier ones are here.
-        let earlier = cur.keys[..i].iter().rposition(|(k, w)| *w && k == key);
+        let earlier = if several { latest.insert(key, i) } else { None };
         let prev = match earlier.map(|j| &cur.changes[j]) {
             Some(c) if c.tombstone => None,
             Some(c) => decode_record_unchecked(Revision::new(cur.main, 0), &c.record)
