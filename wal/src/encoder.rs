@@ -51,7 +51,9 @@ pub(crate) struct SegmentWriter {
     pub crc: u32,
     /// Size the segment was prepared with; the log rotates before an append would cross it.
     pub size: u64,
-    /// Offset where the segment's own records (after seed and state records) begin.
+    /// Offset where the segment's own records (after seed and state records) begin; for the
+    /// segment appends continue at open, where they would begin in a segment started with
+    /// the state in force. An append that does not fit starts a new segment only past it.
     pub data_start: u64,
     /// Scratch for [`SegmentWriter::write_entries`]: the framing around entry data.
     pub side: Vec<u8>,

@@ -51,7 +51,7 @@ use crate::index::{Loc, LogIndex};
 use crate::io::{FileSystem, WalFile, read_full_at};
 use crate::options::WalOptions;
 use crate::record::{
-    ENTRY_PREFIX, Entry, HardState, MAX_PAYLOAD, Metadata, Record, SnapshotMarker, record_len,
+    self, ENTRY_PREFIX, Entry, HardState, MAX_PAYLOAD, Metadata, Record, SnapshotMarker, record_len,
 };
 use crate::recovery::{self, LastSegment, Listed, Recovered};
 use crate::segment::{
@@ -385,7 +385,12 @@ impl Wal {
             set_aside: Vec::new(),
             next_ticket: 0,
         };
-        if !seeded {
+        if seeded {
+            // Where a segment started now would begin its entries, so that an append that
+            // does not fit starts one unless this segment holds nothing more than a new one
+            // would open with.
+            inner.writer.data_start = SEGMENT_HEADER_LEN + opening_len(&inner);
+        } else {
             // The last segment was renamed into place but nothing of it reached the disk:
             // start it now, with the state in force.
             let first = inner.index.last() + 1;
@@ -1490,6 +1495,22 @@ fn write_state(g: &mut Inner) {
     if let Some(hs) = g.hard_state {
         g.writer.hard_state(&hs);
     }
+}
+
+/// Bytes of the seed and state records a segment started with the state in `g` opens with.
+fn opening_len(g: &Inner) -> u64 {
+    let mut buf = Vec::new();
+    record::encode_seed(&mut buf, 0, 0, 0);
+    if let Some(m) = &g.metadata {
+        record::encode_metadata(&mut buf, m, 0);
+    }
+    if let Some(s) = &g.snapshot {
+        record::encode_snapshot(&mut buf, s, 0);
+    }
+    if let Some(hs) = &g.hard_state {
+        record::encode_hard_state(&mut buf, hs, 0);
+    }
+    buf.len() as u64
 }
 
 /// Takes over a segment prepared before the last close, if it is whole.

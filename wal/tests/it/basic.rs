@@ -570,3 +570,57 @@ fn replay_from_an_index_reads_no_lower_segment() {
     .unwrap();
     assert_eq!(n, 5);
 }
+
+#[test]
+fn the_first_append_after_reopen_that_does_not_fit_starts_a_new_segment() {
+    let o = || WalOptions {
+        preallocate: false,
+        ..small()
+    };
+    let e = |i: u64| Entry {
+        index: i,
+        term: 1,
+        data: vec![7; 1000],
+    };
+    // How many such entries the first segment holds.
+    let probe = tempfile::tempdir().unwrap();
+    let fit = {
+        let wal = Wal::open(probe.path(), o()).unwrap();
+        let mut i = 1;
+        while wal.segment_count() == 1 {
+            wal.append(&[e(i)], None, true).unwrap();
+            i += 1;
+        }
+        i - 2
+    };
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let wal = Wal::open(dir.path(), o()).unwrap();
+        for i in 1..=fit {
+            wal.append(&[e(i)], None, true).unwrap();
+        }
+        assert_eq!(wal.segment_count(), 1);
+    }
+    let wal = Wal::open(dir.path(), o()).unwrap();
+    wal.append(&[e(fit + 1)], None, true).unwrap();
+    assert_eq!(
+        wal.segment_count(),
+        2,
+        "the append did not start a new segment"
+    );
+    for seg in segments(dir.path()) {
+        let len = std::fs::metadata(&seg).unwrap().len();
+        assert_eq!(
+            len,
+            o().segment_size,
+            "{} grew past the segment size",
+            seg.display()
+        );
+    }
+    drop(wal);
+    let wal = Wal::open(dir.path(), o()).unwrap();
+    assert_eq!(
+        wal.entries(1, fit + 2, None).unwrap(),
+        (1..=fit + 1).map(e).collect::<Vec<_>>()
+    );
+}
