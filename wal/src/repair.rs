@@ -2,9 +2,11 @@
 //! is not whole, as after a crash in the middle of a write.
 //!
 //! A copy of the damaged segment is kept as `<name>.broken` (numbered `.broken.N` if that
-//! exists) before anything is changed; then the bytes from the first bad record to the end
-//! of the file are zeroed (keeping the file's allocation), and the file and directory are
-//! synced. Strict mode never gets here: open reports the damage instead.
+//! exists) and made durable, its data and then its name (a directory sync), before anything
+//! is changed; then the bytes from the first bad record to the end of the file are zeroed
+//! (keeping the file's allocation), and the file is synced. So a crash during the repair
+//! never leaves the segment changed without its copy. Strict mode never gets here: open
+//! reports the damage instead.
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -37,6 +39,9 @@ pub(crate) fn truncate_tail(
 ) -> io::Result<PathBuf> {
     let copy = broken_path(fs, path)?;
     fs.copy(path, &copy)?;
+    if let Some(dir) = path.parent() {
+        fs.sync_dir(dir)?;
+    }
     let len = file.len()?;
     let zeros = vec![0u8; 1 << 20];
     let mut at = offset;
@@ -46,9 +51,6 @@ pub(crate) fn truncate_tail(
         at += n as u64;
     }
     file.sync_all()?;
-    if let Some(dir) = path.parent() {
-        fs.sync_dir(dir)?;
-    }
     Ok(copy)
 }
 

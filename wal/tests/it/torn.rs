@@ -3,11 +3,13 @@
 //! the final segment's header, reopens to the last whole record (keeping a `.broken` copy),
 //! and strict mode refuses instead.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use keel_wal::{Entry, Wal, WalError, WalOptions};
 
-use crate::util::{entries, entry, files, segments};
+use crate::util::{FaultFs, entries, entry, files, records, segments};
 
 fn opts() -> WalOptions {
     WalOptions {
@@ -205,5 +207,64 @@ fn unknown_version_is_a_typed_error() {
     assert!(
         matches!(err, WalError::UnknownVersion { found: 7, .. }),
         "{err}"
+    );
+}
+
+/// A log of entries 1..=20 in one segment whose last record (entry 20) has a damaged byte:
+/// a torn tail.
+/// Returns the segment's path and the offset of the damaged record.
+fn torn_log(dir: &Path) -> (PathBuf, usize) {
+    {
+        let wal = Wal::open(dir, opts()).unwrap();
+        wal.append(&entries(1, 20, 1), None, true).unwrap();
+        wal.append(&[entry(20, 1)], None, true).unwrap();
+    }
+    let seg = segments(dir)[0].clone();
+    let mut bytes = std::fs::read(&seg).unwrap();
+    let last = records(&bytes).pop().unwrap();
+    bytes[last.offset + 8 + last.len / 2] ^= 0x40;
+    std::fs::write(&seg, &bytes).unwrap();
+    (seg, last.offset)
+}
+
+#[test]
+fn the_copy_of_a_torn_segment_is_durable_before_the_segment_changes() {
+    let dir = tempfile::tempdir().unwrap();
+    let (seg, _) = torn_log(dir.path());
+    let seg_name = seg.file_name().unwrap().to_string_lossy().into_owned();
+    let (fs, faults) = FaultFs::new();
+    faults.record_ops.store(true, Ordering::SeqCst);
+    let wal = Wal::open(
+        dir.path(),
+        WalOptions {
+            fs: Arc::new(fs),
+            ..opts()
+        },
+    )
+    .unwrap();
+    assert_eq!(wal.last_index(), 19);
+    let ops = faults.ops.lock().clone();
+    let names = |op: &str| op.split(' ').skip(1).map(str::to_owned).collect::<Vec<_>>();
+    let touches_copy = |op: &str| names(op).iter().any(|n| n.contains(".broken"));
+    let changes_seg = |op: &str| {
+        (op.starts_with("write ") || op.starts_with("set_len ")) && names(op) == [seg_name.clone()]
+    };
+    let first_change = ops
+        .iter()
+        .position(|op| changes_seg(op))
+        .unwrap_or_else(|| panic!("the segment was never repaired: {ops:?}"));
+    let copy_done = ops[..first_change]
+        .iter()
+        .rposition(|op| touches_copy(op))
+        .unwrap_or_else(|| panic!("no copy before the repair: {ops:?}"));
+    assert!(
+        ops[copy_done].starts_with("sync ") || ops[copy_done].starts_with("copy "),
+        "the copy is not synced before the repair: {ops:?}"
+    );
+    assert!(
+        ops[copy_done..first_change]
+            .iter()
+            .any(|op| op.starts_with("sync_dir ")),
+        "the directory holding the copy is not synced before the segment changes: {ops:?}"
     );
 }

@@ -99,6 +99,13 @@ pub struct Faults {
     pub slow_read: Mutex<Option<String>>,
     /// Opening this file panics.
     pub panic_open: Mutex<Option<String>>,
+    /// While set, every operation that changes files or makes them durable is logged to
+    /// [`Faults::ops`].
+    pub record_ops: AtomicBool,
+    /// `"<op> <file name>..."` for every operation logged, in order: `create`, `write`,
+    /// `set_len`, `sync` (of a file's data or all of it), `copy <from> <to>`,
+    /// `rename <from> <to>`, `remove`, and `sync_dir <dir path>`.
+    pub ops: Mutex<Vec<String>>,
     /// Every file opened, to follow renames.
     files: Mutex<Vec<Weak<FaultFile>>>,
 }
@@ -116,6 +123,14 @@ struct FaultFile {
 
 fn name_of(path: &Path) -> String {
     path.file_name().unwrap().to_string_lossy().into_owned()
+}
+
+impl Faults {
+    fn log(&self, op: impl FnOnce() -> String) {
+        if self.record_ops.load(Ordering::SeqCst) {
+            self.ops.lock().push(op());
+        }
+    }
 }
 
 fn enospc() -> io::Error {
@@ -140,6 +155,7 @@ impl WalFile for FaultFile {
     fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<usize> {
         let f = &self.faults;
         let name = self.name.lock().clone();
+        f.log(|| format!("write {name}"));
         if name.ends_with(".tmp") && f.enospc_new_segment.load(Ordering::SeqCst) {
             return Err(enospc());
         }
@@ -156,6 +172,7 @@ impl WalFile for FaultFile {
         if self.faults.fail_sync.load(Ordering::SeqCst) {
             return Err(io::Error::from_raw_os_error(5));
         }
+        self.faults.log(|| format!("sync {}", self.name.lock()));
         self.faults.syncs.fetch_add(1, Ordering::SeqCst);
         let delay = self.faults.sync_delay_us.load(Ordering::SeqCst);
         if delay > 0 {
@@ -167,6 +184,7 @@ impl WalFile for FaultFile {
         if self.faults.fail_sync.load(Ordering::SeqCst) {
             return Err(io::Error::from_raw_os_error(5));
         }
+        self.faults.log(|| format!("sync {}", self.name.lock()));
         self.faults.syncs.fetch_add(1, Ordering::SeqCst);
         self.inner.sync_all()
     }
@@ -174,6 +192,7 @@ impl WalFile for FaultFile {
         self.inner.len()
     }
     fn set_len(&self, len: u64) -> io::Result<()> {
+        self.faults.log(|| format!("set_len {}", self.name.lock()));
         self.inner.set_len(len)
     }
     fn allocate(&self, offset: u64, len: u64) -> io::Result<()> {
@@ -217,6 +236,7 @@ impl FileSystem for FaultFs {
         if self.0.enospc_new_segment.load(Ordering::SeqCst) {
             return Err(enospc());
         }
+        self.0.log(|| format!("create {}", name_of(path)));
         let f = RealFs.create(path)?;
         Ok(self.wrap(path, f))
     }
@@ -236,6 +256,7 @@ impl FileSystem for FaultFs {
         }
         RealFs.rename(from, to)?;
         let (old, new) = (name_of(from), name_of(to));
+        self.0.log(|| format!("rename {old} {new}"));
         for f in self.0.files.lock().iter().filter_map(Weak::upgrade) {
             let mut n = f.name.lock();
             if *n == old {
@@ -248,9 +269,12 @@ impl FileSystem for FaultFs {
         if self.0.fail_release.load(Ordering::SeqCst) && name_of(path).ends_with(".wal") {
             return Err(io::Error::from_raw_os_error(5));
         }
+        self.0.log(|| format!("remove {}", name_of(path)));
         RealFs.remove(path)
     }
     fn copy(&self, from: &Path, to: &Path) -> io::Result<()> {
+        self.0
+            .log(|| format!("copy {} {}", name_of(from), name_of(to)));
         RealFs.copy(from, to)
     }
     fn sync_dir(&self, dir: &Path) -> io::Result<()> {
@@ -264,6 +288,7 @@ impl FileSystem for FaultFs {
             return Err(io::Error::from_raw_os_error(5));
         }
         self.0.dirs_synced.lock().push(dir.to_path_buf());
+        self.0.log(|| format!("sync_dir {}", dir.display()));
         RealFs.sync_dir(dir)
     }
     fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
