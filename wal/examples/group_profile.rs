@@ -63,9 +63,6 @@ impl FileSystem for SleepFs {
     fn remove(&self, path: &Path) -> io::Result<()> {
         RealFs.remove(path)
     }
-    fn copy(&self, from: &Path, to: &Path) -> io::Result<()> {
-        RealFs.copy(from, to)
-    }
     fn sync_dir(&self, dir: &Path) -> io::Result<()> {
         RealFs.sync_dir(dir)
     }

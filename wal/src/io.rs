@@ -69,8 +69,6 @@ pub trait FileSystem: Send + Sync + Debug {
     fn rename(&self, from: &Path, to: &Path) -> io::Result<()>;
     /// Deletes a file.
     fn remove(&self, path: &Path) -> io::Result<()>;
-    /// Copies a file's bytes to a new file and makes the copy durable.
-    fn copy(&self, from: &Path, to: &Path) -> io::Result<()>;
     /// Makes the directory's entries (creates, renames, deletes) durable.
     fn sync_dir(&self, dir: &Path) -> io::Result<()>;
     /// Creates the directory and its parents.
@@ -232,10 +230,6 @@ impl FileSystem for RealFs {
     }
     fn remove(&self, path: &Path) -> io::Result<()> {
         std::fs::remove_file(path)
-    }
-    fn copy(&self, from: &Path, to: &Path) -> io::Result<()> {
-        std::fs::copy(from, to)?;
-        File::open(to)?.sync_all()
     }
     fn sync_dir(&self, dir: &Path) -> io::Result<()> {
         File::open(dir)?.sync_all()

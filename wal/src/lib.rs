@@ -18,7 +18,9 @@
 //! - `<seq>.free`: a released segment's file kept for reuse
 //!   ([`WalOptions::recycle_segments`]); it becomes a `.tmp` again with a new header and an
 //!   end marker right after it, so its old records are never reached.
-//! - `<name>.broken[.N]`: a copy of a segment kept before a torn-tail repair changed it.
+//! - `<name>.broken[.N]`: what a torn-tail repair changed in a segment, kept before it did:
+//!   the segment's header and its bytes from the first bad record on, at their own offsets,
+//!   the bytes before them left out (a hole reading as zeros); see `repair.rs`.
 //! - `LOCK`: holds an exclusive `flock` while the log is open.
 //!
 //! # Segment layout (all integers little-endian)
@@ -80,10 +82,12 @@
 //!
 //! # Recovery
 //!
-//! Open checks every header and record. A bad record (or header) in the last segment is a
-//! torn write: a copy of the segment is kept as `.broken`, the rest of the segment is
-//! zeroed, and the log continues from the last whole record ([`WalOptions::strict`] refuses
-//! instead). Damage anywhere else, a broken chain, an index gap, a missing segment or an
+//! Open checks every header and record. A bad record in the last segment is a torn write:
+//! the segment's bytes from that record on are kept in a `.broken` copy (made durable
+//! first), then zeroed, and the log continues from the last whole record; a last segment
+//! whose header is bad is renamed to `.broken` whole ([`WalOptions::strict`] refuses
+//! instead). If the copy cannot be made (a full disk, say), open fails and changes nothing.
+//! Damage anywhere else, a broken chain, an index gap, a missing segment or an
 //! unknown version is a [`WalError`] naming the file and offset. Lengths are bounded by the
 //! bytes left in the file before anything is read or allocated.
 //!

@@ -426,8 +426,7 @@ impl Applier<'_> {
                 if !is_last || self.strict {
                     return Err(WalError::corrupt(&s.path, offset, reason));
                 }
-                let kept = repair::truncate_tail(self.fs, &s.path, &*s.file, offset)
-                    .map_err(|e| WalError::io("repair", &s.path, e))?;
+                let kept = repair::truncate_tail(self.fs, &s.path, &*s.file, offset)?;
                 warn!(segment = %s.path.display(), offset, kept = %kept.display(), %reason,
                     "WAL: torn tail truncated to the last whole record");
                 offset

@@ -252,7 +252,7 @@ impl Wal {
     /// durable in its parent) and an empty log if needed.
     ///
     /// Every record of every segment is read and checked. A torn tail in the last segment
-    /// is repaired (a copy of the segment is kept as `<name>.broken`) unless
+    /// is repaired (what the repair changes is kept in `<name>.broken`) unless
     /// [`WalOptions::strict`] is set; any other damage is an error naming the file and
     /// offset. Fails with [`WalError::Locked`] if another `Wal` has the directory open.
     pub fn open(dir: &Path, options: WalOptions) -> Result<Wal, WalError> {

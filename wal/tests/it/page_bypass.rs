@@ -137,9 +137,6 @@ impl FileSystem for NoDirect {
     fn remove(&self, path: &Path) -> std::io::Result<()> {
         RealFs.remove(path)
     }
-    fn copy(&self, from: &Path, to: &Path) -> std::io::Result<()> {
-        RealFs.copy(from, to)
-    }
     fn sync_dir(&self, dir: &Path) -> std::io::Result<()> {
         RealFs.sync_dir(dir)
     }

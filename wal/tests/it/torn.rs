@@ -258,7 +258,7 @@ fn the_copy_of_a_torn_segment_is_durable_before_the_segment_changes() {
         .rposition(|op| touches_copy(op))
         .unwrap_or_else(|| panic!("no copy before the repair: {ops:?}"));
     assert!(
-        ops[copy_done].starts_with("sync ") || ops[copy_done].starts_with("copy "),
+        ops[copy_done].starts_with("sync "),
         "the copy is not synced before the repair: {ops:?}"
     );
     assert!(
@@ -267,4 +267,67 @@ fn the_copy_of_a_torn_segment_is_durable_before_the_segment_changes() {
             .any(|op| op.starts_with("sync_dir ")),
         "the directory holding the copy is not synced before the segment changes: {ops:?}"
     );
+}
+
+#[test]
+fn a_repair_on_a_nearly_full_disk_keeps_only_the_damaged_part() {
+    let dir = tempfile::tempdir().unwrap();
+    let (seg, offset) = torn_log(dir.path());
+    let before = std::fs::read(&seg).unwrap();
+    let (fs, faults) = FaultFs::new();
+    // Room for the header and the pages from the damaged record on, not for the segment.
+    *faults.broken_space.lock() = Some(16 << 10);
+    let wal = Wal::open(
+        dir.path(),
+        WalOptions {
+            fs: Arc::new(fs),
+            ..opts()
+        },
+    )
+    .unwrap_or_else(|e| panic!("open with 16 KiB free: {e}"));
+    assert_eq!(wal.last_index(), 19);
+    drop(wal);
+    let mut copy_path = seg.clone().into_os_string();
+    copy_path.push(".broken");
+    let copy = std::fs::read(&copy_path).unwrap();
+    assert_eq!(copy.len(), before.len());
+    assert_eq!(copy[..32], before[..32], "the header is kept");
+    assert!(
+        copy[32..offset].iter().all(|&b| b == 0),
+        "the whole records are left out"
+    );
+    assert_eq!(copy[offset..], before[offset..], "the damaged part is kept");
+    let repaired = std::fs::read(&seg).unwrap();
+    assert_eq!(repaired[..offset], before[..offset]);
+}
+
+#[test]
+fn a_repair_without_room_for_the_copy_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let (seg, _) = torn_log(dir.path());
+    let before = std::fs::read(&seg).unwrap();
+    let (fs, faults) = FaultFs::new();
+    *faults.broken_space.lock() = Some(1 << 10);
+    let o = WalOptions {
+        fs: Arc::new(fs),
+        ..opts()
+    };
+    let err = Wal::open(dir.path(), o.clone()).unwrap_err();
+    assert!(err.is_disk_full(), "{err}");
+    assert!(err.to_string().contains("copy"), "{err}");
+    assert!(
+        err.to_string()
+            .contains(&seg.file_name().unwrap().to_string_lossy().to_string()),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(&seg).unwrap(), before, "the segment changed");
+    assert!(
+        !files(dir.path()).iter().any(|n| n.contains(".broken")),
+        "{:?}",
+        files(dir.path())
+    );
+    // Once there is room, the log opens.
+    *faults.broken_space.lock() = None;
+    let wal = Wal::open(dir.path(), o).unwrap();
+    assert_eq!(wal.last_index(), 19);
 }

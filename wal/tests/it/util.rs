@@ -99,12 +99,15 @@ pub struct Faults {
     pub slow_read: Mutex<Option<String>>,
     /// Opening this file panics.
     pub panic_open: Mutex<Option<String>>,
+    /// Bytes that writes to `.broken` files may still take, as on a nearly full disk (`None`:
+    /// no limit): a write past it fails with ENOSPC.
+    pub broken_space: Mutex<Option<u64>>,
     /// While set, every operation that changes files or makes them durable is logged to
     /// [`Faults::ops`].
     pub record_ops: AtomicBool,
     /// `"<op> <file name>..."` for every operation logged, in order: `create`, `write`,
-    /// `set_len`, `sync` (of a file's data or all of it), `copy <from> <to>`,
-    /// `rename <from> <to>`, `remove`, and `sync_dir <dir path>`.
+    /// `set_len`, `sync` (of a file's data or all of it), `rename <from> <to>`, `remove`, and
+    /// `sync_dir <dir path>`.
     pub ops: Mutex<Vec<String>>,
     /// Every file opened, to follow renames.
     files: Mutex<Vec<Weak<FaultFile>>>,
@@ -161,6 +164,11 @@ impl WalFile for FaultFile {
         }
         if name.ends_with(".wal") && f.enospc_write.load(Ordering::SeqCst) {
             return Err(enospc());
+        }
+        if name.contains(".broken")
+            && let Some(left) = &mut *f.broken_space.lock()
+        {
+            *left = left.checked_sub(buf.len() as u64).ok_or_else(enospc)?;
         }
         if f.short_writes.load(Ordering::SeqCst) {
             let n = buf.len().min(7);
@@ -271,11 +279,6 @@ impl FileSystem for FaultFs {
         }
         self.0.log(|| format!("remove {}", name_of(path)));
         RealFs.remove(path)
-    }
-    fn copy(&self, from: &Path, to: &Path) -> io::Result<()> {
-        self.0
-            .log(|| format!("copy {} {}", name_of(from), name_of(to)));
-        RealFs.copy(from, to)
     }
     fn sync_dir(&self, dir: &Path) -> io::Result<()> {
         if self.0.hold_dir_sync.load(Ordering::SeqCst) {
