@@ -1326,6 +1326,12 @@ impl Wal {
     /// durable: a rotation never rewrites the header of a file whose old name a crash could
     /// bring back. If the sync fails, the error is returned and those files wait for the
     /// next directory sync (the next call's, or a rotation's).
+    ///
+    /// The segments are renamed or deleted lowest first and made durable by one directory
+    /// sync. A crash before that sync leaves the log openable only if the file system makes
+    /// those changes durable in the order they were made (as the journals of ext4 and XFS
+    /// do): one that kept a later segment's deletion but lost an earlier one's would leave a
+    /// hole in the sequence, which open refuses as a missing segment.
     pub fn release_to(&self, index: u64) -> Result<(), WalError> {
         let mut g = self.inner.lock();
         let keep = loop {
