@@ -71,7 +71,9 @@ const CRC: usize = RECORD_CRC;
 /// `KeyValue` copies no bytes. The pairs of one range share buffers of 16 KiB (a pair of
 /// more than 2 KiB gets a buffer of its own), so a range allocates once per buffer instead
 /// of once per pair; a pair kept after the others of its range are dropped keeps its whole
-/// buffer alive, 16 KiB at most.
+/// buffer alive, 16 KiB at most. The last pair of a result that would start a new buffer
+/// gets one of its own size instead, so a pair read alone (the previous pair of a put or of
+/// a watch event, a range of one key) holds no more than its bytes.
 #[derive(Clone, Default, PartialEq, Eq)]
 pub struct KeyValue {
     /// The key's bytes, then the value's.
@@ -145,10 +147,11 @@ fn pair(key: &[u8], value: &[u8]) -> Bytes {
 
 /// Buffers that the pairs of one result share: each pair is copied into the chunk being
 /// filled, and the chunk is freed once every pair in it is dropped.
-#[derive(Default)]
 pub(crate) struct KvArena {
     /// The unfilled rest of the chunk being filled.
     chunk: BytesMut,
+    /// Pairs of the result not yet made.
+    left: usize,
 }
 
 impl KvArena {
@@ -158,13 +161,24 @@ impl KvArena {
     /// a chunk go unused.
     pub const ALONE: usize = 2 << 10;
 
+    /// An arena for a result of `pairs` pairs.
+    pub fn new(pairs: usize) -> KvArena {
+        KvArena {
+            chunk: BytesMut::new(),
+            left: pairs,
+        }
+    }
+
     /// The pair with its metadata from `record` (the value left empty if `with_value` is
-    /// false), its bytes copied into the arena.
+    /// false), its bytes copied into the arena, or into a buffer of its own when it is
+    /// large, or the result's last pair and the chunk being filled has no room for it.
     #[inline]
     pub fn kv(&mut self, record: &RecordRef<'_>, with_value: bool) -> KeyValue {
         let value = if with_value { record.value } else { &[] };
         let len = record.key.len() + value.len();
-        let bytes = if len > Self::ALONE {
+        self.left = self.left.saturating_sub(1);
+        let alone = len > Self::ALONE || (self.left == 0 && self.chunk.capacity() < len);
+        let bytes = if alone {
             pair(record.key, value)
         } else {
             if self.chunk.capacity() < len {
@@ -584,7 +598,7 @@ mod tests {
         };
         static BIG: [u8; KvArena::ALONE] = [9; KvArena::ALONE];
         static MID: [u8; 1000] = [4; 1000];
-        let mut arena = KvArena::default();
+        let mut arena = KvArena::new(40);
         let mut kvs = Vec::new();
         for rev in 1..=40 {
             let value: &'static [u8] = match rev {

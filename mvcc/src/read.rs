@@ -236,7 +236,7 @@ impl<T: ReadTxn> Sources<'_, T> {
         if !in_order {
             out.resize_with(revs.len(), KeyValue::default);
         }
-        let mut arena = KvArena::default();
+        let mut arena = KvArena::new(revs.len());
         let mut build = |i: usize, rev: Revision, rec: &[u8]| -> Result<(), MvccError> {
             let r = decode_record(rev, rec)?;
             if keys.is_some_and(|k| !k.matches(i, r.key)) {

@@ -915,3 +915,54 @@ fn a_key_changed_several_times_in_one_revision_has_the_same_prev_values_live_and
     assert_eq!(summary(collect(&live, 4)), expected, "synced watcher");
     assert_eq!(summary(collect(&caught, 4)), expected, "caught-up watcher");
 }
+
+/// The previous pairs that watch events and put responses carry are each read alone, and
+/// hold a buffer of their own size: a delete of many small keys watched with previous
+/// values keeps each deleted pair, not a 16 KiB buffer per pair.
+#[test]
+fn previous_pairs_read_alone_hold_buffers_of_their_own_size() {
+    let held = |kv: keel_mvcc::KeyValue| {
+        let (key, value) = kv.into_parts();
+        (key, value.len(), value.capacity())
+    };
+    let (_d, _p, s) = store();
+    let w = s
+        .watch(WatchRequest {
+            prev_kv: true,
+            ..WatchRequest::prefix(b"p/".to_vec())
+        })
+        .unwrap();
+    for i in 0..50u32 {
+        s.put(format!("p/{i:03}").as_bytes(), b"v", 0).unwrap();
+    }
+    s.delete_range(b"p/", Some(b"p0")).unwrap();
+    let events = collect(&w, 100);
+    drop(w);
+    let prevs: Vec<_> = events[50..]
+        .iter()
+        .map(|e| e.prev_kv().expect("a previous pair").clone())
+        .collect();
+    drop(events);
+    for (i, kv) in prevs.into_iter().enumerate() {
+        let (key, len, room) = held(kv);
+        assert_eq!((key, len), (format!("p/{i:03}").into_bytes(), 1));
+        assert!(
+            room < 1024,
+            "the previous pair of p/{i:03} (6 bytes) holds {room} bytes"
+        );
+    }
+
+    s.put(b"q", b"w", 0).unwrap();
+    let put = s
+        .put_with(&PutRequest {
+            prev_kv: true,
+            ..PutRequest::new(b"q".to_vec(), b"x".to_vec())
+        })
+        .unwrap();
+    let (key, len, room) = held(put.prev_kv.expect("the previous pair"));
+    assert_eq!((key.as_slice(), len), (&b"q"[..], 1));
+    assert!(
+        room < 1024,
+        "a put's previous pair of 2 bytes holds {room} bytes"
+    );
+}
