@@ -71,9 +71,11 @@ const CRC: usize = RECORD_CRC;
 /// `KeyValue` copies no bytes. The pairs of one range share buffers of 16 KiB (a pair of
 /// more than 2 KiB gets a buffer of its own), so a range allocates once per buffer instead
 /// of once per pair; a pair kept after the others of its range are dropped keeps its whole
-/// buffer alive, 16 KiB at most. The last pair of a result that would start a new buffer
-/// gets one of its own size instead, so a pair read alone (the previous pair of a put or of
-/// a watch event, a range of one key) holds no more than its bytes.
+/// buffer alive, 16 KiB at most. A buffer is made no larger than the pairs left to make
+/// would fill if they were the size of the one that starts it, and the last pair of a result
+/// that would start a new buffer gets one of its own size instead, so a pair read alone (the
+/// previous pair of a put or of a watch event, a range of one key) holds no more than its
+/// bytes, and a result of a few pairs not much more than theirs.
 #[derive(Clone, Default, PartialEq, Eq)]
 pub struct KeyValue {
     /// The key's bytes, then the value's.
@@ -182,7 +184,10 @@ impl KvArena {
             pair(record.key, value)
         } else {
             if self.chunk.capacity() < len {
-                self.chunk = BytesMut::with_capacity(Self::CHUNK);
+                // Room for the pairs left if they are of this one's size: a result of a
+                // few pairs does not hold a whole chunk.
+                let room = len.saturating_mul(self.left + 1);
+                self.chunk = BytesMut::with_capacity(room.min(Self::CHUNK));
             }
             self.chunk.extend_from_slice(record.key);
             self.chunk.extend_from_slice(value);
@@ -585,7 +590,8 @@ mod tests {
     /// Small pairs of one result are packed into shared chunks, side by side, with the right
     /// fields; a pair over `ALONE` bytes, and a pair that would not fit in the chunk's rest,
     /// do not land in the chunk being filled; every pair reads back whole after the arena and
-    /// the other pairs are dropped, and `into_parts` copies out of a shared chunk.
+    /// the other pairs are dropped, and `into_parts` copies out of a shared chunk; a result
+    /// of a few pairs gets buffers sized for them.
     #[test]
     fn an_arena_packs_small_pairs_into_shared_chunks() {
         let rec = |key: &'static [u8], value: &'static [u8], rev: u64| RecordRef {
@@ -632,6 +638,27 @@ mod tests {
         let (kv, _) = kvs.swap_remove(0);
         drop(kvs);
         assert_eq!(kv.into_parts(), (b"key".to_vec(), b"value".to_vec()));
+        // A result of three small pairs takes a buffer of their size, not a whole chunk;
+        // a larger pair that does not fit starts one sized for it and the pairs left.
+        let mut arena = KvArena::new(3);
+        let first = arena.kv(&rec(b"key", b"value", 1), true);
+        assert_eq!(
+            arena.chunk.capacity(),
+            16,
+            "room for two more pairs of 8 bytes"
+        );
+        let second = arena.kv(&rec(b"key", &MID, 2), true);
+        assert_eq!(
+            arena.chunk.capacity(),
+            1003,
+            "room for one more pair of 1003 bytes"
+        );
+        let third = arena.kv(&rec(b"key", b"value", 3), true);
+        assert_eq!(end(&second), third.bytes.as_ptr() as usize);
+        assert_eq!(
+            [first.value(), second.value(), third.value()],
+            [&b"value"[..], &MID[..], &b"value"[..]]
+        );
     }
 
     fn kv(
