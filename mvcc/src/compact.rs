@@ -2,7 +2,8 @@
 //!
 //! `compact(c)` is etcd's: under the writer lock it checks `c`, records
 //! `scheduled_compact_rev = c` in the pending meta writes and compacts the key index (reads
-//! below `c` fail from then on); it then commits the pending buffer, so the compaction point is
+//! below `c` fail from then on), a chunk of keys per hold of the index lock so that reads go
+//! on meanwhile; it then commits the pending buffer, so the compaction point is
 //! durable and every revision `<= c` is in the backend. The compactor thread deletes from the
 //! `key` bucket, in batches of `compaction_batch_limit` with a pause between them, every
 //! revision `<= c` that the index compaction did not keep, and finally records
@@ -19,6 +20,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use crossbeam_channel::{Receiver, RecvTimeoutError};
+use parking_lot::RwLockWriteGuard;
 
 use crate::backend::{Backend, ReadTxn, WriteBatch};
 use crate::error::MvccError;
@@ -27,6 +29,10 @@ use crate::read::ReadView;
 use crate::request::HashKv;
 use crate::revision::Revision;
 use crate::store::{Inner, KEY_BUCKET, META_BUCKET, META_FINISHED_COMPACT, META_SCHEDULED_COMPACT};
+
+/// Keys of the index compacted per hold of its write lock: a read waits at most about this
+/// many keys' compaction (some hundreds of microseconds) for its read lock.
+const INDEX_COMPACT_CHUNK: usize = 4096;
 
 /// How often the compactor looks again while an open view pins history it would delete.
 const PIN_POLL: std::time::Duration = std::time::Duration::from_millis(5);
@@ -69,11 +75,31 @@ pub(crate) fn compact<B: Backend>(inner: &Arc<Inner<B>>, revision: u64) -> Resul
             .insert(META_SCHEDULED_COMPACT, revision.to_be_bytes().to_vec());
         c.writes += 1;
     }
-    let available = {
+    let keys = {
         let mut idx = inner.index.write();
         idx.compacted = revision;
-        idx.keys.compact(revision)
+        idx.keys.len()
     };
+    // The index is compacted some keys at a time, its lock released in between, so reads
+    // (at `revision` or later: the point is set) go on meanwhile; they find the same
+    // through a partly compacted index. Writes wait on the writer lock held here. A key
+    // keeps one revision at most: the set never grows (and rehashes) with the lock held.
+    let mut available = HashSet::with_capacity(keys);
+    let mut from: Option<Vec<u8>> = None;
+    loop {
+        let mut idx = inner.index.write();
+        from = idx.keys.compact_some(
+            revision,
+            from.as_deref(),
+            INDEX_COMPACT_CHUNK,
+            &mut available,
+        );
+        // Handed to the reads waiting, if any, before this thread takes it again.
+        RwLockWriteGuard::unlock_fair(idx);
+        if from.is_none() {
+            break;
+        }
+    }
     inner.compacted.store(revision, Ordering::Release);
     drop(guard);
     inner.commit_pending()?;

@@ -874,13 +874,35 @@ impl KeyIndex {
     /// Compacts every key at `at`; returns the revisions `<= at` that stay in the store.
     pub fn compact(&mut self, at: u64) -> HashSet<Revision> {
         let mut available = HashSet::new();
-        self.map.retain(|_, e| {
+        self.compact_some(at, None, usize::MAX, &mut available);
+        available
+    }
+
+    /// [`compact`](Self::compact) for at most `limit` keys, in key order from `from` (the
+    /// first key when `None`) on, adding the revisions `<= at` that stay in the store to
+    /// `available`; returns the key to go on from, or `None` once every key was compacted,
+    /// when the leaves are also packed if removals thinned them out.
+    ///
+    /// Reads at `at` or later see the same through a partly compacted index as through a
+    /// whole one; so may writes, and so a key added or changed between two calls is
+    /// compacted or not, alike.
+    pub fn compact_some(
+        &mut self,
+        at: u64,
+        from: Option<&[u8]>,
+        limit: usize,
+        available: &mut HashSet<Revision>,
+    ) -> Option<Vec<u8>> {
+        let next = self.map.retain_from(from, limit, |_, e| {
             e.update_mut(|e| {
-                e.compact(at, &mut available);
+                e.compact(at, available);
                 !e.is_empty()
             })
         });
-        available
+        if next.is_none() {
+            self.map.pack_if_sparse();
+        }
+        next
     }
 
     /// The revisions `<= at` that compacting at `at` would keep, without compacting.
@@ -1139,6 +1161,71 @@ mod tests {
                 sub: 1
             })
         ));
+    }
+
+    /// Compacting a few keys at a time, from where the last chunk stopped, keeps what a
+    /// whole compaction keeps, leaves the same answers at and after the point (also midway,
+    /// for the keys either side of the chunk), and packs leaves that removals thinned out.
+    #[test]
+    fn compacting_in_chunks_matches_a_whole_compaction() {
+        let mut next = {
+            let mut x = 0x9e37_79b9_7f4a_7c15_u64;
+            move || {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x
+            }
+        };
+        let keys: Vec<Vec<u8>> = (0..500).map(|i| format!("k{i:04}").into_bytes()).collect();
+        let (mut whole, mut chunked) = (KeyIndex::default(), KeyIndex::default());
+        for main in 1..=4000 {
+            let k = &keys[(next() % 500) as usize];
+            let delete = next() % 4 == 0;
+            for idx in [&mut whole, &mut chunked] {
+                if delete {
+                    idx.tombstone(k, r(main));
+                } else {
+                    idx.put(k, r(main));
+                }
+            }
+        }
+        let answers = |idx: &KeyIndex, at: u64| -> Vec<Option<KeyAt>> {
+            keys.iter().map(|k| idx.get(k, at)).collect()
+        };
+        let at = 3000;
+        let want: Vec<_> = (at..=4000)
+            .step_by(97)
+            .map(|a| answers(&whole, a))
+            .collect();
+        let kept = whole.compact(at);
+        let mut available = HashSet::new();
+        let mut from: Option<Vec<u8>> = None;
+        let mut chunks = 0;
+        loop {
+            from = chunked.compact_some(at, from.as_deref(), 7, &mut available);
+            chunks += 1;
+            if chunks % 10 == 0 {
+                let midway: Vec<_> = (at..=4000)
+                    .step_by(97)
+                    .map(|a| answers(&chunked, a))
+                    .collect();
+                assert!(midway == want, "answers midway, chunk {chunks}");
+            }
+            if from.is_none() {
+                break;
+            }
+        }
+        assert!(chunks > 10, "{chunks} chunks");
+        assert_eq!(available, kept);
+        assert_eq!(chunked.len(), whole.len());
+        let got: Vec<_> = (at..=4000)
+            .step_by(97)
+            .map(|a| answers(&chunked, a))
+            .collect();
+        assert_eq!(got, want);
+        chunked.map.check();
+        assert!(chunked.map.len() * 2 >= chunked.map.leaf_count() * leaves::LEAF);
     }
 
     #[test]

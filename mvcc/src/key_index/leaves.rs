@@ -234,6 +234,7 @@ impl<V> LeafMap<V> {
     /// Should `keep` panic, the map still holds every entry it had not yet refused, with its
     /// leaves packed: the leaves are filtered in place, and packed by a guard that runs on
     /// unwinding too.
+    #[cfg(test)]
     pub fn retain(&mut self, mut keep: impl FnMut(&[u8], &mut V) -> bool) {
         /// Packs the leaves however the filtering ends.
         struct Pack<'a, V>(&'a mut LeafMap<V>);
@@ -245,6 +246,74 @@ impl<V> LeafMap<V> {
         let map = Pack(self);
         for leaf in map.0.top.values_mut().rev() {
             leaf.entries.retain_mut(|(k, v)| keep(k.as_slice(), v));
+        }
+    }
+
+    /// [`retain`](Self::retain) for at most `limit` entries, in key order from `from` (the
+    /// first key when `None`) on; returns the key to go on from, or `None` once the last
+    /// entry was visited. Leaves left empty are dropped, and a leaf whose first key went is
+    /// keyed by its new one, but leaves are not packed: see
+    /// [`pack_if_sparse`](Self::pack_if_sparse). Between two calls the map may change;
+    /// keys added before the key to go on from are not visited.
+    pub fn retain_from(
+        &mut self,
+        from: Option<&[u8]>,
+        limit: usize,
+        mut keep: impl FnMut(&[u8], &mut V) -> bool,
+    ) -> Option<Vec<u8>> {
+        let mut cursor: Option<IndexKey> = from.map(IndexKey::from);
+        let mut visited = 0;
+        loop {
+            // The leaf that may hold the cursor (the last whose first key is at or below
+            // it), or the first leaf.
+            let held = cursor
+                .as_ref()
+                .and_then(|c| self.top.range(Reverse(c.clone())..).next());
+            let first = match held {
+                Some((first, _)) => first.clone(),
+                None => self.top.keys().next_back()?.clone(),
+            };
+            let mut leaf = self.top.remove(&first).expect("the leaf just found");
+            let mut i = cursor
+                .as_ref()
+                .map_or(0, |c| leaf.find(c).unwrap_or_else(|at| at));
+            while i < leaf.len() && visited < limit {
+                visited += 1;
+                let (k, v) = &mut leaf.entries[i];
+                if keep(k.as_slice(), v) {
+                    i += 1;
+                } else {
+                    leaf.entries.remove(i);
+                    self.len -= 1;
+                }
+            }
+            let next = if i < leaf.len() {
+                Some(leaf.key(i).clone())
+            } else {
+                // The first key of the next leaf in key order (the map is descending).
+                self.top
+                    .range(..&first)
+                    .next_back()
+                    .map(|(f, _)| f.0.clone())
+            };
+            if leaf.len() > 0 {
+                self.top.insert(leaf.first(), leaf);
+            }
+            match next {
+                Some(next) if visited >= limit => return Some(next.as_slice().to_vec()),
+                Some(next) => cursor = Some(next),
+                None => return None,
+            }
+        }
+    }
+
+    /// Packs the leaves (see [`retain`](Self::retain)) when they hold fewer than half the
+    /// entries they have room for, as [`retain_from`](Self::retain_from) may leave them;
+    /// keys added in random order leave leaves half full or more, so this repacks only a map
+    /// that removals thinned out.
+    pub fn pack_if_sparse(&mut self) {
+        if self.len * 2 < self.top.len() * LEAF {
+            self.pack();
         }
     }
 
@@ -437,7 +506,27 @@ mod tests {
                     _ => {
                         if next().is_multiple_of(50) {
                             let cut = next() % 3;
-                            map.retain(|_, v| *v % 3 != cut);
+                            if next().is_multiple_of(2) {
+                                map.retain(|_, v| *v % 3 != cut);
+                            } else {
+                                // In chunks: every key visited once, in order.
+                                let limit = 1 + (next() % 100) as usize;
+                                let mut seen = Vec::new();
+                                let mut from: Option<Vec<u8>> = None;
+                                loop {
+                                    from = map.retain_from(from.as_deref(), limit, |k, v| {
+                                        seen.push(k.to_vec());
+                                        *v % 3 != cut
+                                    });
+                                    map.check();
+                                    if from.is_none() {
+                                        break;
+                                    }
+                                }
+                                map.pack_if_sparse();
+                                let keys: Vec<Vec<u8>> = model.keys().cloned().collect();
+                                assert_eq!(seen, keys, "retain_from {op} visits");
+                            }
                             model.retain(|_, v| *v % 3 != cut);
                         }
                     }

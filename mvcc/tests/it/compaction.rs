@@ -239,3 +239,55 @@ fn hash_kv_racing_a_compaction_hashes_one_state() {
          {before:?}, after it {after:?}"
     );
 }
+
+/// The key index is compacted some keys at a time, its lock released in between: a read
+/// waits for a chunk at most, not for the whole compaction of a large index.
+#[test]
+fn reads_go_on_while_a_large_index_is_compacted() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    let (_d, path) = fresh_path();
+    let s = Arc::new(open_at(&path, StoreOptions::default()));
+    for chunk in 0..30u32 {
+        let mut t = s.write();
+        for i in 0..10_000u32 {
+            t.put(format!("k{:06}", chunk * 10_000 + i).as_bytes(), b"v", 0)
+                .unwrap();
+        }
+        t.commit().unwrap();
+    }
+    s.force_commit().unwrap();
+    let rev = s.current_revision();
+    let (started, done) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let compactor = {
+        let (s, started, done) = (s.clone(), started.clone(), done.clone());
+        std::thread::spawn(move || {
+            started.store(true, Ordering::Release);
+            let t0 = Instant::now();
+            s.compact(rev).unwrap();
+            done.store(true, Ordering::Release);
+            t0.elapsed()
+        })
+    };
+    while !started.load(Ordering::Acquire) {
+        std::hint::spin_loop();
+    }
+    let (mut longest, mut reads) = (Duration::ZERO, 0);
+    while !done.load(Ordering::Acquire) {
+        let t0 = Instant::now();
+        let r = s.range(&RangeRequest::key(b"k000001".to_vec())).unwrap();
+        longest = longest.max(t0.elapsed());
+        reads += 1;
+        assert_eq!(r.kvs.len(), 1);
+    }
+    let took = compactor.join().unwrap();
+    eprintln!("compaction took {took:?}; {reads} reads, the longest {longest:?}");
+    assert!(
+        longest < took / 4,
+        "a read waited {longest:?} of a compaction of {took:?}"
+    );
+}
