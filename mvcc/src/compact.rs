@@ -1,14 +1,14 @@
 //! Compaction and the history hash.
 //!
-//! `compact(c)` is etcd's: under the writer lock it checks `c`, records
-//! `scheduled_compact_rev = c` in the pending meta writes and compacts the key index (reads
-//! below `c` fail from then on), a chunk of keys per hold of the index lock so that reads go
-//! on meanwhile; it then commits the pending buffer, so the compaction point is
-//! durable and every revision `<= c` is in the backend. The compactor thread deletes from the
-//! `key` bucket, in batches of `compaction_batch_limit` with a pause between them, every
-//! revision `<= c` that the index compaction did not keep, and finally records
-//! `finished_compact_rev = c`. A store opened with `scheduled > finished` compacts again
-//! (deleting what is left is idempotent).
+//! `compact(c)` is etcd's: under the writer lock it checks `c` and records
+//! `scheduled_compact_rev = c` in the pending meta writes (reads below `c` fail from then
+//! on); it compacts the key index a chunk of keys per hold of the writer and index locks, so
+//! that reads and writes go on meanwhile (compactions themselves run one at a time); it then
+//! commits the pending buffer, so the compaction point is durable and every revision `<= c`
+//! is in the backend. The compactor thread deletes from the `key` bucket, in batches of
+//! `compaction_batch_limit` with a pause between them, every revision `<= c` that the index
+//! compaction did not keep, and finally records `finished_compact_rev = c`. A store opened
+//! with `scheduled > finished` compacts again (deleting what is left is idempotent).
 //!
 //! Before each batch the compactor waits while a read view below `c` is open: such a view
 //! may still be reading, from fresh backend read transactions, revisions that this
@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use crossbeam_channel::{Receiver, RecvTimeoutError};
-use parking_lot::RwLockWriteGuard;
+use parking_lot::{MutexGuard, RwLockWriteGuard};
 
 use crate::backend::{Backend, ReadTxn, WriteBatch};
 use crate::error::MvccError;
@@ -53,16 +53,19 @@ impl CompactJob {
 }
 
 pub(crate) fn compact<B: Backend>(inner: &Arc<Inner<B>>, revision: u64) -> Result<(), MvccError> {
-    let guard = inner.write_lock.lock();
-    inner.check_poisoned()?;
-    let compacted = inner.compacted.load(Ordering::Acquire);
-    if revision <= compacted {
-        return Err(MvccError::Compacted {
-            requested: revision,
-            compacted,
-        });
-    }
-    {
+    // One compaction at a time: each compacts the index from where the one before left it,
+    // and its kept set holds all that a newer one's does (see `take_newer`).
+    let _one = inner.compaction.lock();
+    let keys = {
+        let _writer = inner.write_lock.lock();
+        inner.check_poisoned()?;
+        let compacted = inner.compacted.load(Ordering::Acquire);
+        if revision <= compacted {
+            return Err(MvccError::Compacted {
+                requested: revision,
+                compacted,
+            });
+        }
         let st = inner.state.lock();
         if revision > st.revision {
             return Err(MvccError::FutureRevision {
@@ -74,19 +77,25 @@ pub(crate) fn compact<B: Backend>(inner: &Arc<Inner<B>>, revision: u64) -> Resul
         c.meta
             .insert(META_SCHEDULED_COMPACT, revision.to_be_bytes().to_vec());
         c.writes += 1;
-    }
-    let keys = {
+        drop(c);
+        drop(st);
         let mut idx = inner.index.write();
         idx.compacted = revision;
+        inner.compacted.store(revision, Ordering::Release);
         idx.keys.len()
     };
-    // The index is compacted some keys at a time, its lock released in between, so reads
-    // (at `revision` or later: the point is set) go on meanwhile; they find the same
-    // through a partly compacted index. Writes wait on the writer lock held here. A key
-    // keeps one revision at most: the set never grows (and rehashes) with the lock held.
+    // The index is compacted some keys at a time, with the writer lock and the index lock
+    // released in between, so reads and writes go on meanwhile. Reads at `revision` or later
+    // (earlier ones fail from now on) find the same answers through a partly compacted
+    // index; a write transaction runs wholly between two chunks, and its changes all have
+    // later revisions, which compaction leaves alone, so a key it adds or changes is
+    // compacted alike whether the chunk that reaches it comes before or after. A key keeps
+    // one revision at most, and keys added meanwhile keep none: the kept set never grows
+    // (and rehashes) past this capacity with a lock held.
     let mut available = HashSet::with_capacity(keys);
     let mut from: Option<Vec<u8>> = None;
     loop {
+        let writer = inner.write_lock.lock();
         let mut idx = inner.index.write();
         from = idx.keys.compact_some(
             revision,
@@ -94,14 +103,14 @@ pub(crate) fn compact<B: Backend>(inner: &Arc<Inner<B>>, revision: u64) -> Resul
             INDEX_COMPACT_CHUNK,
             &mut available,
         );
-        // Handed to the reads waiting, if any, before this thread takes it again.
+        // Handed to the reads and writes waiting, if any, before this thread takes them
+        // again.
         RwLockWriteGuard::unlock_fair(idx);
+        MutexGuard::unlock_fair(writer);
         if from.is_none() {
             break;
         }
     }
-    inner.compacted.store(revision, Ordering::Release);
-    drop(guard);
     inner.commit_pending()?;
     let _ = inner.compactor.send(CompactJob {
         revision,

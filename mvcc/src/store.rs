@@ -98,6 +98,8 @@ pub(crate) struct Inner<B: Backend> {
     pub state: Mutex<State>,
     /// Held while a batch goes to the backend; take it with [`Inner::lock_commits`].
     commit_lock: Mutex<()>,
+    /// Held by a compaction from its checks until its job is queued: one at a time.
+    pub compaction: Mutex<()>,
     /// How many times `commit_lock` was released, with the condition callers waiting for a
     /// running commit to end wait on.
     commits_ended: (Mutex<u64>, Condvar),
@@ -303,6 +305,7 @@ impl<B: Backend> Store<B> {
                 committing: None,
             }),
             commit_lock: Mutex::new(()),
+            compaction: Mutex::new(()),
             commits_ended: (Mutex::new(0), Condvar::new()),
             buffers_taken: AtomicU64::new(0),
             buffers_durable: AtomicU64::new(0),

@@ -291,3 +291,82 @@ fn reads_go_on_while_a_large_index_is_compacted() {
         "a read waited {longest:?} of a compaction of {took:?}"
     );
 }
+
+/// Writes go on too while the key index is compacted: a put waits for a chunk of the
+/// compaction at most, and every put made meanwhile, to keys compacted already or not yet,
+/// reads back afterwards, as do the keys the compaction kept.
+#[test]
+fn writes_go_on_while_a_large_index_is_compacted() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    let (_d, path) = fresh_path();
+    let s = Arc::new(open_at(&path, StoreOptions::default()));
+    for chunk in 0..30u32 {
+        let mut t = s.write();
+        for i in 0..10_000u32 {
+            t.put(format!("k{:06}", chunk * 10_000 + i).as_bytes(), b"v", 0)
+                .unwrap();
+        }
+        t.commit().unwrap();
+    }
+    s.force_commit().unwrap();
+    let rev = s.current_revision();
+    let (started, done) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let compactor = {
+        let (s, started, done) = (s.clone(), started.clone(), done.clone());
+        std::thread::spawn(move || {
+            started.store(true, Ordering::Release);
+            let t0 = Instant::now();
+            s.compact(rev).unwrap();
+            done.store(true, Ordering::Release);
+            t0.elapsed()
+        })
+    };
+    while !started.load(Ordering::Acquire) {
+        std::hint::spin_loop();
+    }
+    let (mut longest, mut puts) = (Duration::ZERO, 0u32);
+    while !done.load(Ordering::Acquire) {
+        // Keys spread over the whole index, so some are compacted already and some not.
+        let key = format!("k{:06}", (puts * 7919) % 300_000);
+        let t0 = Instant::now();
+        s.put(key.as_bytes(), format!("w{puts}").as_bytes(), 0)
+            .unwrap();
+        longest = longest.max(t0.elapsed());
+        puts += 1;
+    }
+    let took = compactor.join().unwrap();
+    assert!(
+        longest < took / 4,
+        "a put waited {longest:?} of a compaction of {took:?}"
+    );
+    assert!(puts > 10, "only {puts} puts during the compaction");
+    let mut latest = std::collections::HashMap::new();
+    for p in 0..puts {
+        latest.insert(format!("k{:06}", (p * 7919) % 300_000), format!("w{p}"));
+    }
+    for i in (0..300_000u32)
+        .step_by(997)
+        .chain(latest.keys().map(|k| k[1..].parse().unwrap()))
+    {
+        let key = format!("k{i:06}");
+        let r = s
+            .range(&RangeRequest::key(key.clone().into_bytes()))
+            .unwrap();
+        let want = latest.get(&key).map_or("v", String::as_str);
+        assert_eq!(r.kvs.len(), 1, "{key}");
+        assert_eq!(r.kvs[0].value(), want.as_bytes(), "{key}");
+        // Its value as of the compaction point is still there.
+        let at = s
+            .range(&RangeRequest {
+                revision: rev,
+                ..RangeRequest::key(key.clone().into_bytes())
+            })
+            .unwrap();
+        assert_eq!(at.kvs[0].value(), b"v", "{key} at the compaction point");
+    }
+}
