@@ -108,6 +108,27 @@ impl<V> Leaf<V> {
     }
 }
 
+/// A leaf taken out of the top map to be changed: put back, keyed by its first key, when
+/// dropped (on unwinding too), unless it was emptied.
+struct Taken<'a, V> {
+    top: &'a mut BTreeMap<Reverse<IndexKey>, Leaf<V>>,
+    leaf: Leaf<V>,
+}
+
+impl<V> Drop for Taken<'_, V> {
+    fn drop(&mut self) {
+        if self.leaf.len() > 0 {
+            let leaf = std::mem::replace(
+                &mut self.leaf,
+                Leaf {
+                    entries: Vec::new(),
+                },
+            );
+            self.top.insert(leaf.first(), leaf);
+        }
+    }
+}
+
 /// An ordered map from byte-string keys to `V` (see the module doc).
 #[derive(Debug)]
 pub(crate) struct LeafMap<V> {
@@ -255,6 +276,9 @@ impl<V> LeafMap<V> {
     /// keyed by its new one, but leaves are not packed: see
     /// [`pack_if_sparse`](Self::pack_if_sparse). Between two calls the map may change;
     /// keys added before the key to go on from are not visited.
+    ///
+    /// Should `keep` panic, the map still holds every entry it had not yet refused: the leaf
+    /// being filtered is put back by a guard that runs on unwinding too.
     pub fn retain_from(
         &mut self,
         from: Option<&[u8]>,
@@ -273,7 +297,13 @@ impl<V> LeafMap<V> {
                 Some((first, _)) => first.clone(),
                 None => self.top.keys().next_back()?.clone(),
             };
-            let mut leaf = self.top.remove(&first).expect("the leaf just found");
+            let leaf = self.top.remove(&first).expect("the leaf just found");
+            // Put back however the filtering ends, should `keep` panic.
+            let mut taken = Taken {
+                top: &mut self.top,
+                leaf,
+            };
+            let leaf = &mut taken.leaf;
             let mut i = cursor
                 .as_ref()
                 .map_or(0, |c| leaf.find(c).unwrap_or_else(|at| at));
@@ -291,14 +321,13 @@ impl<V> LeafMap<V> {
                 Some(leaf.key(i).clone())
             } else {
                 // The first key of the next leaf in key order (the map is descending).
-                self.top
+                taken
+                    .top
                     .range(..&first)
                     .next_back()
                     .map(|(f, _)| f.0.clone())
             };
-            if leaf.len() > 0 {
-                self.top.insert(leaf.first(), leaf);
-            }
+            drop(taken);
             match next {
                 Some(next) if visited >= limit => return Some(next.as_slice().to_vec()),
                 Some(next) => cursor = Some(next),
@@ -536,6 +565,38 @@ mod tests {
             map.check();
             let all: Vec<u64> = map.values().copied().collect();
             assert_eq!(all, model.values().copied().collect::<Vec<_>>());
+        }
+    }
+
+    /// A chunked retain whose predicate panics part way leaves a well-formed map too: the
+    /// leaf being filtered goes back into the map with every entry not yet refused.
+    #[test]
+    fn a_panicking_retain_from_leaves_a_well_formed_map() {
+        let n = 10 * LEAF as u64 + 3;
+        let mut map: LeafMap<u64> = LeafMap::default();
+        for i in 0..n {
+            map.upsert(format!("k{i:08}").as_bytes(), || i, |_| ());
+        }
+        let from = map.retain_from(None, 100, |_, v| *v % 2 == 0);
+        assert_eq!(from.as_deref(), Some(&b"k00000100"[..]));
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            map.retain_from(from.as_deref(), 1000, |_, v| {
+                assert!(*v < 150, "the predicate fails at {v}");
+                *v % 2 == 0
+            })
+        }));
+        assert!(result.is_err());
+        map.check();
+        let want: Vec<u64> = (0..n).filter(|v| *v >= 150 || v % 2 == 0).collect();
+        assert_eq!(map.values().copied().collect::<Vec<_>>(), want);
+        assert_eq!(map.len(), want.len());
+        for v in [0, 1, 148, 149, 150, 151, n - 1] {
+            let k = format!("k{v:08}");
+            assert_eq!(
+                map.get(k.as_bytes()),
+                want.contains(&v).then_some(&v),
+                "{k}"
+            );
         }
     }
 
