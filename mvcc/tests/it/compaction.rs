@@ -240,16 +240,29 @@ fn hash_kv_racing_a_compaction_hashes_one_state() {
     );
 }
 
-/// The key index is compacted some keys at a time, its lock released in between: a read
-/// waits for a chunk at most, not for the whole compaction of a large index.
-#[test]
-fn reads_go_on_while_a_large_index_is_compacted() {
+/// The number of keys of [`beside_a_large_compaction`]'s store, each put once (value "v").
+const LARGE: u32 = 300_000;
+
+/// Fills a store with [`LARGE`] keys, compacts it at its current revision on another thread,
+/// and calls `op(n)` for n = 0, 1, … on this one until the compaction returns; returns the
+/// store, the compaction point, how long the compaction took, the longest call of `op`, and
+/// how many calls there were.
+fn beside_a_large_compaction(
+    mut op: impl FnMut(u32, &Store<MemBackend>),
+) -> (
+    tempfile::TempDir,
+    Store<MemBackend>,
+    u64,
+    Duration,
+    Duration,
+    u32,
+) {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};
 
-    let (_d, path) = fresh_path();
+    let (dir, path) = fresh_path();
     let s = Arc::new(open_at(&path, StoreOptions::default()));
-    for chunk in 0..30u32 {
+    for chunk in 0..LARGE / 10_000 {
         let mut t = s.write();
         for i in 0..10_000u32 {
             t.put(format!("k{:06}", chunk * 10_000 + i).as_bytes(), b"v", 0)
@@ -276,15 +289,26 @@ fn reads_go_on_while_a_large_index_is_compacted() {
     while !started.load(Ordering::Acquire) {
         std::hint::spin_loop();
     }
-    let (mut longest, mut reads) = (Duration::ZERO, 0);
+    let (mut longest, mut calls) = (Duration::ZERO, 0);
     while !done.load(Ordering::Acquire) {
         let t0 = Instant::now();
-        let r = s.range(&RangeRequest::key(b"k000001".to_vec())).unwrap();
+        op(calls, &s);
         longest = longest.max(t0.elapsed());
-        reads += 1;
-        assert_eq!(r.kvs.len(), 1);
+        calls += 1;
     }
     let took = compactor.join().unwrap();
+    let s = Arc::into_inner(s).expect("the compactor thread has ended");
+    (dir, s, rev, took, longest, calls)
+}
+
+/// The key index is compacted some keys at a time, its lock released in between: a read
+/// waits for a chunk at most, not for the whole compaction of a large index.
+#[test]
+fn reads_go_on_while_a_large_index_is_compacted() {
+    let (_d, _s, _, took, longest, reads) = beside_a_large_compaction(|_, s| {
+        let r = s.range(&RangeRequest::key(b"k000001".to_vec())).unwrap();
+        assert_eq!(r.kvs.len(), 1);
+    });
     eprintln!("compaction took {took:?}; {reads} reads, the longest {longest:?}");
     assert!(
         longest < took / 4,
@@ -297,63 +321,23 @@ fn reads_go_on_while_a_large_index_is_compacted() {
 /// reads back afterwards, as do the keys the compaction kept.
 #[test]
 fn writes_go_on_while_a_large_index_is_compacted() {
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicBool, Ordering};
-
-    let (_d, path) = fresh_path();
-    let s = Arc::new(open_at(&path, StoreOptions::default()));
-    for chunk in 0..30u32 {
-        let mut t = s.write();
-        for i in 0..10_000u32 {
-            t.put(format!("k{:06}", chunk * 10_000 + i).as_bytes(), b"v", 0)
-                .unwrap();
-        }
-        t.commit().unwrap();
-    }
-    s.force_commit().unwrap();
-    let rev = s.current_revision();
-    let (started, done) = (
-        Arc::new(AtomicBool::new(false)),
-        Arc::new(AtomicBool::new(false)),
-    );
-    let compactor = {
-        let (s, started, done) = (s.clone(), started.clone(), done.clone());
-        std::thread::spawn(move || {
-            started.store(true, Ordering::Release);
-            let t0 = Instant::now();
-            s.compact(rev).unwrap();
-            done.store(true, Ordering::Release);
-            t0.elapsed()
-        })
-    };
-    while !started.load(Ordering::Acquire) {
-        std::hint::spin_loop();
-    }
-    let (mut longest, mut puts) = (Duration::ZERO, 0u32);
-    while !done.load(Ordering::Acquire) {
-        // Keys spread over the whole index, so some are compacted already and some not.
-        let key = format!("k{:06}", (puts * 7919) % 300_000);
-        let t0 = Instant::now();
-        s.put(key.as_bytes(), format!("w{puts}").as_bytes(), 0)
+    // Keys spread over the whole index, so some are compacted already and some not.
+    let key = |n: u32| format!("k{:06}", (n * 7919) % LARGE);
+    let (_d, s, rev, took, longest, puts) = beside_a_large_compaction(|n, s| {
+        s.put(key(n).as_bytes(), format!("w{n}").as_bytes(), 0)
             .unwrap();
-        longest = longest.max(t0.elapsed());
-        puts += 1;
-    }
-    let took = compactor.join().unwrap();
+    });
     assert!(
         longest < took / 4,
         "a put waited {longest:?} of a compaction of {took:?}"
     );
     assert!(puts > 10, "only {puts} puts during the compaction");
     let mut latest = std::collections::HashMap::new();
-    for p in 0..puts {
-        latest.insert(format!("k{:06}", (p * 7919) % 300_000), format!("w{p}"));
+    for n in 0..puts {
+        latest.insert(key(n), format!("w{n}"));
     }
-    for i in (0..300_000u32)
-        .step_by(997)
-        .chain(latest.keys().map(|k| k[1..].parse().unwrap()))
-    {
-        let key = format!("k{i:06}");
+    let every_997th = (0..LARGE).step_by(997).map(|i| format!("k{i:06}"));
+    for key in every_997th.chain(latest.keys().cloned()) {
         let r = s
             .range(&RangeRequest::key(key.clone().into_bytes()))
             .unwrap();
