@@ -102,15 +102,15 @@ impl KeyValue {
         }
     }
 
-    /// The pair with its metadata from `record` (the value left empty if `with_value` is
-    /// false).
-    fn with_fields(key: &[u8], value: &[u8], record: &RecordRef<'_>) -> KeyValue {
+    /// `record`'s key and metadata, with `bytes` holding its key and then the value taken.
+    fn with_fields(bytes: Bytes, record: &RecordRef<'_>) -> KeyValue {
         KeyValue {
+            bytes,
+            key_len: record.key.len(),
             create_revision: record.create_revision,
             mod_revision: record.mod_revision,
             version: record.version,
             lease: record.lease,
-            ..KeyValue::new(key, value)
         }
     }
 
@@ -193,14 +193,7 @@ impl KvArena {
             self.chunk.extend_from_slice(value);
             self.chunk.split().freeze()
         };
-        KeyValue {
-            bytes,
-            key_len: record.key.len(),
-            create_revision: record.create_revision,
-            mod_revision: record.mod_revision,
-            version: record.version,
-            lease: record.lease,
-        }
+        KeyValue::with_fields(bytes, record)
     }
 }
 
@@ -380,7 +373,7 @@ impl RecordRef<'_> {
     /// Copies it out; `with_value = false` leaves the value empty.
     pub fn to_kv(&self, with_value: bool) -> KeyValue {
         let value = if with_value { self.value } else { &[] };
-        KeyValue::with_fields(self.key, value, self)
+        KeyValue::with_fields(pair(self.key, value), self)
     }
 }
 

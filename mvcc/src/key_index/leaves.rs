@@ -285,14 +285,13 @@ impl<V> LeafMap<V> {
         limit: usize,
         mut keep: impl FnMut(&[u8], &mut V) -> bool,
     ) -> Option<Vec<u8>> {
-        let mut cursor: Option<IndexKey> = from.map(IndexKey::from);
+        // The key to go on from, as the top map orders keys.
+        let mut cursor: Option<Reverse<IndexKey>> = from.map(desc);
         let mut visited = 0;
         loop {
             // The leaf that may hold the cursor (the last whose first key is at or below
             // it), or the first leaf.
-            let held = cursor
-                .as_ref()
-                .and_then(|c| self.top.range(Reverse(c.clone())..).next());
+            let held = cursor.as_ref().and_then(|c| self.top.range(c..).next());
             let first = match held {
                 Some((first, _)) => first.clone(),
                 None => self.top.keys().next_back()?.clone(),
@@ -306,7 +305,7 @@ impl<V> LeafMap<V> {
             let leaf = &mut taken.leaf;
             let mut i = cursor
                 .as_ref()
-                .map_or(0, |c| leaf.find(c).unwrap_or_else(|at| at));
+                .map_or(0, |c| leaf.find(&c.0).unwrap_or_else(|at| at));
             while i < leaf.len() && visited < limit {
                 visited += 1;
                 let (k, v) = &mut leaf.entries[i];
@@ -318,18 +317,18 @@ impl<V> LeafMap<V> {
                 }
             }
             let next = if i < leaf.len() {
-                Some(leaf.key(i).clone())
+                Some(Reverse(leaf.key(i).clone()))
             } else {
                 // The first key of the next leaf in key order (the map is descending).
                 taken
                     .top
                     .range(..&first)
                     .next_back()
-                    .map(|(f, _)| f.0.clone())
+                    .map(|(f, _)| f.clone())
             };
             drop(taken);
             match next {
-                Some(next) if visited >= limit => return Some(next.as_slice().to_vec()),
+                Some(next) if visited >= limit => return Some(next.0.as_slice().to_vec()),
                 Some(next) => cursor = Some(next),
                 None => return None,
             }
