@@ -18,23 +18,27 @@
 //! what keeps long reads from slowing writes: the scan finishes later instead, and runs at
 //! full speed again as soon as writes stop.
 //!
-//! Oversubscribed means no CPU to spare: while writes flow, a read runs unpaced for a probe
-//! of [`PROBE`] and measures what the process's threads did meanwhile: the CPU time they used
-//! (the read's own among it; `CLOCK_PROCESS_CPUTIME_ID`), and the time its other threads
-//! spent ready to run but waiting for a CPU (their run delay in
-//! `/proc/self/task/*/schedstat`), both as an average number of CPUs. Their sum is what
-//! the process could have used; less than one CPU left over on average, of those it may use
-//! (its CPU affinity and its cgroup's CPU quota, as `std::thread::available_parallelism`
-//! counts them), makes the read pace itself for the next [`RECHECK`]; more lets it run at
-//! full speed as long, after which it probes again. So a process with a CPU to spare for
+//! Oversubscribed means no CPU to spare: while writes flow, a read probes for [`PROBE`]
+//! what the process's threads did meanwhile: the CPU time its other threads used (the
+//! process's, `CLOCK_PROCESS_CPUTIME_ID`, less the read's own), and the time they spent
+//! ready to run but waiting for a CPU (their run delay in `/proc/self/task/*/schedstat`),
+//! both as an average number of CPUs. Their sum is what the other threads wanted; if that
+//! and one CPU more for the read at full speed leave less than one CPU over, of those the
+//! process may use (its CPU affinity and its cgroup's CPU quota, as
+//! `std::thread::available_parallelism` counts them), the read paces itself for the next
+//! [`RECHECK`]; otherwise it runs at full speed as long, after which it probes again. A
+//! probe goes on as the verdict before it said, paced or not (the first one unpaced): the
+//! read's own time is left out of the sum, so a paced probe finds what one at full speed
+//! would, and a paced read takes no unpaced turns. So a process with a CPU to spare for
 //! its writers never slows a scan, and one whose writers wait for a CPU, because of the scan
 //! or of any other process, paces it. Only the process's own threads are measured: other
 //! processes' load (in a container, the whole host's, which is what its `/proc/loadavg`
 //! shows) counts only as far as it makes them wait. (The reading thread's own wait for a
 //! CPU is no sign: the scheduler may as well keep the scan on its CPU and make the writer
-//! and the committer share the other.)
+//! and the committer share the other.) The thread that began a probe ends it; another
+//! read begins it again if that thread's read ended first.
 //!
-//! A paced read's time on a CPU comes from `/proc/thread-self/schedstat`, read once per
+//! A paced read's time on a CPU comes from its thread's CPU-time clock, read once per
 //! [`CHECK_EVERY`] at most. Where these cannot be read, a read paces whenever writes flow
 //! and counts its elapsed time as time on a CPU.
 
@@ -56,19 +60,21 @@ pub(crate) const MAX_SLEEP: Duration = Duration::from_millis(20);
 /// How often, at most, a paced read reads its time on a CPU to see whether a sleep is due.
 pub(crate) const CHECK_EVERY: Duration = Duration::from_micros(500);
 
-/// How long a read runs unpaced, while writes flow, to find whether the CPUs are
-/// oversubscribed.
+/// How long a read probes, while writes flow, whether the CPUs are oversubscribed.
 pub(crate) const PROBE: Duration = Duration::from_millis(10);
 
-/// How long a probe's verdict holds: a paced read spends at most [`PROBE`] of every
-/// [`RECHECK`] unpaced.
+/// How long a probe's verdict holds.
 pub(crate) const RECHECK: Duration = Duration::from_millis(200);
 
-/// The calling thread's time on a CPU, if the system says.
+/// The calling thread's time on a CPU, if the system says (`CLOCK_THREAD_CPUTIME_ID`,
+/// exact to the call: the thread's `/proc` schedstat counts a running thread's time only at
+/// scheduler ticks, some milliseconds apart).
 pub(crate) fn thread_on_cpu() -> Option<Duration> {
-    let stat = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
-    let on_cpu = stat.split_whitespace().next()?.parse().ok()?;
-    Some(Duration::from_nanos(on_cpu))
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    Some(Duration::new(
+        u64::try_from(t.tv_sec).ok()?,
+        u32::try_from(t.tv_nsec).ok()?,
+    ))
 }
 
 /// What the process's threads have done so far: their time on a CPU, all together, and the
@@ -127,13 +133,30 @@ pub(crate) const SYSTEM: Probes = Probes {
 /// so a read that begins while it holds needs no probe of its own.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) enum Verdict {
-    /// Probing since the instant, when the process's threads had used the CPU time given
-    /// and waited the time given for a CPU (see [`process_cpu`]).
-    Probing(Instant, Duration, Duration),
+    /// A probe under way.
+    Probing(Probe),
     /// Pacing until the instant.
     Pace(Instant),
     /// Running at full speed until the instant.
     Run(Instant),
+}
+
+/// A probe under way: what the process's threads, and the reading thread that began it
+/// (the one that ends it), had done when it began.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Probe {
+    /// When it began.
+    since: Instant,
+    /// The thread that began it.
+    by: std::thread::ThreadId,
+    /// The CPU time the process's threads had used (see [`process_cpu`]).
+    used: Duration,
+    /// The time the process's other threads had waited for a CPU.
+    waited: Duration,
+    /// The prober's own time on a CPU, if known.
+    own: Option<Duration>,
+    /// Whether reads pace meanwhile: as the verdict before it said (a first probe does not).
+    pacing: bool,
 }
 
 /// What a paced read watches of its store.
@@ -181,6 +204,11 @@ pub(crate) struct Pacer<'a> {
     next_check: Cell<Option<Instant>>,
     /// The time on a CPU at the last look, if known.
     on_cpu: Cell<Option<Duration>>,
+    /// While pacing: the sleep owed at the last look, whole (a sleep takes
+    /// [`MAX_SLEEP`] of it at most).
+    owed: Cell<Duration>,
+    /// While pacing: what the last sleep left owed, carried into the time since it.
+    carried: Cell<Duration>,
 }
 
 impl<'a> Pacer<'a> {
@@ -199,6 +227,8 @@ impl<'a> Pacer<'a> {
             running: Cell::new(None),
             next_check: Cell::new(None),
             on_cpu: Cell::new(None),
+            owed: Cell::new(Duration::ZERO),
+            carried: Cell::new(Duration::ZERO),
         }
     }
 
@@ -236,7 +266,8 @@ impl<'a> Pacer<'a> {
     }
 
     /// While pacing: the sleep that keeps the read's time on a CPU within `percent` of its
-    /// elapsed time since it last began to run, once it reaches [`MIN_SLEEP`].
+    /// elapsed time since it last began to run, with what the sleep before left owed, once
+    /// it reaches [`MIN_SLEEP`].
     fn owed(&self, now: Instant, percent: u32) -> Option<Duration> {
         let Some((since, on_cpu_then)) = self.running.get() else {
             self.begin_running(now, (self.probes.on_cpu)());
@@ -253,42 +284,73 @@ impl<'a> Pacer<'a> {
             (Some(then), Some(now)) => now.saturating_sub(then),
             _ => elapsed,
         };
-        let owed = (on_cpu * 100 / percent).saturating_sub(elapsed);
+        let owed = (on_cpu * 100 / percent).saturating_sub(elapsed) + self.carried.get();
+        self.owed.set(owed);
         (owed >= MIN_SLEEP).then(|| owed.min(MAX_SLEEP))
     }
 
     /// Whether the CPUs are oversubscribed, as the last probe found; starts or ends a probe
     /// at `now` when due.
     fn contended(&self, now: Instant) -> bool {
-        let probe = || match (self.probes.process)() {
-            Some((used, waited)) => Verdict::Probing(now, used, waited),
+        let me = std::thread::current().id();
+        let probe = |pacing: bool| match (self.probes.process)() {
+            Some((used, waited)) => Verdict::Probing(Probe {
+                since: now,
+                by: me,
+                used,
+                waited,
+                own: (self.probes.on_cpu)(),
+                pacing,
+            }),
             None => Verdict::Pace(now + RECHECK),
         };
         let held = self.store.verdict();
         let verdict = match held {
-            None => probe(),
-            Some(Verdict::Probing(since, used_then, waited_then)) if now - since >= PROBE => {
-                match ((self.probes.process)(), (self.probes.cpus)()) {
-                    (Some((used, waited)), Some(cpus)) => {
-                        let span = (now - since).as_secs_f64();
-                        let busy = used.saturating_sub(used_then).as_secs_f64() / span;
-                        let wanting = waited.saturating_sub(waited_then).as_secs_f64() / span;
-                        if cpus - busy - wanting < 1.0 {
-                            Verdict::Pace(now + RECHECK)
-                        } else {
-                            Verdict::Run(now + RECHECK)
-                        }
-                    }
-                    _ => Verdict::Pace(now + RECHECK),
-                }
+            None => probe(false),
+            Some(Verdict::Probing(p)) if p.by == me && now - p.since >= PROBE => {
+                self.judge(now, &p)
             }
-            Some(Verdict::Pace(until) | Verdict::Run(until)) if now >= until => probe(),
+            // A probe whose read ended before it did is begun again.
+            Some(Verdict::Probing(p)) if p.by != me && now - p.since >= 2 * PROBE => {
+                probe(p.pacing)
+            }
+            Some(Verdict::Pace(until)) if now >= until => probe(true),
+            Some(Verdict::Run(until)) if now >= until => probe(false),
             Some(verdict) => verdict,
         };
         if held != Some(verdict) {
             self.store.set_verdict(verdict);
         }
-        matches!(verdict, Verdict::Pace(_))
+        match verdict {
+            Verdict::Pace(_) => true,
+            Verdict::Probing(p) => p.pacing,
+            Verdict::Run(_) => false,
+        }
+    }
+
+    /// Ends probe `p` at `now`: the CPUs are oversubscribed when what the process's other
+    /// threads used of them and waited for, with one CPU more for the read at full speed,
+    /// leaves less than one CPU over. The read's own time on a CPU is left out of what the
+    /// others used, so a probe made while pacing finds what a probe at full speed would
+    /// (where that time is unknown, the read is taken to have been on a CPU all along).
+    fn judge(&self, now: Instant, p: &Probe) -> Verdict {
+        let (Some((used, waited)), Some(cpus)) = ((self.probes.process)(), (self.probes.cpus)())
+        else {
+            return Verdict::Pace(now + RECHECK);
+        };
+        let span = now - p.since;
+        let own = match (p.own, (self.probes.on_cpu)()) {
+            (Some(then), Some(now)) => now.saturating_sub(then),
+            _ => span,
+        };
+        let others = used.saturating_sub(p.used).saturating_sub(own);
+        let wanting = waited.saturating_sub(p.waited);
+        let demand = (others + wanting).as_secs_f64() / span.as_secs_f64();
+        if cpus - demand - 1.0 < 1.0 {
+            Verdict::Pace(now + RECHECK)
+        } else {
+            Verdict::Run(now + RECHECK)
+        }
     }
 
     /// Sleeps for `owed` (from [`due`](Self::due)); the read begins to run again after it
@@ -299,9 +361,14 @@ impl<'a> Pacer<'a> {
         let woke = Instant::now();
         self.store.slept(woke - start);
         self.begin_running(woke, self.on_cpu.get());
+        // A sleep of at most `MAX_SLEEP` leaves the rest of a larger debt (a part of the
+        // read that paused seldom) owed.
+        self.carried
+            .set(self.owed.get().saturating_sub(woke - start));
     }
 
     fn begin_running(&self, now: Instant, on_cpu: Option<Duration>) {
+        self.carried.set(Duration::ZERO);
         self.running.set(Some((now, on_cpu)));
         self.next_check.set(Some(now + CHECK_EVERY));
     }
@@ -426,6 +493,22 @@ mod tests {
     }
 
     #[test]
+    fn what_a_sleep_leaves_owed_is_owed_after_it() {
+        let store = fake(25);
+        let p = Pacer::with_probes(&store, UNKNOWN);
+        assert_eq!(chunk(&store, &p, Duration::ZERO), None);
+        // 10 ms of reading at 25% owe 30 ms, more than one sleep takes.
+        let owed = chunk(&store, &p, Duration::from_millis(10)).expect("a sleep is due");
+        assert_eq!(owed, MAX_SLEEP);
+        p.sleep(owed);
+        // The 10 ms or so left are owed after a chunk that owes little of its own.
+        let rest = chunk(&store, &p, CHECK_EVERY).expect("the rest is due");
+        assert!(rest >= Duration::from_millis(5), "{rest:?}");
+        p.sleep(rest);
+        assert_eq!(chunk(&store, &p, Duration::ZERO), None);
+    }
+
+    #[test]
     fn an_open_writer_or_a_running_commit_counts_as_writes_flowing() {
         for (waiting, committing) in [(true, false), (false, true)] {
             let store = Fake {
@@ -527,6 +610,80 @@ mod tests {
             waited > Duration::ZERO,
             "no wait counted for {n} spinning threads"
         );
+    }
+
+    /// A paced read on one of two CPUs 15% of the time, the process's other threads on
+    /// them half the time, nobody waiting: a read at full speed would leave half a CPU.
+    const PACED_BESIDE_HALF_A_CPU: Probes = Probes {
+        on_cpu: || Some(since_start().mul_f64(0.15)),
+        process: || Some((since_start().mul_f64(0.65), Duration::ZERO)),
+        cpus: || Some(2.0),
+    };
+
+    /// The same read alone: a read at full speed would leave a whole CPU.
+    const PACED_ALONE: Probes = Probes {
+        on_cpu: || Some(since_start().mul_f64(0.15)),
+        process: || Some((since_start().mul_f64(0.15), Duration::ZERO)),
+        cpus: || Some(2.0),
+    };
+
+    #[test]
+    fn a_probe_after_a_pace_verdict_paces_and_leaves_the_reads_own_time_out() {
+        for (probes, paces) in [(PACED_BESIDE_HALF_A_CPU, true), (PACED_ALONE, false)] {
+            let store = fake(25);
+            // The last verdict, to pace, has just run out.
+            store.verdict.set(Some(Verdict::Pace(
+                Instant::now() - Duration::from_millis(1),
+            )));
+            let p = Pacer::with_probes(&store, probes);
+            assert_eq!(chunk(&store, &p, Duration::ZERO), None);
+            let Some(Verdict::Probing(probe)) = store.verdict.get() else {
+                panic!("no probe began: {:?}", store.verdict.get());
+            };
+            assert!(probe.pacing, "a probe after a pace verdict runs unpaced");
+            // The probe runs its course paced.
+            let begun = Instant::now();
+            while Instant::now() - begun < PROBE {
+                chunk(&store, &p, PROBE / 4);
+            }
+            chunk(&store, &p, Duration::from_millis(1));
+            match store.verdict.get() {
+                Some(Verdict::Pace(_)) => assert!(paces, "paced with a CPU to spare"),
+                Some(Verdict::Run(_)) => assert!(!paces, "unpaced with no CPU to spare"),
+                other => panic!("the probe did not end: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn only_the_thread_that_began_a_probe_ends_it() {
+        let store = fake(25);
+        let elsewhere = std::thread::spawn(|| std::thread::current().id())
+            .join()
+            .unwrap();
+        let theirs = Probe {
+            since: Instant::now() - PROBE - Duration::from_millis(1),
+            by: elsewhere,
+            used: Duration::ZERO,
+            waited: Duration::ZERO,
+            own: None,
+            pacing: true,
+        };
+        store.verdict.set(Some(Verdict::Probing(theirs)));
+        let p = Pacer::with_probes(&store, IDLE_CPUS);
+        // Over time, but not this thread's to end: reads go on as it says.
+        assert_eq!(chunk(&store, &p, Duration::ZERO), None);
+        assert_eq!(store.verdict.get(), Some(Verdict::Probing(theirs)));
+        assert!(chunk(&store, &p, Duration::from_millis(2)).is_some());
+        // Twice over time: its thread is taken to have stopped reading, and this one
+        // begins it again.
+        std::thread::sleep(PROBE);
+        chunk(&store, &p, Duration::ZERO);
+        let Some(Verdict::Probing(ours)) = store.verdict.get() else {
+            panic!("no probe: {:?}", store.verdict.get());
+        };
+        assert_eq!(ours.by, std::thread::current().id());
+        assert!(ours.pacing);
     }
 
     #[test]
