@@ -189,6 +189,20 @@ impl Changes {
         Some(self.record(&self.revs[i]))
     }
 
+    /// The first position from `from` on whose revision is not below `rev`, found by
+    /// galloping from `from` (so a walk over ascending revisions near each other takes a few
+    /// steps each, not a whole binary search); `from` must not be past a change below `rev`.
+    pub fn seek(&self, from: usize, rev: Revision) -> usize {
+        let (mut from, mut end, mut step) = (from, from, 1);
+        while end < self.revs.len() && self.revs[end].rev < rev {
+            from = end + 1;
+            end += step;
+            step *= 2;
+        }
+        let end = end.min(self.revs.len());
+        from + self.revs[from..end].partition_point(|p| p.rev < rev)
+    }
+
     /// The record of `p`, one of this buffer's changes.
     #[inline]
     pub fn record(&self, p: &PendingRev) -> &[u8] {

@@ -46,6 +46,10 @@ use crate::store::{INDEX_CHUNK, Inner, KEY_BUCKET};
 /// Entries a cursor may skip before a lookup re-seeks instead.
 const MAX_SKIP: usize = 16;
 
+/// Lookups of revisions in a write buffer per hold of its lock (see
+/// `Sources::find_buffered`).
+const LOOKUPS_PER_LOCK: usize = 16;
+
 /// Records a view reads from one backend read transaction before it moves to a fresh one.
 pub(crate) const REFRESH_RECORDS: usize = 1024;
 
@@ -257,31 +261,80 @@ impl<T: ReadTxn> Sources<'_, T> {
             self.read_backend(&compacted, revs.len(), |m| (revs[m], m), &mut build)?;
             return Ok(out);
         }
+        // Revisions below every buffer are read from the backend; the rest are looked up in
+        // the buffers in ascending order, each buffer's changes walked once.
         let mut misses: Vec<(Revision, usize)> = Vec::new();
+        let mut buffered: Vec<(Revision, usize)> = Vec::new();
         for (i, &rev) in revs.iter().enumerate() {
             if let Some(record) = staged.and_then(|s| s.find(rev)) {
                 build(i, rev, record)?;
-                continue;
-            }
-            let mut found = false;
-            for (p, lo) in &buffers {
-                if rev < *lo {
-                    continue;
-                }
-                let changes = p.changes.read();
-                if let Some(record) = changes.find(rev) {
-                    build(i, rev, record)?;
-                    found = true;
-                    break;
-                }
-            }
-            if !found {
+            } else if below.is_some_and(|lo| rev >= lo) {
+                buffered.push((rev, i));
+            } else {
                 misses.push((rev, i));
             }
         }
+        self.find_buffered(&buffers, buffered, &mut misses, &mut build)?;
         sort_misses(&mut misses);
         self.read_backend(&compacted, misses.len(), |m| misses[m], &mut build)?;
         Ok(out)
+    }
+
+    /// Looks `wanted` (revisions at or above the first of some buffer of `buffers`, with
+    /// their slots) up in the buffers: `build(slot, revision, record)` for those found, and
+    /// those not found go to `misses`.
+    ///
+    /// The revisions are sorted and each buffer's changes walked once in revision order. A
+    /// buffer's lock is held for [`LOOKUPS_PER_LOCK`] lookups at most, so a writer appending
+    /// to it waits for a few record copies at most; the read pauses as `pace` says every
+    /// [`INDEX_CHUNK`] lookups, holding no lock. (Changes are only appended to a buffer, so
+    /// positions in it found under one hold of its lock stay good under the next.)
+    fn find_buffered(
+        &self,
+        buffers: &[(&Pending, Revision)],
+        mut wanted: Vec<(Revision, usize)>,
+        misses: &mut Vec<(Revision, usize)>,
+        build: &mut impl FnMut(usize, Revision, &[u8]) -> Result<(), MvccError>,
+    ) -> Result<(), MvccError> {
+        if wanted.is_empty() {
+            return Ok(());
+        }
+        sort_misses(&mut wanted);
+        // Buffers by first revision: a revision is in the last one starting at or below it,
+        // if anywhere (a buffer holds revisions from its first one up to the next one's).
+        let mut buffers = buffers.to_vec();
+        buffers.sort_unstable_by_key(|(_, first)| *first);
+        let mut at = vec![0usize; buffers.len()];
+        let mut w = 0;
+        let mut since_pause = 0;
+        while w < wanted.len() {
+            let Some(b) = buffers.iter().rposition(|(_, first)| *first <= wanted[w].0) else {
+                misses.push(wanted[w]);
+                w += 1;
+                continue;
+            };
+            let upto = buffers.get(b + 1).map(|(_, first)| *first);
+            let changes = buffers[b].0.changes.read();
+            for _ in 0..LOOKUPS_PER_LOCK {
+                let Some(&(rev, slot)) = wanted.get(w).filter(|(r, _)| upto.is_none_or(|u| *r < u))
+                else {
+                    break;
+                };
+                at[b] = changes.seek(at[b], rev);
+                match changes.revs.get(at[b]) {
+                    Some(p) if p.rev == rev => build(slot, rev, changes.record(p))?,
+                    _ => misses.push((rev, slot)),
+                }
+                w += 1;
+                since_pause += 1;
+            }
+            drop(changes);
+            if since_pause >= INDEX_CHUNK {
+                since_pause = 0;
+                self.pause();
+            }
+        }
+        Ok(())
     }
 
     /// Reads `n` revisions from the backend, the `m`th being `miss(m) = (revision, slot)`, in
