@@ -1420,15 +1420,25 @@ fn profile(what: &str) {
                     .name("reader".to_owned())
                     .spawn(move || {
                         let mut scans = 0u64;
+                        // The reader's time on a CPU in its range calls and in dropping
+                        // their results, and its wall time in both.
+                        let (mut in_range, mut in_drop, mut wall) = (0u64, 0u64, Duration::ZERO);
                         while !stop.load(Ordering::Acquire) {
+                            let (t0, c0) = (Instant::now(), thread_ns());
                             let r = s
                                 .range(&RangeRequest::range(b"key-".to_vec(), vec![0]))
                                 .expect("scan");
+                            let c1 = thread_ns();
                             assert_eq!(r.kvs.len() as u64, keys);
+                            drop(r);
+                            let c2 = thread_ns();
+                            wall += t0.elapsed();
+                            in_range += c1 - c0;
+                            in_drop += c2 - c1;
                             scans += 1;
                             scanned.fetch_add(1, Ordering::Relaxed);
                         }
-                        scans
+                        (scans, in_range, in_drop, wall)
                     })
                     .expect("spawn reader")
             });
@@ -1456,7 +1466,19 @@ fn profile(what: &str) {
             let queued = thread_run_delay_ns().saturating_sub(delay0) as f64 / 1e3 / puts as f64;
             let scanned_keys = (scanned.load(Ordering::Relaxed) - scans0) * keys;
             stop.store(true, Ordering::Release);
-            let scans = reader.map_or(0, |r| r.join().expect("reader"));
+            let (scans, in_range, in_drop, wall) =
+                reader.map_or((0, 0, 0, Duration::ZERO), |r| r.join().expect("reader"));
+            if scans > 0 {
+                let pacing = s.read_pacing();
+                println!(
+                    "{what}: reader on a CPU {:.1}% of its {:.3} s in range calls and {:.1}% in dropping their results; {} sleeps of {:.3} s in all",
+                    in_range as f64 / 1e7 / wall.as_secs_f64(),
+                    wall.as_secs_f64(),
+                    in_drop as f64 / 1e7 / wall.as_secs_f64(),
+                    pacing.sleeps,
+                    pacing.slept.as_secs_f64()
+                );
+            }
             println!(
                 "{what}: {puts} puts in {:.3} s ({:.2} us each, writer CPU {cpu:.2} us per put, waiting for a CPU {queued:.2} us per put), {scans} scans",
                 took.as_secs_f64(),
