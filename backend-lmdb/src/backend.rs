@@ -42,6 +42,11 @@ use crate::txn::LmdbReadTxn;
 /// When the map is full, commits fail with [`BackendError::Full`]; call
 /// [`grow_map`](LmdbBackend::grow_map) (or reopen with a larger
 /// [`LmdbOptions::map_size`]) and retry.
+///
+/// A commit that fails at its durability point poisons the backend: from then on every call
+/// that writes (commits, [`sync`](LmdbBackend::sync), [`Backend::defragment`],
+/// [`Backend::restore`], [`grow_map`](LmdbBackend::grow_map)) fails with
+/// [`BackendError::Poisoned`] until the store is reopened; reads keep working.
 pub struct LmdbBackend {
     path: PathBuf,
     options: LmdbOptions,
@@ -67,6 +72,19 @@ struct Writer {
     /// The bucket the last batch began with puts into: the next batch's leading puts into it
     /// go through one cursor (see `commit_from`).
     lead: Option<Bucket>,
+}
+
+impl Writer {
+    /// [`BackendError::Poisoned`] once a commit failed at its durability point: every call
+    /// that writes (commits, `sync`, `defragment`, `restore`, `grow_map`) checks this first.
+    fn refuse_if_poisoned(&self) -> Result<(), BackendError> {
+        match &self.poisoned {
+            Some(reason) => Err(BackendError::Poisoned {
+                reason: reason.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
 }
 
 impl std::fmt::Debug for LmdbBackend {
@@ -98,14 +116,19 @@ impl LmdbBackend {
     /// [`defragment`](Backend::defragment) does), and open readers keep the old one. A smaller
     /// size than the current one is refused with [`BackendError::InvalidOption`]. The new size
     /// lasts for the life of this handle; pass it as [`LmdbOptions::map_size`] when reopening.
+    ///
+    /// A poisoned backend refuses with [`BackendError::Poisoned`], whatever the size: what
+    /// its last commit left on disk is unknown, a larger map does not change that, and the
+    /// copy would carry that state into a new generation. Only a reopen recovers.
     pub fn grow_map(&self, new_size: u64) -> Result<(), BackendError> {
+        let mut writer = self.writer.lock();
+        writer.refuse_if_poisoned()?;
         let probe = LmdbOptions {
             map_size: new_size,
             ..self.options.clone()
         };
         probe.validate()?;
         let new_size = round_map_size(new_size);
-        let mut writer = self.writer.lock();
         if new_size < writer.map_size {
             return Err(BackendError::InvalidOption(format!(
                 "map size can only grow: {} requested, {} in use",
@@ -143,11 +166,7 @@ impl LmdbBackend {
     /// [`LmdbOptions::sync_on_commit`] is off.
     pub fn sync(&self) -> Result<(), BackendError> {
         let writer = self.writer.lock();
-        if let Some(reason) = &writer.poisoned {
-            return Err(BackendError::Poisoned {
-                reason: reason.clone(),
-            });
-        }
+        writer.refuse_if_poisoned()?;
         let generation = self.generation();
         generation
             .env()
@@ -393,11 +412,7 @@ impl Backend for LmdbBackend {
     /// the transaction, so nothing of the batch is applied.
     fn commit_from(&self, source: &dyn BatchSource) -> Result<(), BackendError> {
         let mut writer = self.writer.lock();
-        if let Some(reason) = &writer.poisoned {
-            return Err(BackendError::Poisoned {
-                reason: reason.clone(),
-            });
-        }
+        writer.refuse_if_poisoned()?;
         if source.op_count() == 0 {
             // Still check what there is (nothing, for a well-behaved source).
             return source.for_each_op(&mut |op| check_op(op, usize::MAX));
@@ -581,11 +596,7 @@ impl Backend for LmdbBackend {
         observe: &mut PairObserver<'_>,
     ) -> Result<u64, BackendError> {
         let mut writer = self.writer.lock();
-        if let Some(reason) = &writer.poisoned {
-            return Err(BackendError::Poisoned {
-                reason: reason.clone(),
-            });
-        }
+        writer.refuse_if_poisoned()?;
         let old = self.generation();
         let probe = LmdbReadTxn::begin(Arc::clone(&old), self.options.max_readers)?;
         if !probe.buckets()?.is_empty() {
@@ -634,11 +645,7 @@ impl Backend for LmdbBackend {
 
     fn defragment(&self) -> Result<(), BackendError> {
         let mut writer = self.writer.lock();
-        if let Some(reason) = &writer.poisoned {
-            return Err(BackendError::Poisoned {
-                reason: reason.clone(),
-            });
-        }
+        writer.refuse_if_poisoned()?;
         let map_size = writer.map_size;
         let before = self.size()?;
         self.swap_in_compacted_copy(&mut writer, map_size)?;

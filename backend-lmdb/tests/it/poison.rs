@@ -1,11 +1,11 @@
-//! A commit that fails at its durability point poisons the backend: later commits are
-//! refused with `Poisoned`, committed data stays readable, and a reopen recovers. Without
-//! fsync on commit, `sync` flushes.
+//! A commit that fails at its durability point poisons the backend: later commits, and every
+//! other call that writes, are refused with `Poisoned`, committed data stays readable, and a
+//! reopen recovers. Without fsync on commit, `sync` flushes.
 
 use keel_backend_lmdb::LmdbOptions;
 use keel_mvcc::{Backend, BackendError, Bucket, WriteBatch};
 
-use crate::common::{dump_backend, open};
+use crate::common::{dump_backend, generations, open};
 
 #[test]
 fn failed_commit_poisons_until_reopen() {
@@ -78,4 +78,64 @@ fn unsynced_commits_are_flushed_by_sync() {
     drop(backend);
     let backend = open(&path, &LmdbOptions::default());
     assert_eq!(dump_backend(&backend), before);
+}
+
+/// Once poisoned, the backend refuses every call that writes, map growth included (in
+/// place with no reader open, by copy with one open, to the same size, and to a smaller one),
+/// and none of them changes the map, the generations or the data. A store whose last commit
+/// failed is in an unknown state on disk: only a reopen recovers it.
+#[test]
+fn a_poisoned_backend_refuses_every_write() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store");
+    let options = LmdbOptions {
+        map_size: 1 << 20,
+        ..LmdbOptions::default()
+    };
+    let kv = Bucket::new("kv");
+    let backend = open(&path, &options);
+    let mut batch = WriteBatch::new();
+    batch.put(&kv, "a", "1");
+    backend.commit(&batch).unwrap();
+    let mut stream = Vec::new();
+    backend.snapshot(&mut stream).unwrap();
+    backend.fail_next_commit();
+    let mut failing = WriteBatch::new();
+    failing.put(&kv, "b", "2");
+    assert!(matches!(
+        backend.commit(&failing),
+        Err(BackendError::Io { .. })
+    ));
+    let before = dump_backend(&backend);
+    let gens = generations(&path);
+    let map = backend.map_size();
+
+    let poisoned = |what: &str, result: Result<(), BackendError>| match result {
+        Err(BackendError::Poisoned { reason }) => {
+            assert!(reason.contains("injected"), "{what}: {reason}");
+        }
+        other => panic!("{what} on a poisoned backend returned {other:?}"),
+    };
+    poisoned("grow_map in place", backend.grow_map(2 << 20));
+    assert_eq!(backend.map_size(), map, "the map grew");
+    let reader = backend.read_txn().unwrap();
+    poisoned("grow_map by copy", backend.grow_map(4 << 20));
+    assert_eq!(generations(&path), gens, "a new generation was written");
+    drop(reader);
+    poisoned("grow_map to the same size", backend.grow_map(map));
+    poisoned("grow_map to a smaller size", backend.grow_map(map / 2));
+    poisoned("commit", backend.commit(&failing));
+    poisoned("commit_from", backend.commit_from(&failing));
+    poisoned("sync", backend.sync());
+    poisoned("defragment", backend.defragment());
+    poisoned("restore", backend.restore(&mut &stream[..]).map(drop));
+    poisoned(
+        "restore_observed",
+        backend
+            .restore_observed(&mut &stream[..], &mut |_, _, _| {})
+            .map(drop),
+    );
+    assert_eq!(backend.map_size(), map, "the map changed");
+    assert_eq!(generations(&path), gens, "the generations changed");
+    assert_eq!(dump_backend(&backend), before, "the data changed");
 }
