@@ -3,9 +3,10 @@
 //! Concurrency: `current` (a read-write lock around the live [`Generation`]) is held only
 //! long enough to clone its `Arc` — by read transactions when they open and by the writer —
 //! and exclusively only to swap generations or resize the map in place. `writer` (a mutex)
-//! serialises commits, defragmentation and growth, and holds the poisoned state. A read
-//! transaction therefore never waits for a commit (LMDB readers take no writer lock and the
-//! `current` lock is never held across I/O), and a commit never waits for readers.
+//! serialises commits, defragmentation, growth, restores and `size` (which counts pages in a
+//! write transaction, see there), and holds the poisoned state. A read transaction therefore
+//! never waits for a commit (LMDB readers take no writer lock and the `current` lock is never
+//! held across I/O), and a commit never waits for readers.
 
 use std::fs::File;
 use std::io::Read;
@@ -359,6 +360,37 @@ impl LmdbBackend {
         wtxn.commit()
     }
 
+    /// [`Backend::size`] for a caller holding `writer`: no commit, swap or growth runs
+    /// meanwhile, so the write transaction below begins at once, sees the last commit, and
+    /// `generation.dbs()` has a handle of every bucket database in it.
+    fn size_locked(&self, _writer: &Writer) -> Result<BackendSize, BackendError> {
+        let generation = self.generation();
+        let mut on_disk = generation.disk_size()?;
+        // Generations still open for old readers take space too, until those readers drop.
+        let retired: Vec<Arc<Generation>> = self
+            .retired
+            .lock()
+            .iter()
+            .filter_map(Weak::upgrade)
+            .collect();
+        for old in &retired {
+            on_disk += old.disk_size()?;
+        }
+        drop(retired);
+        // A write transaction, not a read one: LMDB gives it no reader slot.
+        let wtxn = generation
+            .env()
+            .write_txn()
+            .map_err(|e| from_heed(generation.dir(), "begin write transaction", e))?;
+        let (pages, page_size) = generation.pages_in_use(&wtxn, &generation.dbs())?;
+        drop(wtxn);
+        let in_use = pages * page_size;
+        Ok(BackendSize {
+            on_disk,
+            in_use: in_use.min(on_disk),
+        })
+    }
+
     fn full(&self, generation: &Generation, map_size: usize) -> BackendError {
         map_full(generation.env(), map_size, &self.path)
     }
@@ -620,36 +652,26 @@ impl Backend for LmdbBackend {
         Ok(pairs)
     }
 
+    /// Bytes on disk: the live generation's files and those of superseded generations that
+    /// read transactions still hold. Bytes in use: the live generation's pages in use as of
+    /// the last commit (every database's tree and the two meta pages, not free pages), at
+    /// most the bytes on disk.
+    ///
+    /// Needs no reader slot, so it answers while read transactions hold them all: the pages
+    /// are counted in a write transaction (LMDB gives those none), aborted unchanged. It
+    /// therefore waits for a running commit, defragment, map growth or restore.
     fn size(&self) -> Result<BackendSize, BackendError> {
-        let generation = self.generation();
-        let mut on_disk = generation.disk_size()?;
-        // Generations still open for old readers take space too, until those readers drop.
-        let retired: Vec<Arc<Generation>> = self
-            .retired
-            .lock()
-            .iter()
-            .filter_map(Weak::upgrade)
-            .collect();
-        for old in &retired {
-            on_disk += old.disk_size()?;
-        }
-        drop(retired);
-        let txn = LmdbReadTxn::begin(Arc::clone(&generation), self.options.max_readers)?;
-        let (pages, page_size) = txn.pages_in_use()?;
-        let in_use = pages * page_size;
-        Ok(BackendSize {
-            on_disk,
-            in_use: in_use.min(on_disk),
-        })
+        let writer = self.writer.lock();
+        self.size_locked(&writer)
     }
 
     fn defragment(&self) -> Result<(), BackendError> {
         let mut writer = self.writer.lock();
         writer.refuse_if_poisoned()?;
         let map_size = writer.map_size;
-        let before = self.size()?;
+        let before = self.size_locked(&writer)?;
         self.swap_in_compacted_copy(&mut writer, map_size)?;
-        let after = self.size()?;
+        let after = self.size_locked(&writer)?;
         tracing::info!(
             path = %self.path.display(),
             before = before.on_disk,

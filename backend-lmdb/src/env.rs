@@ -30,7 +30,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use heed::types::Bytes;
-use heed::{Database, Env, EnvFlags, EnvOpenOptions, MdbError, RwTxn, WithoutTls};
+use heed::{Database, Env, EnvFlags, EnvOpenOptions, MdbError, RoTxn, RwTxn, WithoutTls};
 use keel_mvcc::{BackendError, Bucket};
 use parking_lot::RwLock;
 
@@ -325,6 +325,32 @@ impl Generation {
     /// Marks this generation superseded: its directory is deleted when it is dropped.
     pub(crate) fn retire(&self) {
         self.retired.store(true, Ordering::Release);
+    }
+
+    /// Pages in use in the snapshot `txn` sees, and the page size. In use: the pages of every
+    /// database's tree (branch, leaf and overflow pages), the unnamed one's included, and
+    /// LMDB's two meta pages; not the free pages, nor the pages of the free list's own tree.
+    /// `dbs` holds a handle of every bucket database of that snapshot.
+    pub(crate) fn pages_in_use(
+        &self,
+        txn: &RoTxn<'_, WithoutTls>,
+        dbs: &Dbs,
+    ) -> Result<(u64, u64), BackendError> {
+        let stat = |db: Database<Bytes, Bytes>| {
+            db.stat(txn)
+                .map(|s| {
+                    (
+                        (s.branch_pages + s.leaf_pages + s.overflow_pages) as u64,
+                        u64::from(s.page_size),
+                    )
+                })
+                .map_err(|e| from_heed(&self.dir, "stat", e))
+        };
+        let (mut pages, page_size) = stat(self.main)?;
+        for (_, db) in dbs.iter() {
+            pages += stat(db)?.0;
+        }
+        Ok((pages + 2, page_size))
     }
 
     /// Bytes of this generation's files: their lengths, or the bytes allocated to a sparse

@@ -19,7 +19,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use heed::types::Bytes;
-use heed::{Database, RoRange, RoTxn, WithoutTls};
+use heed::{RoRange, RoTxn, WithoutTls};
 use keel_mvcc::{BackendError, Bucket, ReadTxn};
 
 use crate::env::{Dbs, Generation};
@@ -123,26 +123,6 @@ impl LmdbReadTxn {
     /// LMDB's id of the commit this transaction sees.
     pub fn commit_id(&self) -> usize {
         self.txn.id()
-    }
-
-    /// Pages in use in this snapshot: every database's tree, the unnamed one included, plus
-    /// LMDB's two meta pages; and the page size.
-    pub(crate) fn pages_in_use(&self) -> Result<(u64, u64), BackendError> {
-        let stat = |db: Database<Bytes, Bytes>| {
-            db.stat(&self.txn)
-                .map(|s| {
-                    (
-                        (s.branch_pages + s.leaf_pages + s.overflow_pages) as u64,
-                        u64::from(s.page_size),
-                    )
-                })
-                .map_err(|e| self.err("stat", e))
-        };
-        let (mut pages, page_size) = stat(self.generation.main())?;
-        for (_, db) in self.dbs.iter() {
-            pages += stat(db)?.0;
-        }
-        Ok((pages + 2, page_size))
     }
 
     fn err(&self, op: &'static str, e: heed::Error) -> BackendError {

@@ -10,5 +10,6 @@ mod poison;
 mod process;
 mod recovery;
 mod restore;
+mod size;
 mod snapshot;
 mod write_map;
