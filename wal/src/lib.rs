@@ -12,7 +12,9 @@
 //!
 //! - `<seq>-<first_index>.wal`: a segment, both fields 16 lowercase hex digits (so names
 //!   sort by `seq`); `seq` counts from 0 without holes, `first_index` is `last_index + 1`
-//!   when the segment was started. Default size 64 MiB, preallocated (zeroed).
+//!   when the segment was started. Default size 64 MiB, preallocated (zeroed). Released
+//!   segments go lowest first, each rename or deletion durable before the next, so the
+//!   segments on disk never have a hole, even after a crash: open takes one as damage.
 //! - `<seq>.tmp`: the next segment being prepared in the background; renamed into place
 //!   (then the directory synced) only once its header is durable.
 //! - `<seq>.free`: a released segment's file kept for reuse

@@ -29,7 +29,10 @@
 //! dropped from it when appends write directly (see `segment::Writes`). A `.free` file is
 //! reused only once its new name is durable (the release's directory sync, made without the
 //! mutex, has ended; at open, a directory sync first), so a crash can never bring back a
-//! segment's old name over a file whose header was rewritten for another segment.
+//! segment's old name over a file whose header was rewritten for another segment. A release
+//! renames or deletes its segments lowest first, each change made durable before the next
+//! (releases run one at a time, under their own lock), so the segment files a crash leaves
+//! are always consecutive, whatever order the file system makes changes durable in.
 
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions, TryLockError};
@@ -156,6 +159,9 @@ struct Inner {
     set_aside: Vec<(u64, Free)>,
     /// The next set-aside file's ticket.
     next_ticket: u64,
+    /// A rename or deletion a release made may not be durable (a directory sync or the
+    /// change itself failed): the next release syncs the directory before making another.
+    release_unsynced: bool,
 }
 
 /// A segmented, checksummed, group-committed Raft log in one directory.
@@ -178,6 +184,9 @@ pub struct Wal {
     wake_rounds: AtomicU64,
     /// [`WalStats::spun`], counted outside the mutex.
     spun: AtomicU64,
+    /// Held through a release (taken before `inner`), so releases run one at a time: each
+    /// rename or deletion is durable before the next one is made, whichever call makes it.
+    releasing: Mutex<()>,
     _lock: File,
 }
 
@@ -384,6 +393,7 @@ impl Wal {
             free: Vec::new(),
             set_aside: Vec::new(),
             next_ticket: 0,
+            release_unsynced: false,
         };
         if seeded {
             // Where a segment started now would begin its entries, so that an append that
@@ -454,6 +464,7 @@ impl Wal {
             arrived: Condvar::new(),
             wake_rounds: AtomicU64::new(0),
             spun: AtomicU64::new(0),
+            releasing: Mutex::new(()),
             _lock: lock,
             options,
         };
@@ -1319,29 +1330,36 @@ impl Wal {
     /// metadata) is never durable only in deleted segments. On a poisoned log that sync
     /// fails with [`WalError::Poisoned`] and nothing is deleted.
     ///
-    /// The directory is synced with the log's lock released, so appends go on meanwhile;
-    /// once this returns `Ok`, the renames and deletions it made are durable. (A call that
-    /// finds nothing to release returns at once, even while another call's sync runs.)
+    /// The segments are renamed or deleted lowest first, and each change is made durable by
+    /// a directory sync before the next is made. A file system may make changes not yet
+    /// synced durable in any order, so with one sync for them all a crash could keep a later
+    /// segment's deletion and lose an earlier one's, leaving a hole in the sequence that open
+    /// refuses as a missing segment; this way, whatever a crash keeps, the segment files left
+    /// are consecutive, and the log opens with every entry it had not released. That costs
+    /// one directory sync per released segment. Releases run one at a time (a call waits for
+    /// the one running; one that finds nothing to release returns at once), and every
+    /// directory sync is made with the log's lock released, so appends go on meanwhile; once
+    /// this returns `Ok`, the renames and deletions it made are durable.
+    ///
     /// Released files kept for reuse join the free list only once their new names are
     /// durable: a rotation never rewrites the header of a file whose old name a crash could
-    /// bring back. If the sync fails, the error is returned and those files wait for the
-    /// next directory sync (the next call's, or a rotation's).
-    ///
-    /// The segments are renamed or deleted lowest first and made durable by one directory
-    /// sync. A crash before that sync leaves the log openable only if the file system makes
-    /// those changes durable in the order they were made (as the journals of ext4 and XFS
-    /// do): one that kept a later segment's deletion but lost an earlier one's would leave a
-    /// hole in the sequence, which open refuses as a missing segment.
+    /// bring back. If a rename, deletion or sync fails, the error is returned and the release
+    /// stops there: the segments not yet renamed or deleted stay on disk (their entries are
+    /// no longer served) and the next call, which first syncs the directory, goes on with
+    /// them; files already set aside wait for that sync (or a rotation's).
     pub fn release_to(&self, index: u64) -> Result<(), WalError> {
+        {
+            // Files a running release set aside are its to adopt; those of a release that
+            // failed are this call's (`release_unsynced` is set then).
+            let g = self.inner.lock();
+            if g.segments.range(..keep_for(&g, index)).next().is_none() && !g.release_unsynced {
+                return Ok(());
+            }
+        }
+        let _one = self.releasing.lock();
         let mut g = self.inner.lock();
         let keep = loop {
-            // Below the first entry held (released, or covered by the snapshot marker), the
-            // segment holding the first entry held is the lowest one still needed.
-            let probe = index.max(g.index.first());
-            let keep = match g.index.get(probe) {
-                Some(l) => l.seq,
-                None => g.writer.seq,
-            };
+            let keep = keep_for(&g, index);
             // The active segment's seed and state records are the state's only copy once
             // the segments before it are gone: made durable first. (Older segments were
             // made durable by the rotation that ended them.)
@@ -1357,17 +1375,20 @@ impl Wal {
             break keep;
         };
         let doomed: Vec<u64> = g.segments.range(..keep).map(|(s, _)| *s).collect();
-        // Files an earlier release set aside but could not sync are adopted by this sync.
-        if doomed.is_empty() && g.set_aside.is_empty() {
+        // A change an earlier release could not make durable is made so by this call's first
+        // sync, and the files it set aside are adopted then.
+        if doomed.is_empty() && g.set_aside.is_empty() && !g.release_unsynced {
             return Ok(());
         }
         // The index forgets first, so a failed delete never leaves a hole that reads reach.
         if !doomed.is_empty() {
             g.index.release_below(keep);
         }
+        if g.release_unsynced || !g.set_aside.is_empty() {
+            g = self.sync_release(g)?;
+        }
         // A segment leaves the list only once its file is renamed or deleted: after a
-        // failure part way, the next release starts again from the lowest one left, so
-        // the files left on disk never have a hole in their sequence.
+        // failure part way, the next release starts again from the lowest one left.
         for seq in doomed {
             let Some(s) = g.segments.get(&seq) else {
                 continue;
@@ -1377,34 +1398,48 @@ impl Wal {
                 && file.len().ok() == Some(self.options.segment_size)
             {
                 let to = self.dir.join(segment::free_name(seq));
-                self.fs
-                    .rename(&path, &to)
-                    .map_err(|e| WalError::io("set aside released segment", &path, e))?;
+                if let Err(e) = self.fs.rename(&path, &to) {
+                    g.release_unsynced = true;
+                    return Err(WalError::io("set aside released segment", &path, e));
+                }
                 let ticket = g.next_ticket;
                 g.next_ticket += 1;
                 g.set_aside.push((ticket, Free { path: to, file }));
-            } else {
-                self.fs
-                    .remove(&path)
-                    .map_err(|e| WalError::io("delete segment", &path, e))?;
+            } else if let Err(e) = self.fs.remove(&path) {
+                g.release_unsynced = true;
+                return Err(WalError::io("delete segment", &path, e));
             }
             g.segments.remove(&seq);
+            g = self.sync_release(g)?;
         }
-        let upto = g.next_ticket;
-        drop(g);
-        self.fs
-            .sync_dir(&self.dir)
-            .map_err(|e| WalError::io("sync directory", &self.dir, e))?;
-        let mut g = self.inner.lock();
-        self.adopt_set_aside(&mut g, upto);
         Ok(())
     }
 
+    /// Syncs the directory for a release, with the log's lock (`g`) released, and takes the
+    /// lock again; then moves the files set aside before the sync began to the free list.
+    /// If the sync fails, the next release syncs again before changing anything.
+    fn sync_release<'a>(
+        &'a self,
+        g: MutexGuard<'a, Inner>,
+    ) -> Result<MutexGuard<'a, Inner>, WalError> {
+        let upto = g.next_ticket;
+        drop(g);
+        let synced = self.fs.sync_dir(&self.dir);
+        let mut g = self.inner.lock();
+        if let Err(e) = synced {
+            g.release_unsynced = true;
+            return Err(WalError::io("sync directory", &self.dir, e));
+        }
+        g.release_unsynced = false;
+        self.adopt_set_aside(&mut g, upto);
+        Ok(g)
+    }
+
     /// Moves the files set aside with a ticket below `upto` (renamed before a directory sync
-    /// that has ended) to the free list. Releases that ran side by side may together have
-    /// set aside more than the free list keeps: those are deleted, best effort (a deletion
-    /// that fails or that a crash undoes leaves a `.free` file, which the next open deals
-    /// with).
+    /// that has ended) to the free list. Any beyond what the free list keeps (a release
+    /// counts the free list and the files set aside together, so none should be) are
+    /// deleted, best effort (a deletion that fails or that a crash undoes leaves a `.free`
+    /// file, which the next open deals with).
     fn adopt_set_aside(&self, g: &mut Inner, upto: u64) {
         if g.set_aside.is_empty() {
             return;
@@ -1437,6 +1472,18 @@ impl Drop for Wal {
         {
             warn!(error = %e, "WAL: writing buffered records at close failed");
         }
+    }
+}
+
+/// The lowest segment a release up to entry `index` keeps: the one holding that entry, or
+/// the active one if none does. Below the first entry held (released, or covered by the
+/// snapshot marker), the segment holding the first entry held is the lowest one still
+/// needed.
+fn keep_for(g: &Inner, index: u64) -> u64 {
+    let probe = index.max(g.index.first());
+    match g.index.get(probe) {
+        Some(l) => l.seq,
+        None => g.writer.seq,
     }
 }
 

@@ -3,7 +3,7 @@
 //! earlier life are never returned, whether the end marker after the new records is intact
 //! or lost, or the recycled segment was put in place before its first record was written;
 //! a recycled file's page cache is primed for the way appends will write it; and a release
-//! lets appends go on while it syncs the directory.
+//! lets appends go on while it syncs the directory, but not another release.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -160,6 +160,41 @@ fn appends_go_on_while_a_release_syncs_the_directory() {
     assert!(set_aside >= 1, "{:?}", files(dir.path()));
 }
 
+/// Releases run one at a time: while a release's directory sync is held up, another call
+/// that would release the next segment renames and deletes nothing (its change could
+/// otherwise become durable before the held one's), and goes on once the first is done.
+#[test]
+fn a_release_waits_for_the_one_running() {
+    let dir = tempfile::tempdir().unwrap();
+    let HeldRelease {
+        wal,
+        faults,
+        next,
+        release,
+    } = release_held_in_its_directory_sync(dir.path());
+    let before = files(dir.path());
+    let second = {
+        let wal = wal.clone();
+        std::thread::spawn(move || wal.release_to(next - 1))
+    };
+    std::thread::sleep(Duration::from_millis(200));
+    let during = files(dir.path());
+    assert_eq!(
+        faults.dir_syncs_held.load(Ordering::SeqCst),
+        1,
+        "{during:?}"
+    );
+    faults.hold_dir_sync.store(false, Ordering::SeqCst);
+    release.join().unwrap().unwrap();
+    second.join().unwrap().unwrap();
+    assert_eq!(
+        during, before,
+        "a release changed files while another one synced"
+    );
+    assert_eq!(wal.segment_count(), 1);
+    assert_eq!(segments(dir.path()).len(), 1, "{:?}", files(dir.path()));
+}
+
 /// Files a release sets aside are not recycled while its directory sync is held up (their
 /// new names may not be durable yet): a segment prepared meanwhile is a new file. Once the
 /// sync ends, later rotations recycle them.
@@ -174,25 +209,28 @@ fn released_files_wait_for_their_directory_sync() {
     } = release_held_in_its_directory_sync(dir.path());
     // Past a quarter of segment 2, segment 3 is prepared in the background.
     let prepared = fill_until_prepared(&wal, dir.path(), &mut next, 3, 1);
-    let names = files(dir.path());
-    let recycled = wal.stats().recycled;
+    let held = files(dir.path());
     faults.hold_dir_sync.store(false, Ordering::SeqCst);
     release.join().unwrap().unwrap();
-    // Both released files are still `.free`: the prepared segment is a new file.
-    assert_eq!(recycled, 0, "{names:?}");
+    // The file set aside before the held sync is still `.free`, and so is the one set aside
+    // after it: the prepared segment is a new file.
+    let names = files(dir.path());
+    assert_eq!(wal.stats().recycled, 0, "{names:?}");
+    assert!(held.contains(&format!("{:016x}.free", 0)), "{held:?}");
     assert_eq!(
         names.iter().filter(|n| n.ends_with(".free")).count(),
         2,
-        "{names:?}"
+        "{held:?} {names:?}"
     );
     assert!(prepared.exists());
     fill_to(&wal, &mut next, 6);
     assert!(wal.stats().recycled > 0, "{:?}", wal.stats());
 }
 
-/// A release whose directory sync fails returns the error and keeps the files it set aside
-/// out of the free list; the next release syncs the directory (even with nothing to
-/// release) and puts them on it, so rotations recycle them.
+/// A release whose directory sync fails returns the error, stops there (a later segment's
+/// change is never made before an earlier one's is durable) and keeps the file it set aside
+/// out of the free list; the next release syncs the directory first, puts that file on the
+/// free list, and goes on with the segment left, so rotations recycle both.
 #[test]
 fn a_failed_directory_sync_is_made_good_by_the_next_release() {
     let dir = tempfile::tempdir().unwrap();
@@ -211,9 +249,27 @@ fn a_failed_directory_sync_is_made_good_by_the_next_release() {
     faults.fail_dir_sync.store(true, Ordering::SeqCst);
     let err = wal.release_to(next - 1).unwrap_err();
     assert!(err.to_string().contains("sync directory"), "{err}");
-    assert_eq!(wal.segment_count(), 1);
+    assert_eq!(wal.segment_count(), 2);
+    assert_eq!(
+        files(dir.path())
+            .iter()
+            .filter(|n| n.ends_with(".free"))
+            .count(),
+        1,
+        "{:?}",
+        files(dir.path())
+    );
     faults.fail_dir_sync.store(false, Ordering::SeqCst);
+    faults.record_ops.store(true, Ordering::SeqCst);
     wal.release_to(next - 1).unwrap();
+    faults.record_ops.store(false, Ordering::SeqCst);
+    let ops: Vec<String> = faults
+        .ops
+        .lock()
+        .iter()
+        .map(|op| op.split(' ').next().unwrap().to_owned())
+        .collect();
+    assert_eq!(ops, ["sync_dir", "rename", "sync_dir"]);
     fill_to(&wal, &mut next, 3);
     let stats = wal.stats();
     assert_eq!(stats.recycled, 2, "{stats:?} {:?}", files(dir.path()));
