@@ -552,3 +552,64 @@ fn every_force_commit_caller_made_durable_wakes() {
         CLIENTS * ROUNDS
     );
 }
+
+/// A range over keys whose latest revisions lie, in no order, some in the backend, some in
+/// the buffer being committed and some in the one writes fill meanwhile, finds every key's
+/// value at the view's revision, and at an older one.
+#[test]
+fn a_range_reads_keys_scattered_over_the_backend_and_both_write_buffers() {
+    const KEYS: u64 = 2000;
+    let (_d, path) = fresh_path();
+    let s = Arc::new(open_at(&path, commits_on_demand()));
+    let key = |i: u64| format!("k{i:05}").into_bytes();
+    // Every key's value, as the model sees it after each step.
+    let mut model: Vec<String> = (0..KEYS).map(|i| format!("base-{i}")).collect();
+    for i in 0..KEYS {
+        s.put(&key(i), model[i as usize].as_bytes(), 0).unwrap();
+    }
+    s.force_commit().unwrap();
+    // Keys in scattered order into the buffer that the next commit takes.
+    for n in 0..KEYS / 2 {
+        let i = n * 7919 % KEYS;
+        model[i as usize] = format!("first-{n}");
+        s.put(&key(i), model[i as usize].as_bytes(), 0).unwrap();
+    }
+    let after_first = (s.current_revision(), model.clone());
+    s.backend().set_commit_delay(Duration::from_millis(400));
+    let committed_before = s.backend().len(&keel_mvcc::KEY_BUCKET);
+    let committer = {
+        let s = s.clone();
+        std::thread::spawn(move || s.force_commit().unwrap())
+    };
+    std::thread::sleep(Duration::from_millis(50));
+    // More, some of the same keys again, into the buffer after it.
+    for n in 0..KEYS / 3 {
+        let i = n * 104_729 % KEYS;
+        model[i as usize] = format!("second-{n}");
+        s.put(&key(i), model[i as usize].as_bytes(), 0).unwrap();
+    }
+    let view = s.read().unwrap();
+    assert_eq!(
+        s.backend().len(&keel_mvcc::KEY_BUCKET),
+        committed_before,
+        "the commit of the first buffer ended before the view opened: the test tests nothing"
+    );
+    let all = |revision: u64| {
+        let mut req = RangeRequest::range(b"k".to_vec(), b"l".to_vec());
+        req.revision = revision;
+        view.range(&req).unwrap().kvs
+    };
+    for (revision, expected) in [(0, &model), (after_first.0, &after_first.1)] {
+        let kvs = all(revision);
+        assert_eq!(kvs.len() as u64, KEYS);
+        for (i, kv) in kvs.iter().enumerate() {
+            assert_eq!(kv.key(), &key(i as u64)[..]);
+            assert_eq!(
+                kv.value(),
+                expected[i].as_bytes(),
+                "key {i} at revision {revision}"
+            );
+        }
+    }
+    committer.join().unwrap();
+}
