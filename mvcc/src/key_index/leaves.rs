@@ -272,10 +272,16 @@ impl<V> LeafMap<V> {
 
     /// [`retain`](Self::retain) for at most `limit` entries, in key order from `from` (the
     /// first key when `None`) on; returns the key to go on from, or `None` once the last
-    /// entry was visited. Leaves left empty are dropped, and a leaf whose first key went is
-    /// keyed by its new one, but leaves are not packed: see
-    /// [`pack_if_sparse`](Self::pack_if_sparse). Between two calls the map may change;
-    /// keys added before the key to go on from are not visited.
+    /// entry was visited. Between two calls the map may change; keys added before the key to
+    /// go on from are not visited.
+    ///
+    /// The leaves are packed as the retain goes, never in a pass over the whole map: a leaf
+    /// left empty is dropped, one whose first key went is keyed by its new one, and one that
+    /// fits in the leaf before it (with that leaf's entries) goes into it. A call moves only
+    /// entries of the leaves it visits, at most `limit` and two leaves' more, so its cost
+    /// stays bounded however many leaves removals thinned out; and once a retain has visited
+    /// every entry with the map left alone meanwhile, no two neighbouring leaves would fit in
+    /// one, so the leaves are on average more than half full.
     ///
     /// Should `keep` panic, the map still holds every entry it had not yet refused: the leaf
     /// being filtered is put back by a guard that runs on unwinding too.
@@ -326,6 +332,18 @@ impl<V> LeafMap<V> {
                     .next_back()
                     .map(|(f, _)| f.clone())
             };
+            // Into the leaf before it in key order (after `first` in the descending top
+            // map), whose first key stays, when both fit in one; left empty, it is dropped by
+            // the guard. The key to go on from may now be in that leaf, where the next call
+            // finds it as the last leaf whose first key is at or below it.
+            if let Some((_, before)) = taken
+                .top
+                .range_mut((Bound::Excluded(&first), Bound::Unbounded))
+                .next()
+                && before.len() + taken.leaf.len() <= LEAF
+            {
+                before.entries.append(&mut taken.leaf.entries);
+            }
             drop(taken);
             match next {
                 Some(next) if visited >= limit => return Some(next.0.as_slice().to_vec()),
@@ -335,18 +353,9 @@ impl<V> LeafMap<V> {
         }
     }
 
-    /// Packs the leaves (see [`retain`](Self::retain)) when they hold fewer than half the
-    /// entries they have room for, as [`retain_from`](Self::retain_from) may leave them;
-    /// keys added in random order leave leaves half full or more, so this repacks only a map
-    /// that removals thinned out.
-    pub fn pack_if_sparse(&mut self) {
-        if self.len * 2 < self.top.len() * LEAF {
-            self.pack();
-        }
-    }
-
     /// Moves the entries into full leaves (the last one excepted), dropping empty leaves and
     /// keying each leaf by its first key again; counts the entries.
+    #[cfg(test)]
     fn pack(&mut self) {
         let old = std::mem::take(&mut self.top);
         let mut packed: Vec<(Reverse<IndexKey>, Leaf<V>)> = Vec::new();
@@ -433,6 +442,39 @@ impl<V> LeafMap<V> {
     #[cfg(test)]
     pub fn leaf_count(&self) -> usize {
         self.top.len()
+    }
+
+    /// Each leaf's first key and number of entries, in key order (tests).
+    #[cfg(test)]
+    pub fn leaf_sizes(&self) -> Vec<(Vec<u8>, usize)> {
+        self.top
+            .iter()
+            .rev()
+            .map(|(first, leaf)| (first.0.as_slice().to_vec(), leaf.len()))
+            .collect()
+    }
+
+    /// Checks that no two neighbouring leaves would fit in one, for the leaves whose first
+    /// key is below `to` (all of them when `None`): leaves are more than half full on
+    /// average (tests).
+    #[cfg(test)]
+    pub fn check_packed(&self, to: Option<&[u8]>) {
+        let sizes = self.leaf_sizes();
+        for pair in sizes.windows(2) {
+            let [(a, n), (b, m)] = pair else { continue };
+            if to.is_some_and(|to| b.as_slice() >= to) {
+                break;
+            }
+            assert!(
+                n + m > LEAF,
+                "neighbouring leaves {:?} and {:?} hold {n} and {m} entries: they fit in one \
+                 ({} leaves for {} entries)",
+                String::from_utf8_lossy(a),
+                String::from_utf8_lossy(b),
+                sizes.len(),
+                self.len
+            );
+        }
     }
 
     /// Checks the map's invariants (tests).
@@ -533,9 +575,14 @@ mod tests {
                     }
                     _ => {
                         if next().is_multiple_of(50) {
+                            // A third of the entries go, or all but a tenth.
                             let cut = next() % 3;
+                            let most = next().is_multiple_of(2);
+                            let keep = move |v: u64| {
+                                if most { v % 10 == cut } else { v % 3 != cut }
+                            };
                             if next().is_multiple_of(2) {
-                                map.retain(|_, v| *v % 3 != cut);
+                                map.retain(|_, v| keep(*v));
                             } else {
                                 // In chunks: every key visited once, in order.
                                 let limit = 1 + (next() % 100) as usize;
@@ -544,18 +591,20 @@ mod tests {
                                 loop {
                                     from = map.retain_from(from.as_deref(), limit, |k, v| {
                                         seen.push(k.to_vec());
-                                        *v % 3 != cut
+                                        keep(*v)
                                     });
                                     map.check();
+                                    // Packed up to where it goes on from: the leaves
+                                    // are packed as the retain goes, not at its end.
+                                    map.check_packed(from.as_deref());
                                     if from.is_none() {
                                         break;
                                     }
                                 }
-                                map.pack_if_sparse();
                                 let keys: Vec<Vec<u8>> = model.keys().cloned().collect();
                                 assert_eq!(seen, keys, "retain_from {op} visits");
                             }
-                            model.retain(|_, v| *v % 3 != cut);
+                            model.retain(|_, v| keep(*v));
                         }
                     }
                 }
@@ -597,6 +646,57 @@ mod tests {
                 "{k}"
             );
         }
+    }
+
+    /// A chunked retain that removes most entries packs the leaves it thinned out as it
+    /// goes: after each call the leaves before the key it goes on from are packed (no two
+    /// neighbours fit in one) and the leaves after it are as they were, so no call does more
+    /// than its share of the packing, and none is left for the end.
+    #[test]
+    fn a_chunked_retain_packs_the_leaves_it_thins_out_as_it_goes() {
+        let n = 300 * LEAF as u64;
+        let mut map: LeafMap<u64> = LeafMap::default();
+        for i in 0..n {
+            map.upsert(format!("k{i:08}").as_bytes(), || i, |_| ());
+        }
+        assert_eq!(map.leaf_count(), 300);
+        let mut from: Option<Vec<u8>> = None;
+        let mut calls = 0;
+        loop {
+            from = map.retain_from(from.as_deref(), 100, |_, v| *v % 10 == 0);
+            calls += 1;
+            map.check();
+            map.check_packed(from.as_deref());
+            let Some(at) = from.as_deref() else { break };
+            // The leaves wholly above the key to go on from, not yet reached: still the full
+            // leaves the keys were added in (those whose first key is above the last key
+            // visited).
+            let untouched: Vec<(Vec<u8>, usize)> = map
+                .leaf_sizes()
+                .into_iter()
+                .filter(|(first, _)| first.as_slice() > at)
+                .collect();
+            let visited = calls * 100;
+            assert_eq!(
+                untouched.len(),
+                300 - visited / LEAF - 1,
+                "call {calls}: leaves above {}",
+                String::from_utf8_lossy(at)
+            );
+            assert!(
+                untouched.iter().all(|(_, len)| *len == LEAF),
+                "call {calls}"
+            );
+        }
+        assert_eq!(calls, n.div_ceil(100) as usize);
+        let want: Vec<u64> = (0..n).filter(|v| v % 10 == 0).collect();
+        assert_eq!(map.values().copied().collect::<Vec<_>>(), want);
+        assert!(
+            map.leaf_count() <= 2 * want.len().div_ceil(LEAF),
+            "{} leaves for {} entries",
+            map.leaf_count(),
+            want.len()
+        );
     }
 
     /// Keys added in ascending order fill their leaves; keys added in descending order too;

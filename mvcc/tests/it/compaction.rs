@@ -243,25 +243,77 @@ fn hash_kv_racing_a_compaction_hashes_one_state() {
 /// The number of keys of [`beside_a_large_compaction`]'s store, each put once (value "v").
 const LARGE: u32 = 300_000;
 
-/// Fills a store with [`LARGE`] keys, compacts it at its current revision on another thread,
-/// and calls `op(n)` for n = 0, 1, … on this one until the compaction returns; returns the
-/// store, the compaction point, how long the compaction took, the longest call of `op`, and
-/// how many calls there were.
+/// What [`beside_a_large_compaction`]'s compaction finds in the index.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum History {
+    /// Every key put once: the compaction keeps every key.
+    PutOnce,
+    /// Every key put once, then every key but one in ten deleted: the compaction removes
+    /// nine keys in ten, thinning out every leaf of the index.
+    MostDeleted,
+}
+
+impl History {
+    /// Whether the `n`th key (`k{n:06}`) is live with value "v" at the compaction point.
+    fn kept(self, n: u32) -> bool {
+        self == History::PutOnce || n.is_multiple_of(10)
+    }
+}
+
+/// A thread's time on a CPU and time waiting for one (on a run queue), from its Linux
+/// schedstat file.
+fn schedstat(path: &str) -> (Duration, Duration) {
+    let stat = std::fs::read_to_string(path).unwrap();
+    let mut fields = stat
+        .split_whitespace()
+        .map(|f| Duration::from_nanos(f.parse().unwrap()));
+    (fields.next().unwrap(), fields.next().unwrap())
+}
+
+/// What [`beside_a_large_compaction`] measured.
+struct Beside {
+    _dir: tempfile::TempDir,
+    store: Store<MemBackend>,
+    /// The compaction point.
+    rev: u64,
+    /// How long the compaction took.
+    took: Duration,
+    /// The compacting thread's time on a CPU meanwhile.
+    compacting: Duration,
+    /// The longest call of `op`.
+    longest: Duration,
+    /// The most compaction work one call of `op` waited through: the least of the time the
+    /// call's thread slept (neither on a CPU nor waiting for one: waiting for a lock) and
+    /// the compacting thread's time on a CPU meanwhile. A call waiting for a lock held by the
+    /// compaction for a long stretch of work has both long; one that waited while the
+    /// compacting thread was off its CPU holding a lock (a machine with other work to do),
+    /// or that was itself off its CPU, does not have both long.
+    waited: Duration,
+    /// How many calls of `op` there were.
+    calls: u32,
+}
+
+/// Fills a store with [`LARGE`] keys, deletes some as `history` says, compacts it at its
+/// current revision on another thread, and calls `op(n)` for n = 0, 1, … on this one until
+/// the compaction returns.
+///
+/// Nothing goes to the backend meanwhile but the compaction's own commit (the store's batch
+/// limit and interval are out of reach): a put never waits for a backend commit, and no
+/// backend commit takes a CPU from the calls or the compaction.
 fn beside_a_large_compaction(
+    history: History,
     mut op: impl FnMut(u32, &Store<MemBackend>),
-) -> (
-    tempfile::TempDir,
-    Store<MemBackend>,
-    u64,
-    Duration,
-    Duration,
-    u32,
-) {
+) -> Beside {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};
 
     let (dir, path) = fresh_path();
-    let s = Arc::new(open_at(&path, StoreOptions::default()));
+    let options = StoreOptions {
+        batch_limit: usize::MAX / 8,
+        batch_interval: Duration::from_secs(3600),
+        ..StoreOptions::default()
+    };
+    let s = Arc::new(open_at(&path, options));
     for chunk in 0..LARGE / 10_000 {
         let mut t = s.write();
         for i in 0..10_000u32 {
@@ -270,67 +322,143 @@ fn beside_a_large_compaction(
         }
         t.commit().unwrap();
     }
+    if history == History::MostDeleted {
+        // k…1 to k…9 of every ten keys.
+        for chunk in 0..LARGE / 100_000 {
+            let mut t = s.write();
+            for tens in chunk * 10_000..(chunk + 1) * 10_000 {
+                t.delete_range(
+                    format!("k{tens:05}1").as_bytes(),
+                    Some(format!("k{tens:05}:").as_bytes()),
+                )
+                .unwrap();
+            }
+            t.commit().unwrap();
+        }
+    }
     s.force_commit().unwrap();
     let rev = s.current_revision();
     let (started, done) = (
-        Arc::new(AtomicBool::new(false)),
+        Arc::new(std::sync::OnceLock::new()),
         Arc::new(AtomicBool::new(false)),
     );
+    // Dropped once the calls are over: the compacting thread lives on until then, so that
+    // its schedstat file can be read after every call.
+    let (calls_over, over) = std::sync::mpsc::channel::<()>();
     let compactor = {
         let (s, started, done) = (s.clone(), started.clone(), done.clone());
         std::thread::spawn(move || {
-            started.store(true, Ordering::Release);
+            let tid = rustix::thread::gettid().as_raw_nonzero().get();
+            let (cpu0, _) = schedstat("/proc/thread-self/schedstat");
+            started.set(tid).unwrap();
             let t0 = Instant::now();
             s.compact(rev).unwrap();
+            let took = t0.elapsed();
+            let (cpu1, _) = schedstat("/proc/thread-self/schedstat");
             done.store(true, Ordering::Release);
-            t0.elapsed()
+            let _ = over.recv();
+            (took, cpu1 - cpu0)
         })
     };
-    while !started.load(Ordering::Acquire) {
+    let compacting = loop {
+        if let Some(tid) = started.get() {
+            break format!("/proc/self/task/{tid}/schedstat");
+        }
         std::hint::spin_loop();
-    }
-    let (mut longest, mut calls) = (Duration::ZERO, 0);
+    };
+    let (mut longest, mut waited, mut calls) = (Duration::ZERO, Duration::ZERO, 0);
     while !done.load(Ordering::Acquire) {
+        let (other0, _) = schedstat(&compacting);
+        let (cpu0, queued0) = schedstat("/proc/thread-self/schedstat");
         let t0 = Instant::now();
         op(calls, &s);
-        longest = longest.max(t0.elapsed());
+        let took = t0.elapsed();
+        let (cpu1, queued1) = schedstat("/proc/thread-self/schedstat");
+        // Read last: the compacting thread's time covers the whole call.
+        let other1 = schedstat(&compacting).0;
+        let slept = took.saturating_sub((cpu1 - cpu0) + (queued1 - queued0));
+        longest = longest.max(took);
+        waited = waited.max(slept.min(other1 - other0));
         calls += 1;
     }
-    let took = compactor.join().unwrap();
+    drop(calls_over);
+    let (took, compacting) = compactor.join().unwrap();
     let s = Arc::into_inner(s).expect("the compactor thread has ended");
-    (dir, s, rev, took, longest, calls)
+    // The keys kept, and any that calls put back.
+    let kept = (0..LARGE).filter(|&n| history.kept(n)).count();
+    assert!(
+        (kept..=kept + calls as usize).contains(&s.key_count()),
+        "{history:?}: {} keys in the index after the compaction",
+        s.key_count()
+    );
+    Beside {
+        _dir: dir,
+        store: s,
+        rev,
+        took,
+        compacting,
+        longest,
+        waited,
+        calls,
+    }
+}
+
+impl Beside {
+    /// Checks that no call of `op` waited through more than an eighth of the compaction's
+    /// work: the index is compacted in some seventy chunks of 4096 keys, and a call takes the
+    /// store's locks a few times, each time waiting for one chunk at most.
+    fn check_waits(&self, history: History, what: &str) {
+        eprintln!(
+            "{history:?}: compaction took {:?} ({:?} on a CPU); {} {what}s, the longest {:?}, \
+             waiting through {:?} of compaction",
+            self.took, self.compacting, self.calls, self.longest, self.waited
+        );
+        assert!(
+            self.waited < self.compacting / 8,
+            "{history:?}: a {what} waited through {:?} of a compaction of {:?} on a CPU \
+             ({:?} in all; the longest {what} took {:?})",
+            self.waited,
+            self.compacting,
+            self.took,
+            self.longest
+        );
+    }
 }
 
 /// The key index is compacted some keys at a time, its lock released in between: a read
-/// waits for a chunk at most, not for the whole compaction of a large index.
+/// waits for a chunk at most, not for the whole compaction of a large index, nor for packing
+/// the leaves that a compaction removing most keys thinned out.
 #[test]
 fn reads_go_on_while_a_large_index_is_compacted() {
-    let (_d, _s, _, took, longest, reads) = beside_a_large_compaction(|_, s| {
-        let r = s.range(&RangeRequest::key(b"k000001".to_vec())).unwrap();
-        assert_eq!(r.kvs.len(), 1);
-    });
-    eprintln!("compaction took {took:?}; {reads} reads, the longest {longest:?}");
-    assert!(
-        longest < took / 4,
-        "a read waited {longest:?} of a compaction of {took:?}"
-    );
+    for history in [History::PutOnce, History::MostDeleted] {
+        let b = beside_a_large_compaction(history, |_, s| {
+            let r = s.range(&RangeRequest::key(b"k000010".to_vec())).unwrap();
+            assert_eq!(r.kvs.len(), 1);
+        });
+        b.check_waits(history, "read");
+    }
 }
 
 /// Writes go on too while the key index is compacted: a put waits for a chunk of the
-/// compaction at most, and every put made meanwhile, to keys compacted already or not yet,
-/// reads back afterwards, as do the keys the compaction kept.
+/// compaction at most (nor for packing the leaves a compaction removing most keys thinned
+/// out), and every put made meanwhile, to keys compacted already or not yet, kept or
+/// removed, reads back afterwards, as do the keys the compaction kept.
 #[test]
 fn writes_go_on_while_a_large_index_is_compacted() {
+    for history in [History::PutOnce, History::MostDeleted] {
+        writes_beside_a_large_compaction(history);
+    }
+}
+
+fn writes_beside_a_large_compaction(history: History) {
     // Keys spread over the whole index, so some are compacted already and some not.
     let key = |n: u32| format!("k{:06}", (n * 7919) % LARGE);
-    let (_d, s, rev, took, longest, puts) = beside_a_large_compaction(|n, s| {
+    let b = beside_a_large_compaction(history, |n, s| {
         s.put(key(n).as_bytes(), format!("w{n}").as_bytes(), 0)
             .unwrap();
     });
-    assert!(
-        longest < took / 4,
-        "a put waited {longest:?} of a compaction of {took:?}"
-    );
+    b.check_waits(history, "put");
+    let (s, puts) = (&b.store, b.calls);
     assert!(puts > 10, "only {puts} puts during the compaction");
     let mut latest = std::collections::HashMap::new();
     for n in 0..puts {
@@ -338,19 +466,26 @@ fn writes_go_on_while_a_large_index_is_compacted() {
     }
     let every_997th = (0..LARGE).step_by(997).map(|i| format!("k{i:06}"));
     for key in every_997th.chain(latest.keys().cloned()) {
+        let n: u32 = key[1..].parse().unwrap();
+        let kept = history.kept(n).then_some("v");
         let r = s
             .range(&RangeRequest::key(key.clone().into_bytes()))
             .unwrap();
-        let want = latest.get(&key).map_or("v", String::as_str);
-        assert_eq!(r.kvs.len(), 1, "{key}");
-        assert_eq!(r.kvs[0].value(), want.as_bytes(), "{key}");
+        let want = latest.get(&key).map(String::as_str).or(kept);
+        let got = r.kvs.first().map(|kv| kv.value());
+        assert_eq!(got, want.map(str::as_bytes), "{key}");
         // Its value as of the compaction point is still there.
         let at = s
             .range(&RangeRequest {
-                revision: rev,
+                revision: b.rev,
                 ..RangeRequest::key(key.clone().into_bytes())
             })
             .unwrap();
-        assert_eq!(at.kvs[0].value(), b"v", "{key} at the compaction point");
+        let got = at.kvs.first().map(|kv| kv.value());
+        assert_eq!(
+            got,
+            kept.map(str::as_bytes),
+            "{key} at the compaction point"
+        );
     }
 }
