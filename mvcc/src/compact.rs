@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use crossbeam_channel::{Receiver, RecvTimeoutError};
-use parking_lot::{MutexGuard, RwLockWriteGuard};
+use parking_lot::{MutexGuard, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::backend::{Backend, ReadTxn, WriteBatch};
 use crate::error::MvccError;
@@ -33,6 +33,11 @@ use crate::store::{Inner, KEY_BUCKET, META_BUCKET, META_FINISHED_COMPACT, META_S
 /// Keys of the index compacted per hold of its write lock: a read waits at most about this
 /// many keys' compaction (some hundreds of microseconds) for its read lock.
 const INDEX_COMPACT_CHUNK: usize = 4096;
+
+/// Keys of the index walked per hold of its read lock by [`hash_kv`], for what a compaction
+/// keeps: a write adding a key (which takes the write lock) waits at most about this many
+/// keys' walk (some hundreds of microseconds).
+const INDEX_KEEP_CHUNK: usize = 4096;
 
 /// How often the compactor looks again while an open view pins history it would delete.
 const PIN_POLL: std::time::Duration = std::time::Duration::from_millis(5);
@@ -256,6 +261,8 @@ fn delete_compacted<B: Backend>(
     Ok(true)
 }
 
+/// The hash of the history up to `revision` (0: the current one), as a compaction at the
+/// store's compaction point leaves it: see [`HashKv`].
 pub(crate) fn hash_kv<B: Backend>(
     inner: &Arc<Inner<B>>,
     revision: u64,
@@ -280,7 +287,15 @@ pub(crate) fn hash_kv<B: Backend>(
     // whether the scan saw them or not. Each retry follows a newer compaction at or below
     // `rev`, so retries are bounded.
     loop {
-        let (keep, compacted) = {
+        // What a compaction keeps at `rev`, walked some keys at a time with the index's lock
+        // released in between, so writes adding keys go on meanwhile. Neither they (their
+        // revisions are above `rev`) nor a compaction at or below `rev` change what is kept
+        // at `rev` (see `keep_some`): the walk finds what it would in an index left alone.
+        // A compaction above `rev` fails the next chunk, or the check after the scan.
+        let mut kept = Vec::new();
+        let mut compacted = None;
+        let mut after: Option<Vec<u8>> = None;
+        loop {
             let idx = inner.index.read();
             if rev < idx.compacted {
                 return Err(MvccError::Compacted {
@@ -288,8 +303,25 @@ pub(crate) fn hash_kv<B: Backend>(
                     compacted: idx.compacted,
                 });
             }
-            (idx.keys.keep(rev), idx.compacted)
-        };
+            if compacted.is_none() {
+                // At most one revision per key: `kept` never grows (and moves) with the
+                // lock held.
+                compacted = Some(idx.compacted);
+                kept.reserve(idx.keys.len());
+            }
+            after = idx
+                .keys
+                .keep_some(rev, after.as_deref(), INDEX_KEEP_CHUNK, &mut kept);
+            // Handed to the writes waiting, if any, before this thread takes it again.
+            RwLockReadGuard::unlock_fair(idx);
+            if after.is_none() {
+                break;
+            }
+        }
+        // The point the walk started under: a compaction that moved it since is caught by
+        // the check after the scan.
+        let compacted = compacted.unwrap_or_default();
+        let keep: HashSet<Revision> = kept.into_iter().collect();
         let mut h = crc32fast::Hasher::new();
         h.update(KEY_BUCKET.name().as_bytes());
         view.sources(None)

@@ -209,14 +209,13 @@ impl KeyEntry {
         self.edit(|g| g.compact(at, available));
     }
 
-    fn keep(&self, at: u64, available: &mut HashSet<Revision>) {
+    /// The revision `<= at` that compacting at `at` would keep, if any, without compacting.
+    fn keep(&self, at: u64) -> Option<Revision> {
         match self {
             KeyEntry::Single { main, sub, .. } => {
-                if *main <= at {
-                    available.insert(Revision::new(*main, u64::from(*sub)));
-                }
+                (*main <= at).then(|| Revision::new(*main, u64::from(*sub)))
             }
-            KeyEntry::Multi(g) => g.keep(at, available),
+            KeyEntry::Multi(g) => g.keep(at),
         }
     }
 
@@ -360,19 +359,17 @@ impl Gens {
         self.gens.drain(..gi);
     }
 
-    fn keep(&self, at: u64, available: &mut HashSet<Revision>) {
+    /// The revision `<= at` that [`compact`](Self::compact) at `at` would keep, if any.
+    fn keep(&self, at: u64) -> Option<Revision> {
         if self.gens.is_empty() {
-            return;
+            return None;
         }
         let mut kept = None;
         let (gi, ri) = self.compact_point(at, &mut |r| kept = Some(r));
         let g = &self.gens[gi];
-        if let (Some(r), Some(ri)) = (kept, ri) {
-            let tombstone_alone = g.revs.len() - ri == 1 && gi != self.gens.len() - 1;
-            if !tombstone_alone {
-                available.insert(r);
-            }
-        }
+        let ri = ri?;
+        let tombstone_alone = g.revs.len() - ri == 1 && gi != self.gens.len() - 1;
+        kept.filter(|_| !tombstone_alone)
     }
 }
 
@@ -650,10 +647,11 @@ impl EntryRef<'_> {
         }
     }
 
-    fn keep(&self, at: u64, available: &mut HashSet<Revision>) {
+    /// The revision `<= at` that compacting at `at` would keep, if any.
+    fn keep(&self, at: u64) -> Option<Revision> {
         match self {
-            EntryRef::Single(e) => e.keep(at, available),
-            EntryRef::Multi(g) => g.keep(at, available),
+            EntryRef::Single(e) => e.keep(at),
+            EntryRef::Multi(g) => g.keep(at),
         }
     }
 }
@@ -904,12 +902,46 @@ impl KeyIndex {
     }
 
     /// The revisions `<= at` that compacting at `at` would keep, without compacting.
+    #[cfg(test)]
     pub fn keep(&self, at: u64) -> HashSet<Revision> {
-        let mut available = HashSet::new();
-        for e in self.map.values() {
-            e.read(|e| e.keep(at, &mut available));
-        }
-        available
+        let mut kept = Vec::new();
+        self.keep_some(at, None, usize::MAX, &mut kept);
+        kept.into_iter().collect()
+    }
+
+    /// [`keep`](Self::keep) for at most `limit` keys, in key order after `after` (from the
+    /// first key when `None`), adding to `kept` the revision `<= at` that each would keep (at
+    /// most one per key: `kept` grows in order, a page of memory at a time); returns the key
+    /// to go on after, or `None` once every key was visited.
+    ///
+    /// Between two calls the index may change, but not what is kept at `at`: writes of
+    /// revisions above `at` append to a key's history, or start one, or roll such a revision
+    /// back, none of which moves a key's compaction point at `at` (the generation and the
+    /// revision in it); a compaction at or below `at`, however far it got, keeps for each
+    /// key its last revision at or below its own point and every later one, so the revision
+    /// kept at `at` too, and drops only keys with nothing to keep at `at`. So calls made
+    /// beside them add what one walk of an unchanging index would. Keys added before the key
+    /// to go on after are not visited, and have nothing to keep at `at`.
+    pub fn keep_some(
+        &self,
+        at: u64,
+        after: Option<&[u8]>,
+        limit: usize,
+        kept: &mut Vec<Revision>,
+    ) -> Option<Vec<u8>> {
+        let lower = after.map_or(RangeBound::Unbounded, RangeBound::Excluded);
+        let mut visited = 0;
+        let mut last = None;
+        let done = self.map.scan(lower, RangeBound::Unbounded, |key, e| {
+            kept.extend(e.read(|e| e.keep(at)));
+            visited += 1;
+            if visited < limit {
+                return true;
+            }
+            last = Some(key.to_vec());
+            false
+        });
+        if done { None } else { last }
     }
 }
 
@@ -1224,6 +1256,88 @@ mod tests {
         assert_eq!(got, want);
         chunked.map.check();
         chunked.map.check_packed(None);
+    }
+
+    /// Walking for what a compaction keeps a few keys at a time, with writes of later
+    /// revisions (puts, deletions, new keys, rolled back changes) and chunks of compactions
+    /// at or below the walk's revision between the chunks, finds what one walk of the index
+    /// left alone finds, each revision once.
+    #[test]
+    fn keeping_in_chunks_beside_writes_and_compactions_matches_a_whole_walk() {
+        let mut next = {
+            let mut x = 0x2545_f491_4f6c_dd1d_u64;
+            move || {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x
+            }
+        };
+        let keys: Vec<Vec<u8>> = (0..500).map(|i| format!("k{i:04}").into_bytes()).collect();
+        let mut idx = KeyIndex::default();
+        for main in 1..=4000 {
+            let k = &keys[(next() % 500) as usize];
+            if next() % 4 == 0 {
+                idx.tombstone(k, r(main));
+            } else {
+                idx.put(k, r(main));
+            }
+        }
+        let at = 3500;
+        let want = idx.keep(at);
+        assert!(want.len() > 100, "{} kept", want.len());
+        let mut main = 4000;
+        let mut kept = Vec::new();
+        let mut after: Option<Vec<u8>> = None;
+        // Two compactions, each a few keys per step: one well below the walk's revision,
+        // then one at it.
+        let mut compactions = [(2000, None::<Vec<u8>>, false), (at, None, false)];
+        let mut available = HashSet::new();
+        let mut chunks = 0;
+        loop {
+            after = idx.keep_some(at, after.as_deref(), 7, &mut kept);
+            chunks += 1;
+            if after.is_none() {
+                break;
+            }
+            for _ in 0..3 {
+                main += 1;
+                let k = keys[(next() % 500) as usize].clone();
+                match next() % 5 {
+                    0 => {
+                        idx.tombstone(&k, r(main));
+                    }
+                    1 => {
+                        // A new key beside an old one.
+                        let mut new = k.clone();
+                        new.push(b'+');
+                        idx.put(&new, r(main));
+                    }
+                    2 => {
+                        // A new key's put, rolled back: the key goes again.
+                        let mut new = k.clone();
+                        new.push(b'-');
+                        idx.put(&new, r(main));
+                        assert!(idx.rollback(&new, r(main)));
+                        idx.remove_if_empty(&new);
+                    }
+                    _ => idx.put(&k, r(main)),
+                }
+            }
+            if let Some((point, from, done)) = compactions.iter_mut().find(|c| !c.2) {
+                *from = idx.compact_some(*point, from.as_deref(), 20, &mut available);
+                *done = from.is_none();
+            }
+        }
+        assert!(chunks > 50, "{chunks} chunks");
+        assert!(
+            compactions.iter().all(|c| c.2),
+            "the compactions did not finish during the walk"
+        );
+        let got: HashSet<Revision> = kept.iter().copied().collect();
+        assert_eq!(got.len(), kept.len(), "a revision kept twice");
+        assert_eq!(got, want);
+        assert_eq!(idx.keep(at), want, "after the writes and compactions");
     }
 
     #[test]

@@ -379,6 +379,7 @@ impl<V> LeafMap<V> {
     }
 
     /// Every value, in key order.
+    #[cfg(test)]
     pub fn values(&self) -> impl Iterator<Item = &V> {
         self.top
             .values()

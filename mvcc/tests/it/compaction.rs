@@ -240,10 +240,10 @@ fn hash_kv_racing_a_compaction_hashes_one_state() {
     );
 }
 
-/// The number of keys of [`beside_a_large_compaction`]'s store, each put once (value "v").
+/// The number of keys of a [`large_store`], each put once (value "v").
 const LARGE: u32 = 300_000;
 
-/// What [`beside_a_large_compaction`]'s compaction finds in the index.
+/// What a [`large_store`] holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum History {
     /// Every key put once: the compaction keeps every key.
@@ -270,50 +270,41 @@ fn schedstat(path: &str) -> (Duration, Duration) {
     (fields.next().unwrap(), fields.next().unwrap())
 }
 
-/// What [`beside_a_large_compaction`] measured.
-struct Beside {
-    _dir: tempfile::TempDir,
-    store: Store<MemBackend>,
-    /// The compaction point.
-    rev: u64,
-    /// How long the compaction took.
+/// What [`beside`] measured.
+struct Beside<R> {
+    /// What the work returned.
+    outcome: R,
+    /// How long the work took.
     took: Duration,
-    /// The compacting thread's time on a CPU meanwhile.
-    compacting: Duration,
+    /// The working thread's time on a CPU meanwhile.
+    working: Duration,
     /// The longest call of `op`.
     longest: Duration,
-    /// The most compaction work one call of `op` waited through: the least of the time the
-    /// call's thread slept (neither on a CPU nor waiting for one: waiting for a lock) and
-    /// the compacting thread's time on a CPU meanwhile. A call waiting for a lock held by the
-    /// compaction for a long stretch of work has both long; one that waited while the
-    /// compacting thread was off its CPU holding a lock (a machine with other work to do),
-    /// or that was itself off its CPU, does not have both long.
+    /// The most work one call of `op` waited through: the least of the time the call's
+    /// thread slept (neither on a CPU nor waiting for one: waiting for a lock) and the
+    /// working thread's time on a CPU meanwhile. A call waiting for a lock held by the work
+    /// for a long stretch of it has both long; one that waited while the working thread was
+    /// off its CPU holding a lock (a machine with other work to do), or that was itself off
+    /// its CPU, does not have both long.
     waited: Duration,
     /// How many calls of `op` there were.
     calls: u32,
 }
 
-/// Fills a store with [`LARGE`] keys, deletes some as `history` says, compacts it at its
-/// current revision on another thread, and calls `op(n)` for n = 0, 1, … on this one until
-/// the compaction returns.
+/// A store of [`LARGE`] keys, some deleted as `history` says, all in the backend; returns it
+/// with its revision.
 ///
-/// Nothing goes to the backend meanwhile but the compaction's own commit (the store's batch
-/// limit and interval are out of reach): a put never waits for a backend commit, and no
-/// backend commit takes a CPU from the calls or the compaction.
-fn beside_a_large_compaction(
-    history: History,
-    mut op: impl FnMut(u32, &Store<MemBackend>),
-) -> Beside {
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicBool, Ordering};
-
+/// Nothing goes to the backend later but what the store's own work commits (its batch limit
+/// and interval are out of reach): a put never waits for a backend commit, and no backend
+/// commit takes a CPU from the measures of [`beside`].
+fn large_store(history: History) -> (tempfile::TempDir, Store<MemBackend>, u64) {
     let (dir, path) = fresh_path();
     let options = StoreOptions {
         batch_limit: usize::MAX / 8,
         batch_interval: Duration::from_secs(3600),
         ..StoreOptions::default()
     };
-    let s = Arc::new(open_at(&path, options));
+    let s = open_at(&path, options);
     for chunk in 0..LARGE / 10_000 {
         let mut t = s.write();
         for i in 0..10_000u32 {
@@ -338,29 +329,43 @@ fn beside_a_large_compaction(
     }
     s.force_commit().unwrap();
     let rev = s.current_revision();
+    (dir, s, rev)
+}
+
+/// Runs `work` on another thread, and calls `op(n)` for n = 0, 1, … on this one until the
+/// work returns.
+fn beside<R: Send + 'static>(
+    s: Store<MemBackend>,
+    work: impl FnOnce(&Store<MemBackend>) -> R + Send + 'static,
+    mut op: impl FnMut(u32, &Store<MemBackend>),
+) -> (Store<MemBackend>, Beside<R>) {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    let s = Arc::new(s);
     let (started, done) = (
         Arc::new(std::sync::OnceLock::new()),
         Arc::new(AtomicBool::new(false)),
     );
-    // Dropped once the calls are over: the compacting thread lives on until then, so that
-    // its schedstat file can be read after every call.
+    // Dropped once the calls are over: the working thread lives on until then, so that its
+    // schedstat file can be read after every call.
     let (calls_over, over) = std::sync::mpsc::channel::<()>();
-    let compactor = {
+    let worker = {
         let (s, started, done) = (s.clone(), started.clone(), done.clone());
         std::thread::spawn(move || {
             let tid = rustix::thread::gettid().as_raw_nonzero().get();
             let (cpu0, _) = schedstat("/proc/thread-self/schedstat");
             started.set(tid).unwrap();
             let t0 = Instant::now();
-            s.compact(rev).unwrap();
+            let outcome = work(&s);
             let took = t0.elapsed();
             let (cpu1, _) = schedstat("/proc/thread-self/schedstat");
             done.store(true, Ordering::Release);
             let _ = over.recv();
-            (took, cpu1 - cpu0)
+            (outcome, took, cpu1 - cpu0)
         })
     };
-    let compacting = loop {
+    let working = loop {
         if let Some(tid) = started.get() {
             break format!("/proc/self/task/{tid}/schedstat");
         }
@@ -368,61 +373,71 @@ fn beside_a_large_compaction(
     };
     let (mut longest, mut waited, mut calls) = (Duration::ZERO, Duration::ZERO, 0);
     while !done.load(Ordering::Acquire) {
-        let (other0, _) = schedstat(&compacting);
+        let (other0, _) = schedstat(&working);
         let (cpu0, queued0) = schedstat("/proc/thread-self/schedstat");
         let t0 = Instant::now();
         op(calls, &s);
         let took = t0.elapsed();
         let (cpu1, queued1) = schedstat("/proc/thread-self/schedstat");
-        // Read last: the compacting thread's time covers the whole call.
-        let other1 = schedstat(&compacting).0;
+        // Read last: the working thread's time covers the whole call.
+        let other1 = schedstat(&working).0;
         let slept = took.saturating_sub((cpu1 - cpu0) + (queued1 - queued0));
         longest = longest.max(took);
         waited = waited.max(slept.min(other1 - other0));
         calls += 1;
     }
     drop(calls_over);
-    let (took, compacting) = compactor.join().unwrap();
-    let s = Arc::into_inner(s).expect("the compactor thread has ended");
-    // The keys kept, and any that calls put back.
-    let kept = (0..LARGE).filter(|&n| history.kept(n)).count();
-    assert!(
-        (kept..=kept + calls as usize).contains(&s.key_count()),
-        "{history:?}: {} keys in the index after the compaction",
-        s.key_count()
-    );
-    Beside {
-        _dir: dir,
-        store: s,
-        rev,
+    let (outcome, took, working) = worker.join().unwrap();
+    let s = Arc::into_inner(s).expect("the working thread has ended");
+    let measured = Beside {
+        outcome,
         took,
-        compacting,
+        working,
         longest,
         waited,
         calls,
-    }
+    };
+    (s, measured)
 }
 
-impl Beside {
-    /// Checks that no call of `op` waited through more than an eighth of the compaction's
-    /// work: the index is compacted in some seventy chunks of 4096 keys, and a call takes the
-    /// store's locks a few times, each time waiting for one chunk at most.
-    fn check_waits(&self, history: History, what: &str) {
+impl<R> Beside<R> {
+    /// Checks that no call of `op` waited through more than an eighth of the work (`what`,
+    /// done in chunks of the index held under its lock one at a time; a call takes the
+    /// store's locks a few times, each time waiting for one chunk at most).
+    fn check_waits(&self, case: &str, work: &str, call: &str) {
         eprintln!(
-            "{history:?}: compaction took {:?} ({:?} on a CPU); {} {what}s, the longest {:?}, \
-             waiting through {:?} of compaction",
-            self.took, self.compacting, self.calls, self.longest, self.waited
+            "{case}: {work} took {:?} ({:?} on a CPU); {} {call}s, the longest {:?}, waiting \
+             through {:?} of the {work}",
+            self.took, self.working, self.calls, self.longest, self.waited
         );
         assert!(
-            self.waited < self.compacting / 8,
-            "{history:?}: a {what} waited through {:?} of a compaction of {:?} on a CPU \
-             ({:?} in all; the longest {what} took {:?})",
+            self.waited < self.working / 8,
+            "{case}: a {call} waited through {:?} of a {work} of {:?} on a CPU ({:?} in all; \
+             the longest {call} took {:?})",
             self.waited,
-            self.compacting,
+            self.working,
             self.took,
             self.longest
         );
     }
+}
+
+/// Compacts a [`large_store`] at its revision beside `op` (see [`beside`]); checks the keys
+/// left in the index.
+fn beside_a_large_compaction(
+    history: History,
+    op: impl FnMut(u32, &Store<MemBackend>),
+) -> (tempfile::TempDir, Store<MemBackend>, u64, Beside<()>) {
+    let (dir, s, rev) = large_store(history);
+    let (s, b) = beside(s, move |s| s.compact(rev).unwrap(), op);
+    // The keys kept, and any that calls put back.
+    let kept = (0..LARGE).filter(|&n| history.kept(n)).count();
+    assert!(
+        (kept..=kept + b.calls as usize).contains(&s.key_count()),
+        "{history:?}: {} keys in the index after the compaction",
+        s.key_count()
+    );
+    (dir, s, rev, b)
 }
 
 /// The key index is compacted some keys at a time, its lock released in between: a read
@@ -431,11 +446,11 @@ impl Beside {
 #[test]
 fn reads_go_on_while_a_large_index_is_compacted() {
     for history in [History::PutOnce, History::MostDeleted] {
-        let b = beside_a_large_compaction(history, |_, s| {
+        let (_d, _s, _, b) = beside_a_large_compaction(history, |_, s| {
             let r = s.range(&RangeRequest::key(b"k000010".to_vec())).unwrap();
             assert_eq!(r.kvs.len(), 1);
         });
-        b.check_waits(history, "read");
+        b.check_waits(&format!("{history:?}"), "compaction", "read");
     }
 }
 
@@ -453,12 +468,12 @@ fn writes_go_on_while_a_large_index_is_compacted() {
 fn writes_beside_a_large_compaction(history: History) {
     // Keys spread over the whole index, so some are compacted already and some not.
     let key = |n: u32| format!("k{:06}", (n * 7919) % LARGE);
-    let b = beside_a_large_compaction(history, |n, s| {
+    let (_d, s, rev, b) = beside_a_large_compaction(history, |n, s| {
         s.put(key(n).as_bytes(), format!("w{n}").as_bytes(), 0)
             .unwrap();
     });
-    b.check_waits(history, "put");
-    let (s, puts) = (&b.store, b.calls);
+    b.check_waits(&format!("{history:?}"), "compaction", "put");
+    let puts = b.calls;
     assert!(puts > 10, "only {puts} puts during the compaction");
     let mut latest = std::collections::HashMap::new();
     for n in 0..puts {
@@ -477,7 +492,7 @@ fn writes_beside_a_large_compaction(history: History) {
         // Its value as of the compaction point is still there.
         let at = s
             .range(&RangeRequest {
-                revision: b.rev,
+                revision: rev,
                 ..RangeRequest::key(key.clone().into_bytes())
             })
             .unwrap();
@@ -488,4 +503,33 @@ fn writes_beside_a_large_compaction(history: History) {
             "{key} at the compaction point"
         );
     }
+}
+
+/// hash_kv walks the key index for what a compaction keeps some keys at a time, its lock
+/// released in between: a put of a new key (which adds it to the index under the index's
+/// write lock) waits for a chunk of the walk at most, and the hash is the one taken with no
+/// writes going on (writes have later revisions, which leave what is kept alone).
+#[test]
+fn puts_go_on_while_a_large_index_is_hashed() {
+    let (_d, s, rev) = large_store(History::PutOnce);
+    // Every revision is then at or below the compaction point: the hash takes those the
+    // walk's kept set holds.
+    let compacted = rev;
+    s.compact(compacted).unwrap();
+    let quiet = s.hash_kv(rev).unwrap();
+    assert_eq!(quiet.compact_revision, compacted);
+    // New keys spread over the index (each beside an old one), so the walk meets leaves
+    // split by them on both sides of where it goes on from.
+    let (s, b) = beside(
+        s,
+        move |s| s.hash_kv(rev).unwrap(),
+        |n, s| {
+            let key = format!("k{:06}+", (n * 7919) % LARGE);
+            s.put(key.as_bytes(), b"w", 0).unwrap();
+        },
+    );
+    b.check_waits("a large index", "hash", "put");
+    assert!(b.calls > 10, "only {} puts during the hash", b.calls);
+    assert_eq!(b.outcome, quiet, "the hash beside the puts");
+    assert_eq!(s.hash_kv(rev).unwrap(), quiet, "the hash after the puts");
 }
