@@ -18,6 +18,7 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 use parking_lot::{MutexGuard, RwLockReadGuard, RwLockWriteGuard};
@@ -40,7 +41,19 @@ const INDEX_COMPACT_CHUNK: usize = 4096;
 const INDEX_KEEP_CHUNK: usize = 4096;
 
 /// How often the compactor looks again while an open view pins history it would delete.
-const PIN_POLL: std::time::Duration = std::time::Duration::from_millis(5);
+const PIN_POLL: Duration = Duration::from_millis(5);
+
+/// Tries the compactor makes at reading a batch of what to delete (a backend read
+/// transaction and a range of the `key` bucket) before it gives the job up.
+const READ_TRIES: u32 = 8;
+
+/// The compactor's pause after its first failed read of a batch; each later failure of the
+/// same batch doubles it, up to [`READ_RETRY_PAUSE_MAX`]: the [`READ_TRIES`] tries span some
+/// 1.3 s.
+const READ_RETRY_PAUSE: Duration = Duration::from_millis(10);
+
+/// The longest pause between two tries at reading a batch.
+const READ_RETRY_PAUSE_MAX: Duration = Duration::from_secs(1);
 
 /// Physical deletion work for the compactor thread; revision 0 stops the thread.
 pub(crate) struct CompactJob {
@@ -125,12 +138,18 @@ pub(crate) fn compact<B: Backend>(inner: &Arc<Inner<B>>, revision: u64) -> Resul
 }
 
 /// The compactor thread; `stop` disconnects when the store is dropped, which also cuts the
-/// pause between batches short.
+/// pauses between batches and between tries short.
 ///
 /// Jobs queued while one waits (for a read view below it, or between its batches) are not
 /// run one after another: the newest takes the place of the running one (see [`take_newer`]),
 /// so the queue, and the kept-revision sets its jobs hold, stay bounded however many
 /// compactions an open view holds back.
+///
+/// A job whose reads of what to delete keep failing is given up after [`READ_TRIES`] tries
+/// (see [`delete_compacted`]): the next compaction deletes what it would have (it deletes
+/// everything older ones do, from the start), and so does the next open (the compaction
+/// point is recorded as scheduled, not finished). A failed commit of deletions poisons the
+/// store; the thread then deletes nothing more.
 pub(crate) fn compactor_loop<B: Backend>(
     inner: &Inner<B>,
     rx: &Receiver<CompactJob>,
@@ -143,7 +162,7 @@ pub(crate) fn compactor_loop<B: Backend>(
         if job.revision == 0 || inner.shutdown.load(Ordering::Acquire) {
             return;
         }
-        if job.revision <= finished {
+        if job.revision <= finished || inner.check_poisoned().is_err() {
             continue;
         }
         match delete_compacted(inner, &mut job, rx, stop) {
@@ -152,7 +171,15 @@ pub(crate) fn compactor_loop<B: Backend>(
                 tracing::debug!(revision = job.revision, "compaction finished");
             }
             Ok(false) => return,
-            Err(e) => tracing::error!(revision = job.revision, error = %e, "compaction failed"),
+            // Logged where the store was poisoned, by this job's commit or another.
+            Err(_) if inner.check_poisoned().is_err() => {}
+            Err(e) => tracing::error!(
+                revision = job.revision,
+                error = %e,
+                tries = READ_TRIES,
+                "compaction gave up reading what to delete; the next compaction or open \
+                 deletes it"
+            ),
         }
     }
 }
@@ -181,6 +208,13 @@ fn take_newer(rx: &Receiver<CompactJob>, job: &mut CompactJob) -> Option<bool> {
 
 /// Deletes what `job` does not keep, or what a newer queued job taking its place does not;
 /// false when stopped by a shutdown (resumed on reopen).
+///
+/// A failed read of a batch of what to delete has written nothing of it: it is tried again,
+/// from where it started, after a pause that doubles with each failure of the same batch
+/// (see [`READ_RETRY_PAUSE`]), and its error is returned once [`READ_TRIES`] tries failed.
+/// The batches committed before it stay committed (deleting is idempotent). A failed commit
+/// poisons the store (see [`Inner::poison`]) and is returned at once: the backend may hold
+/// the batch or not, and a store that cannot tell what it holds writes nothing more.
 fn delete_compacted<B: Backend>(
     inner: &Inner<B>,
     job: &mut CompactJob,
@@ -189,6 +223,8 @@ fn delete_compacted<B: Backend>(
 ) -> Result<bool, MvccError> {
     let mut from: Vec<u8> = Vec::new();
     let limit = inner.options.compaction_batch_limit;
+    // Failed tries at reading the batch starting at `from`.
+    let mut failed: u32 = 0;
     loop {
         if inner.shutdown.load(Ordering::Acquire) {
             return Ok(false);
@@ -197,7 +233,10 @@ fn delete_compacted<B: Backend>(
             match take_newer(rx, job) {
                 None => return Ok(false),
                 // The newer job keeps less: scan again from the start.
-                Some(true) => from.clear(),
+                Some(true) => {
+                    from.clear();
+                    failed = 0;
+                }
                 Some(false) => {}
             }
             // Wait while a view below the job is open: it may still read what the job deletes.
@@ -211,31 +250,33 @@ fn delete_compacted<B: Backend>(
                 return Ok(false);
             }
         }
-        let end = Revision::new(job.revision.saturating_add(1), 0).to_bytes();
-        let mut batch = WriteBatch::new();
-        let mut next = None;
-        {
-            let txn = inner.backend.read_txn()?;
-            for item in txn.range(&KEY_BUCKET, &from, Some(&end[..]))? {
-                let (k, _) = item?;
-                let Some((rev, _)) = Revision::from_key(k) else {
-                    continue;
-                };
-                if !job.available.contains(&rev) {
-                    batch.delete(&KEY_BUCKET, k.to_vec());
-                    if batch.len() >= limit {
-                        let mut after = k.to_vec();
-                        after.push(0);
-                        next = Some(after);
-                        break;
-                    }
+        let (batch, next) = match read_batch(inner, job, &from, limit) {
+            Ok(read) => read,
+            Err(e) => {
+                failed += 1;
+                if failed >= READ_TRIES {
+                    return Err(e);
                 }
+                let pause = READ_RETRY_PAUSE
+                    .saturating_mul(1 << (failed - 1).min(16))
+                    .min(READ_RETRY_PAUSE_MAX);
+                tracing::warn!(
+                    revision = job.revision,
+                    error = %e,
+                    failures = failed,
+                    ?pause,
+                    "compaction failed to read what to delete; trying again after a pause"
+                );
+                if let Err(RecvTimeoutError::Disconnected) = stop.recv_timeout(pause) {
+                    return Ok(false);
+                }
+                // From the top: a shutdown, a newer job or a view opened meanwhile first.
+                continue;
             }
-        }
+        };
+        failed = 0;
         if !batch.is_empty() {
-            let _c = inner.lock_commits();
-            inner.check_poisoned()?;
-            inner.backend.commit(&batch)?;
+            commit_deletions(inner, job.revision, &batch)?;
         }
         match next {
             Some(n) => {
@@ -255,10 +296,56 @@ fn delete_compacted<B: Backend>(
         META_FINISHED_COMPACT.to_vec(),
         job.revision.to_be_bytes().to_vec(),
     );
+    commit_deletions(inner, job.revision, &batch)?;
+    Ok(true)
+}
+
+/// The next batch of what `job` deletes, from `from` on (at most `limit` deletions), and
+/// the key to go on from, if any is left.
+fn read_batch<B: Backend>(
+    inner: &Inner<B>,
+    job: &CompactJob,
+    from: &[u8],
+    limit: usize,
+) -> Result<(WriteBatch, Option<Vec<u8>>), MvccError> {
+    let end = Revision::new(job.revision.saturating_add(1), 0).to_bytes();
+    let mut batch = WriteBatch::new();
+    let txn = inner.backend.read_txn()?;
+    for item in txn.range(&KEY_BUCKET, from, Some(&end[..]))? {
+        let (k, _) = item?;
+        let Some((rev, _)) = Revision::from_key(k) else {
+            continue;
+        };
+        if !job.available.contains(&rev) {
+            batch.delete(&KEY_BUCKET, k.to_vec());
+            if batch.len() >= limit {
+                let mut after = k.to_vec();
+                after.push(0);
+                return Ok((batch, Some(after)));
+            }
+        }
+    }
+    Ok((batch, None))
+}
+
+/// Commits a batch of the compaction at `revision` under the store's commit lock, unless
+/// the store is poisoned; a failure poisons it, as a failed commit of writes does.
+fn commit_deletions<B: Backend>(
+    inner: &Inner<B>,
+    revision: u64,
+    batch: &WriteBatch,
+) -> Result<(), MvccError> {
     let _c = inner.lock_commits();
     inner.check_poisoned()?;
-    inner.backend.commit(&batch)?;
-    Ok(true)
+    inner.backend.commit(batch).map_err(|e| {
+        tracing::error!(
+            revision,
+            error = %e,
+            "compaction's backend commit failed; store is poisoned"
+        );
+        inner.poison(format!("compaction at revision {revision}: {e}"));
+        e.into()
+    })
 }
 
 /// The hash of the history up to `revision` (0: the current one), as a compaction at the

@@ -114,7 +114,8 @@ pub enum MvccError {
         /// The watch id.
         id: u64,
     },
-    /// An earlier backend commit failed; writes are refused until the store is reopened.
+    /// An earlier backend commit (of writes, or of a compaction's deletions) failed; writes
+    /// are refused until the store is reopened.
     #[error("store is poisoned by an earlier backend commit failure ({reason}); reopen it")]
     Poisoned {
         /// The first failure.

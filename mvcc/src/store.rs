@@ -59,7 +59,7 @@ pub(crate) const META_FINISHED_COMPACT: &[u8] = b"finished_compact_rev";
 pub const STORE_FORMAT: u32 = 1;
 
 /// `force_commit` callers a commit wakes, and each woken caller wakes in turn (see
-/// `Inner::wake_durable`).
+/// `Inner::wake_durable_from`).
 const WAKE_FANOUT: usize = 2;
 
 /// Keys visited per hold of the key-index read lock: a writer adding a key (or compaction)
@@ -114,7 +114,7 @@ pub(crate) struct Inner<B: Backend> {
     buffers_wanted: AtomicU64,
     /// The `force_commit` callers parked until their buffer is durable: (buffer number,
     /// thread). The callers a commit made durable are unparked directly (a few by the
-    /// commit, the rest by callers already woken: see [`Inner::wake_durable`]), not one
+    /// commit, the rest by callers already woken: see [`Inner::wake_durable_from`]), not one
     /// after another through a shared lock, and those waiting for a later buffer sleep on.
     durable_waits: Mutex<Vec<(u64, std::thread::Thread)>>,
     pub consistent_index: AtomicU64,
@@ -435,6 +435,12 @@ impl<B: Backend> Store<B> {
     /// changes are deleted in the background in batches of
     /// [`StoreOptions::compaction_batch_limit`]. The compaction point is durable when this
     /// returns, so a crash resumes the deletion on the next open.
+    ///
+    /// A backend commit of deletions that fails poisons the store, as a failed commit of
+    /// writes does: later writes, commits and compactions fail with
+    /// [`MvccError::Poisoned`]. A read of what to delete that fails is tried again after a
+    /// pause, a few times over about a second; should it keep failing, the deletions are left
+    /// to the next compaction (which deletes what older ones did not) or the next open.
     pub fn compact(&self, revision: u64) -> Result<(), MvccError> {
         crate::compact::compact(&self.inner, revision)
     }
@@ -688,24 +694,19 @@ impl<B: Backend> Inner<B> {
             }
             std::thread::park();
         }
-        // Leaves the list, and wakes the next callers made durable (see `wake_durable`).
+        // Leaves the list, and wakes the next callers made durable (see `wake_durable_from`).
         let me = std::thread::current().id();
         self.wake_durable_from(self.buffers_durable.load(Ordering::Acquire), Some(me));
         Ok(())
     }
 
-    /// Wakes the `force_commit` callers waiting for buffer `taken` or an older one, or all of
-    /// them with `all` (the store was poisoned).
-    ///
-    /// A commit wakes only [`WAKE_FANOUT`] of them, and goes on to its next commit; each
-    /// caller woken wakes as many more before it returns, so every caller made durable
-    /// wakes, in a tree, and the committer does not spend the unparks of all of them (some
-    /// microseconds each, more when a woken caller takes its CPU) between two commits.
-    fn wake_durable(&self, taken: u64, all: bool) {
-        if !all {
-            self.wake_durable_from(taken, None);
-            return;
-        }
+    /// Poisons the store after a backend commit failed (`reason`: what was committed, and
+    /// the error): from now on every write transaction's commit, [`Store::force_commit`] and
+    /// compaction fails with [`MvccError::Poisoned`] naming the first such failure, until the
+    /// store is reopened. The `force_commit` callers waiting are woken to return it.
+    pub(crate) fn poison(&self, reason: String) {
+        self.poisoned.lock().get_or_insert(reason);
+        self.is_poisoned.store(true, Ordering::Release);
         let woken: Vec<std::thread::Thread> = {
             let mut waits = self.durable_waits.lock();
             waits.drain(..).map(|(_, t)| t).collect()
@@ -718,6 +719,12 @@ impl<B: Backend> Inner<B> {
     /// Takes `me` (a returning caller) off the list, and unparks up to [`WAKE_FANOUT`]
     /// callers waiting for buffer `durable` or an older one, taken off the list (once the
     /// list's lock is released).
+    ///
+    /// A commit wakes only [`WAKE_FANOUT`] of the callers it made durable, and goes on to its
+    /// next commit; each caller woken wakes as many more before it returns, so every caller
+    /// made durable wakes, in a tree, and the committer does not spend the unparks of all of
+    /// them (some microseconds each, more when a woken caller takes its CPU) between two
+    /// commits.
     ///
     /// No caller made durable stays asleep: a commit making any durable wakes some, and every
     /// caller woken, or returning after it was listed, wakes more while any are left. A
@@ -807,15 +814,13 @@ impl<B: Backend> Inner<B> {
             Ok(()) => {
                 self.state.lock().committing = None;
                 self.buffers_durable.store(taken, Ordering::Release);
-                self.wake_durable(taken, false);
+                self.wake_durable_from(taken, None);
                 Ok(())
             }
             Err(e) => {
                 // The buffer stays as `committing` so reads keep seeing it.
                 tracing::error!(error = %e, "backend commit failed; store is poisoned");
-                *self.poisoned.lock() = Some(e.to_string());
-                self.is_poisoned.store(true, Ordering::Release);
-                self.wake_durable(taken, true);
+                self.poison(e.to_string());
                 Err(e.into())
             }
         }

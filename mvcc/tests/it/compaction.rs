@@ -533,3 +533,219 @@ fn puts_go_on_while_a_large_index_is_hashed() {
     assert_eq!(b.outcome, quiet, "the hash beside the puts");
     assert_eq!(s.hash_kv(rev).unwrap(), quiet, "the hash after the puts");
 }
+
+/// A backend whose read transactions and commits fail, as armed, on the store's compactor
+/// thread only: the physical deletion of a compaction fails while the store's own commits
+/// (the compaction point's among them) go through.
+mod faulty {
+    use std::path::Path;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+    use keel_mvcc::testing::{MemBackend, MemOptions};
+    use keel_mvcc::{Backend, BackendError, BackendSize, BatchSource, WriteBatch};
+
+    /// [`MemBackend`] with faults on the compactor thread.
+    pub struct Faulty {
+        pub mem: MemBackend,
+        /// How many more read transactions the compactor opens fail (`u64::MAX`: all).
+        pub failing_reads: AtomicU64,
+        /// Read transactions the compactor tried to open.
+        pub reads_tried: AtomicU64,
+        /// The compactor's commits fail.
+        pub failing_commits: AtomicBool,
+    }
+
+    fn on_compactor() -> bool {
+        std::thread::current().name() == Some("keel-mvcc-compact")
+    }
+
+    impl Backend for Faulty {
+        type Options = MemOptions;
+        type ReadTxn = <MemBackend as Backend>::ReadTxn;
+        fn open(path: &Path, options: &MemOptions) -> Result<Self, BackendError> {
+            Ok(Faulty {
+                mem: MemBackend::open(path, options)?,
+                failing_reads: AtomicU64::new(0),
+                reads_tried: AtomicU64::new(0),
+                failing_commits: AtomicBool::new(false),
+            })
+        }
+        fn read_txn(&self) -> Result<Self::ReadTxn, BackendError> {
+            if on_compactor() {
+                self.reads_tried.fetch_add(1, Ordering::AcqRel);
+                let fail = self
+                    .failing_reads
+                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| match n {
+                        0 => None,
+                        u64::MAX => Some(u64::MAX),
+                        n => Some(n - 1),
+                    })
+                    .is_ok();
+                if fail {
+                    return Err(BackendError::Other(
+                        "injected read failure: every reader slot is in use".into(),
+                    ));
+                }
+            }
+            self.mem.read_txn()
+        }
+        fn commit(&self, batch: &WriteBatch) -> Result<(), BackendError> {
+            if on_compactor() && self.failing_commits.load(Ordering::Acquire) {
+                return Err(BackendError::io(
+                    "faulty",
+                    "commit",
+                    std::io::Error::other("injected commit failure"),
+                ));
+            }
+            self.mem.commit(batch)
+        }
+        fn commit_from(&self, source: &dyn BatchSource) -> Result<(), BackendError> {
+            self.commit(&WriteBatch::from_source(source)?)
+        }
+        fn size(&self) -> Result<BackendSize, BackendError> {
+            self.mem.size()
+        }
+        fn defragment(&self) -> Result<(), BackendError> {
+            self.mem.defragment()
+        }
+    }
+}
+
+/// A store over [`faulty::Faulty`] holding [`fill`]'s revisions, all in the backend.
+fn faulty_store() -> (tempfile::TempDir, Store<faulty::Faulty>) {
+    let (dir, path) = fresh_path();
+    let backend = faulty::Faulty::open(&path, &Default::default()).unwrap();
+    let options = StoreOptions {
+        compaction_sleep_interval: Duration::from_millis(1),
+        ..StoreOptions::default()
+    };
+    let s = Store::open(backend, options).unwrap();
+    for v in 0..10u32 {
+        for k in 0..10u32 {
+            s.put(format!("k{k}").as_bytes(), format!("{v}").as_bytes(), 0)
+                .unwrap();
+        }
+    }
+    for k in 0..3u32 {
+        s.delete_range(format!("k{k}").as_bytes(), None).unwrap();
+    }
+    s.force_commit().unwrap();
+    assert_eq!(s.backend().mem.len(&KEY_BUCKET), 103);
+    (dir, s)
+}
+
+/// A backend commit of the compactor's that fails poisons the store, as a failed commit of
+/// writes does: every later write, commit and compaction fails, saying why, instead of the
+/// failure going to a log line while the store carries on without its deletions.
+#[test]
+fn a_failed_deletion_commit_poisons_the_store() {
+    use std::sync::atomic::Ordering;
+    let (_d, s) = faulty_store();
+    s.backend().failing_commits.store(true, Ordering::Release);
+    s.compact(95).unwrap();
+    let mut refused = None;
+    wait_for("the failed deletion to poison the store", || {
+        match s.put(b"k5", b"later", 0) {
+            Ok(_) => false,
+            Err(e) => {
+                refused = Some(e);
+                true
+            }
+        }
+    });
+    let refused = refused.unwrap();
+    assert!(
+        matches!(refused, keel_mvcc::MvccError::Poisoned { .. })
+            && refused.to_string().contains("injected commit failure"),
+        "a put after the failed deletion: {refused}"
+    );
+    assert!(matches!(
+        s.force_commit(),
+        Err(keel_mvcc::MvccError::Poisoned { .. })
+    ));
+    assert!(matches!(
+        s.compact(100),
+        Err(keel_mvcc::MvccError::Poisoned { .. })
+    ));
+    // Nothing was deleted, and reads above the compaction point still work.
+    assert_eq!(s.backend().mem.len(&KEY_BUCKET), 103);
+    let r = s.range(&RangeRequest::key(b"k5".to_vec()).at(95)).unwrap();
+    assert_eq!(r.kvs[0].value(), b"8");
+}
+
+/// A read of what to delete that fails (all reader slots taken, say) is tried again after a
+/// pause, and the deletion finishes once reads work again.
+#[test]
+fn a_failed_read_of_what_to_delete_is_tried_again_after_a_pause() {
+    use std::sync::atomic::Ordering;
+    let (_d, s) = faulty_store();
+    s.backend().failing_reads.store(3, Ordering::Release);
+    let t0 = Instant::now();
+    s.compact(95).unwrap();
+    // Kept: per key its last put <= 95 (10), the puts 96..=100 and tombstones 101..=103.
+    wait_for("physical compaction", || {
+        s.backend().mem.len(&KEY_BUCKET) == 18
+    });
+    let took = t0.elapsed();
+    assert_eq!(s.backend().failing_reads.load(Ordering::Acquire), 0);
+    assert!(s.backend().reads_tried.load(Ordering::Acquire) >= 4);
+    // Three pauses, of 10, 20 and 40 ms: tried again after a pause, not at once.
+    assert!(
+        took >= Duration::from_millis(70),
+        "three failed reads and the deletion took {took:?}"
+    );
+    s.put(b"k5", b"later", 0).unwrap();
+    s.force_commit().unwrap();
+}
+
+/// Reads that keep failing are tried a bounded number of times, pausing longer each time,
+/// then the job is given up without poisoning the store; the next compaction deletes what it
+/// would have.
+#[test]
+fn reads_that_keep_failing_give_the_deletion_up_until_the_next_compaction() {
+    use std::sync::atomic::Ordering;
+    let (_d, s) = faulty_store();
+    let b = s.backend();
+    b.failing_reads.store(u64::MAX, Ordering::Release);
+    let t0 = Instant::now();
+    s.compact(95).unwrap();
+    wait_for("eight tries", || b.reads_tried.load(Ordering::Acquire) >= 8);
+    let took = t0.elapsed();
+    // Pauses of 10, 20, 40, …, 640 ms between the eight.
+    assert!(
+        took >= Duration::from_millis(1270),
+        "eight tries in {took:?}"
+    );
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(
+        b.reads_tried.load(Ordering::Acquire),
+        8,
+        "tried again after giving up"
+    );
+    assert_eq!(b.mem.len(&KEY_BUCKET), 103);
+    s.put(b"k5", b"later", 0).unwrap();
+    b.failing_reads.store(0, Ordering::Release);
+    s.compact(103).unwrap();
+    // Kept: the live keys' last puts, and k5's put at 104 (above the point).
+    wait_for("the next compaction", || b.mem.len(&KEY_BUCKET) == 8);
+}
+
+/// A shutdown stops the compactor while it pauses before trying a failed read again.
+#[test]
+fn a_shutdown_stops_a_compactor_pausing_to_try_again() {
+    use std::sync::atomic::Ordering;
+    let (_d, s) = faulty_store();
+    s.backend().failing_reads.store(u64::MAX, Ordering::Release);
+    s.compact(95).unwrap();
+    // The seventh try failed: the pause before the eighth is 640 ms.
+    wait_for("seven tries", || {
+        s.backend().reads_tried.load(Ordering::Acquire) >= 7
+    });
+    let t0 = Instant::now();
+    drop(s);
+    assert!(
+        t0.elapsed() < Duration::from_millis(300),
+        "the store took {:?} to shut down",
+        t0.elapsed()
+    );
+}
