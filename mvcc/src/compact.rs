@@ -108,19 +108,20 @@ pub(crate) fn compact<B: Backend>(inner: &Arc<Inner<B>>, revision: u64) -> Resul
     // index; a write transaction runs wholly between two chunks, and its changes all have
     // later revisions, which compaction leaves alone, so a key it adds or changes is
     // compacted alike whether the chunk that reaches it comes before or after. A key keeps
-    // one revision at most, and keys added meanwhile keep none: the kept set never grows
-    // (and rehashes) past this capacity with a lock held.
-    let mut available = HashSet::with_capacity(keys);
+    // one revision at most, and keys added meanwhile keep none: the revisions kept go into
+    // a vector that never grows (and moves) past this capacity with a lock held, and is
+    // written in order, so a chunk takes the page faults of its own share of it only (a set
+    // sized for every key takes those of most of its memory in the first chunk: with 300 000
+    // keys, some 1 800 faults and over 4 ms under both locks). The set the compactor looks
+    // revisions up in is made from it once no lock is held.
+    let mut kept = Vec::with_capacity(keys);
     let mut from: Option<Vec<u8>> = None;
     loop {
         let writer = inner.write_lock.lock();
         let mut idx = inner.index.write();
-        from = idx.keys.compact_some(
-            revision,
-            from.as_deref(),
-            INDEX_COMPACT_CHUNK,
-            &mut available,
-        );
+        from = idx
+            .keys
+            .compact_some(revision, from.as_deref(), INDEX_COMPACT_CHUNK, &mut kept);
         // Handed to the reads and writes waiting, if any, before this thread takes them
         // again.
         RwLockWriteGuard::unlock_fair(idx);
@@ -129,6 +130,7 @@ pub(crate) fn compact<B: Backend>(inner: &Arc<Inner<B>>, revision: u64) -> Resul
             break;
         }
     }
+    let available: HashSet<Revision> = kept.into_iter().collect();
     inner.commit_pending()?;
     let _ = inner.compactor.send(CompactJob {
         revision,

@@ -198,15 +198,13 @@ impl KeyEntry {
         self.edit(|g| g.rollback(rev));
     }
 
-    fn compact(&mut self, at: u64, available: &mut HashSet<Revision>) {
+    /// Compacts the history at `at`; returns the revision `<= at` that stays, if any.
+    fn compact(&mut self, at: u64) -> Option<Revision> {
         if let KeyEntry::Single { main, sub, .. } = self {
             // A lone put survives any compaction.
-            if *main <= at {
-                available.insert(Revision::new(*main, u64::from(*sub)));
-            }
-            return;
+            return (*main <= at).then(|| Revision::new(*main, u64::from(*sub)));
         }
-        self.edit(|g| g.compact(at, available));
+        self.edit(|g| g.compact(at))
     }
 
     /// The revision `<= at` that compacting at `at` would keep, if any, without compacting.
@@ -337,13 +335,14 @@ impl Gens {
         (gi, ri)
     }
 
-    fn compact(&mut self, at: u64, available: &mut HashSet<Revision>) {
+    /// etcd `compact`: drops the revisions before the compaction point at `at`; returns
+    /// the revision `<= at` that stays, if any.
+    fn compact(&mut self, at: u64) -> Option<Revision> {
         if self.gens.is_empty() {
-            return;
+            return None;
         }
-        let (mut gi, ri) = self.compact_point(at, &mut |r| {
-            available.insert(r);
-        });
+        let mut kept = None;
+        let (mut gi, ri) = self.compact_point(at, &mut |r| kept = Some(r));
         let last = self.gens.len() - 1;
         let g = &mut self.gens[gi];
         if !g.revs.is_empty() {
@@ -352,11 +351,12 @@ impl Gens {
             }
             // A lone tombstone left in an ended generation goes too.
             if g.revs.len() == 1 && gi != last {
-                available.remove(&g.revs[0]);
+                kept = None;
                 gi += 1;
             }
         }
         self.gens.drain(..gi);
+        kept
     }
 
     /// The revision `<= at` that [`compact`](Self::compact) at `at` would keep, if any.
@@ -871,14 +871,16 @@ impl KeyIndex {
 
     /// Compacts every key at `at`; returns the revisions `<= at` that stay in the store.
     pub fn compact(&mut self, at: u64) -> HashSet<Revision> {
-        let mut available = HashSet::new();
+        let mut available = Vec::new();
         self.compact_some(at, None, usize::MAX, &mut available);
-        available
+        available.into_iter().collect()
     }
 
     /// [`compact`](Self::compact) for at most `limit` keys, in key order from `from` (the
     /// first key when `None`) on, adding the revisions `<= at` that stay in the store to
-    /// `available`; returns the key to go on from, or `None` once every key was compacted.
+    /// `available` (at most one per key, in key order: the vector's memory is written in
+    /// order, a chunk's share of it per call); returns the key to go on from, or `None` once
+    /// every key was compacted.
     /// The leaves that removals thin out are packed as the compaction goes (see
     /// [`LeafMap::retain_from`]), so no call, the last one included, does much more than
     /// `limit` keys' work.
@@ -891,11 +893,11 @@ impl KeyIndex {
         at: u64,
         from: Option<&[u8]>,
         limit: usize,
-        available: &mut HashSet<Revision>,
+        available: &mut Vec<Revision>,
     ) -> Option<Vec<u8>> {
         self.map.retain_from(from, limit, |_, e| {
             e.update_mut(|e| {
-                e.compact(at, available);
+                available.extend(e.compact(at));
                 !e.is_empty()
             })
         })
@@ -1229,7 +1231,7 @@ mod tests {
             .map(|a| answers(&whole, a))
             .collect();
         let kept = whole.compact(at);
-        let mut available = HashSet::new();
+        let mut available = Vec::new();
         let mut from: Option<Vec<u8>> = None;
         let mut chunks = 0;
         loop {
@@ -1247,7 +1249,8 @@ mod tests {
             }
         }
         assert!(chunks > 10, "{chunks} chunks");
-        assert_eq!(available, kept);
+        assert_eq!(available.len(), kept.len(), "a revision kept twice");
+        assert_eq!(available.into_iter().collect::<HashSet<_>>(), kept);
         assert_eq!(chunked.len(), whole.len());
         let got: Vec<_> = (at..=4000)
             .step_by(97)
@@ -1292,7 +1295,7 @@ mod tests {
         // Two compactions, each a few keys per step: one well below the walk's revision,
         // then one at it.
         let mut compactions = [(2000, None::<Vec<u8>>, false), (at, None, false)];
-        let mut available = HashSet::new();
+        let mut available = Vec::new();
         let mut chunks = 0;
         loop {
             after = idx.keep_some(at, after.as_deref(), 7, &mut kept);
