@@ -77,6 +77,14 @@ pub(crate) fn thread_on_cpu() -> Option<Duration> {
     ))
 }
 
+/// The time on a CPU between two readings of it, or `elapsed` where either is unknown.
+fn on_cpu_since(then: Option<Duration>, now: Option<Duration>, elapsed: Duration) -> Duration {
+    match (then, now) {
+        (Some(then), Some(now)) => now.saturating_sub(then),
+        _ => elapsed,
+    }
+}
+
 /// What the process's threads have done so far: their time on a CPU, all together, and the
 /// time all but the calling thread have waited for one (their run delay), if the system
 /// says.
@@ -270,7 +278,7 @@ impl<'a> Pacer<'a> {
     /// it reaches [`MIN_SLEEP`].
     fn owed(&self, now: Instant, percent: u32) -> Option<Duration> {
         let Some((since, on_cpu_then)) = self.running.get() else {
-            self.begin_running(now, (self.probes.on_cpu)());
+            self.begin_running(now, (self.probes.on_cpu)(), Duration::ZERO);
             return None;
         };
         if self.next_check.get().is_some_and(|at| now < at) {
@@ -280,10 +288,7 @@ impl<'a> Pacer<'a> {
         let elapsed = now - since;
         let on_cpu_now = (self.probes.on_cpu)();
         self.on_cpu.set(on_cpu_now);
-        let on_cpu = match (on_cpu_then, on_cpu_now) {
-            (Some(then), Some(now)) => now.saturating_sub(then),
-            _ => elapsed,
-        };
+        let on_cpu = on_cpu_since(on_cpu_then, on_cpu_now, elapsed);
         let owed = (on_cpu * 100 / percent).saturating_sub(elapsed) + self.carried.get();
         self.owed.set(owed);
         (owed >= MIN_SLEEP).then(|| owed.min(MAX_SLEEP))
@@ -339,10 +344,7 @@ impl<'a> Pacer<'a> {
             return Verdict::Pace(now + RECHECK);
         };
         let span = now - p.since;
-        let own = match (p.own, (self.probes.on_cpu)()) {
-            (Some(then), Some(now)) => now.saturating_sub(then),
-            _ => span,
-        };
+        let own = on_cpu_since(p.own, (self.probes.on_cpu)(), span);
         let others = used.saturating_sub(p.used).saturating_sub(own);
         let wanting = waited.saturating_sub(p.waited);
         let demand = (others + wanting).as_secs_f64() / span.as_secs_f64();
@@ -360,15 +362,16 @@ impl<'a> Pacer<'a> {
         std::thread::sleep(owed);
         let woke = Instant::now();
         self.store.slept(woke - start);
-        self.begin_running(woke, self.on_cpu.get());
         // A sleep of at most `MAX_SLEEP` leaves the rest of a larger debt (a part of the
         // read that paused seldom) owed.
-        self.carried
-            .set(self.owed.get().saturating_sub(woke - start));
+        let left = self.owed.get().saturating_sub(woke - start);
+        self.begin_running(woke, self.on_cpu.get(), left);
     }
 
-    fn begin_running(&self, now: Instant, on_cpu: Option<Duration>) {
-        self.carried.set(Duration::ZERO);
+    /// The read begins to run at `now`, having been on a CPU for `on_cpu` (if known) and
+    /// owing `carried` from before.
+    fn begin_running(&self, now: Instant, on_cpu: Option<Duration>, carried: Duration) {
+        self.carried.set(carried);
         self.running.set(Some((now, on_cpu)));
         self.next_check.set(Some(now + CHECK_EVERY));
     }
@@ -612,24 +615,26 @@ mod tests {
         );
     }
 
-    /// A paced read on one of two CPUs 15% of the time, the process's other threads on
-    /// them half the time, nobody waiting: a read at full speed would leave half a CPU.
-    const PACED_BESIDE_HALF_A_CPU: Probes = Probes {
+    /// A paced read on one of three CPUs 15% of the time, the process's other threads on
+    /// them one and a half CPUs' worth, nobody waiting: a read at full speed would leave
+    /// half a CPU (counting the read's own time among what was used would leave 1.35).
+    const PACED_BESIDE_A_CPU_AND_A_HALF: Probes = Probes {
         on_cpu: || Some(since_start().mul_f64(0.15)),
-        process: || Some((since_start().mul_f64(0.65), Duration::ZERO)),
-        cpus: || Some(2.0),
+        process: || Some((since_start().mul_f64(1.65), Duration::ZERO)),
+        cpus: || Some(3.0),
     };
 
-    /// The same read alone: a read at full speed would leave a whole CPU.
+    /// The same read alone: a read at full speed would leave two CPUs (a margin of a whole
+    /// CPU, so the instants at which the fakes are read do not matter).
     const PACED_ALONE: Probes = Probes {
         on_cpu: || Some(since_start().mul_f64(0.15)),
         process: || Some((since_start().mul_f64(0.15), Duration::ZERO)),
-        cpus: || Some(2.0),
+        cpus: || Some(3.0),
     };
 
     #[test]
     fn a_probe_after_a_pace_verdict_paces_and_leaves_the_reads_own_time_out() {
-        for (probes, paces) in [(PACED_BESIDE_HALF_A_CPU, true), (PACED_ALONE, false)] {
+        for (probes, paces) in [(PACED_BESIDE_A_CPU_AND_A_HALF, true), (PACED_ALONE, false)] {
             let store = fake(25);
             // The last verdict, to pace, has just run out.
             store.verdict.set(Some(Verdict::Pace(
