@@ -957,13 +957,7 @@ mod tests {
 
     #[test]
     fn index_keys_order_as_their_bytes() {
-        let mut x = 0x2545_f491_4f6c_dd1du64;
-        let mut next = move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut next = crate::xorshift(0x2545_f491_4f6c_dd1d);
         // A small alphabet with zero bytes (the inline padding) and lengths on both sides of
         // the inline limit: shared prefixes, keys that are prefixes of others, zero tails.
         let mut key = || -> Vec<u8> {
@@ -1027,13 +1021,7 @@ mod tests {
     #[test]
     fn scans_yield_their_bounds_keys_in_ascending_order() {
         use std::ops::RangeBounds;
-        let mut x = 0x2545_f491_4f6c_dd1du64;
-        let mut next = move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut next = crate::xorshift(0x2545_f491_4f6c_dd1d);
         let key = |next: &mut dyn FnMut() -> u64| -> Vec<u8> {
             let len = (next() % 5) as usize;
             (0..len)
@@ -1055,7 +1043,7 @@ mod tests {
                 1 => (Bound::Until(&end), RangeBound::Excluded(end.clone())),
                 _ => (Bound::Unbounded, RangeBound::Unbounded),
             };
-            let resume = next() % 2 == 0;
+            let resume = next().is_multiple_of(2);
             let lower = if resume {
                 RangeBound::Excluded(after.clone())
             } else {
@@ -1200,20 +1188,12 @@ mod tests {
     /// for the keys either side of the chunk), and packs leaves that removals thinned out.
     #[test]
     fn compacting_in_chunks_matches_a_whole_compaction() {
-        let mut next = {
-            let mut x = 0x9e37_79b9_7f4a_7c15_u64;
-            move || {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                x
-            }
-        };
+        let mut next = crate::xorshift(0x9e37_79b9_7f4a_7c15);
         let keys: Vec<Vec<u8>> = (0..500).map(|i| format!("k{i:04}").into_bytes()).collect();
         let (mut whole, mut chunked) = (KeyIndex::default(), KeyIndex::default());
         for main in 1..=4000 {
             let k = &keys[(next() % 500) as usize];
-            let delete = next() % 4 == 0;
+            let delete = next().is_multiple_of(4);
             for idx in [&mut whole, &mut chunked] {
                 if delete {
                     idx.tombstone(k, r(main));
@@ -1267,20 +1247,12 @@ mod tests {
     /// left alone finds, each revision once.
     #[test]
     fn keeping_in_chunks_beside_writes_and_compactions_matches_a_whole_walk() {
-        let mut next = {
-            let mut x = 0x2545_f491_4f6c_dd1d_u64;
-            move || {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                x
-            }
-        };
+        let mut next = crate::xorshift(0x2545_f491_4f6c_dd1d);
         let keys: Vec<Vec<u8>> = (0..500).map(|i| format!("k{i:04}").into_bytes()).collect();
         let mut idx = KeyIndex::default();
         for main in 1..=4000 {
             let k = &keys[(next() % 500) as usize];
-            if next() % 4 == 0 {
+            if next().is_multiple_of(4) {
                 idx.tombstone(k, r(main));
             } else {
                 idx.put(k, r(main));

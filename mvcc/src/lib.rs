@@ -57,3 +57,15 @@ pub use write::WriteTxn;
 
 #[cfg(feature = "testing")]
 pub mod testing;
+
+/// A xorshift64 generator from `seed` (not zero): the deterministic random numbers of the
+/// unit tests.
+#[cfg(test)]
+pub(crate) fn xorshift(mut seed: u64) -> impl FnMut() -> u64 {
+    move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    }
+}

@@ -300,38 +300,35 @@ impl<T: ReadTxn> Sources<'_, T> {
             return Ok(());
         }
         sort_misses(&mut wanted);
-        // Buffers by first revision: a revision is in the last one starting at or below it,
-        // if anywhere (a buffer holds revisions from its first one up to the next one's).
+        // Buffers by first revision: a buffer holds revisions from its first one up to the
+        // next one's, and every wanted revision is at or above the first buffer's.
         let mut buffers = buffers.to_vec();
         buffers.sort_unstable_by_key(|(_, first)| *first);
-        let mut at = vec![0usize; buffers.len()];
         let mut w = 0;
         let mut since_pause = 0;
-        while w < wanted.len() {
-            let Some(b) = buffers.iter().rposition(|(_, first)| *first <= wanted[w].0) else {
-                misses.push(wanted[w]);
-                w += 1;
-                continue;
-            };
+        for (b, (pending, _)) in buffers.iter().enumerate() {
             let upto = buffers.get(b + 1).map(|(_, first)| *first);
-            let changes = buffers[b].0.changes.read();
-            for _ in 0..LOOKUPS_PER_LOCK {
-                let Some(&(rev, slot)) = wanted.get(w).filter(|(r, _)| upto.is_none_or(|u| *r < u))
-                else {
-                    break;
-                };
-                at[b] = changes.seek(at[b], rev);
-                match changes.revs.get(at[b]) {
-                    Some(p) if p.rev == rev => build(slot, rev, changes.record(p))?,
-                    _ => misses.push((rev, slot)),
+            let in_this = |w: usize| wanted.get(w).filter(|(r, _)| upto.is_none_or(|u| *r < u));
+            let mut at = 0;
+            while in_this(w).is_some() {
+                let changes = pending.changes.read();
+                for _ in 0..LOOKUPS_PER_LOCK {
+                    let Some(&(rev, slot)) = in_this(w) else {
+                        break;
+                    };
+                    at = changes.seek(at, rev);
+                    match changes.revs.get(at) {
+                        Some(p) if p.rev == rev => build(slot, rev, changes.record(p))?,
+                        _ => misses.push((rev, slot)),
+                    }
+                    w += 1;
+                    since_pause += 1;
                 }
-                w += 1;
-                since_pause += 1;
-            }
-            drop(changes);
-            if since_pause >= INDEX_CHUNK {
-                since_pause = 0;
-                self.pause();
+                drop(changes);
+                if since_pause >= INDEX_CHUNK {
+                    since_pause = 0;
+                    self.pause();
+                }
             }
         }
         Ok(())
@@ -898,13 +895,7 @@ mod tests {
 
     #[test]
     fn radix_sorted_misses_match_a_comparison_sort() {
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut next = crate::xorshift(0x9e37_79b9_7f4a_7c15);
         for (len, main_range, sub_range) in [(100, 50, 3), (5_000, 1 << 20, 1), (5_000, 300, 70)] {
             let mut misses: Vec<(Revision, usize)> = (0..len)
                 .map(|i| {

@@ -503,21 +503,12 @@ impl<V> LeafMap<V> {
 mod tests {
     use super::*;
 
-    fn rng(mut x: u64) -> impl FnMut() -> u64 {
-        move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        }
-    }
-
     /// Random adds, updates, removals, retains and scans against a `BTreeMap`, with keys
     /// short and long (on the heap), dense and sparse.
     #[test]
     fn behaves_as_an_ordered_map() {
         for (seed, space, ops) in [(1u64, 50u64, 3_000), (2, 5_000, 20_000), (3, 400, 20_000)] {
-            let mut next = rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+            let mut next = crate::xorshift(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
             let key = |n: u64| -> Vec<u8> {
                 if n.is_multiple_of(7) {
                     format!("a-long-key-that-lives-on-the-heap-{n:08}").into_bytes()
@@ -617,24 +608,20 @@ mod tests {
         }
     }
 
-    /// A chunked retain whose predicate panics part way leaves a well-formed map too: the
-    /// leaf being filtered goes back into the map with every entry not yet refused.
-    #[test]
-    fn a_panicking_retain_from_leaves_a_well_formed_map() {
+    /// The map of the panicking retain tests: the values 0..n, each under its key `k{v:08}`.
+    fn panic_test_map() -> (u64, LeafMap<u64>) {
         let n = 10 * LEAF as u64 + 3;
         let mut map: LeafMap<u64> = LeafMap::default();
         for i in 0..n {
             map.upsert(format!("k{i:08}").as_bytes(), || i, |_| ());
         }
-        let from = map.retain_from(None, 100, |_, v| *v % 2 == 0);
-        assert_eq!(from.as_deref(), Some(&b"k00000100"[..]));
-        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            map.retain_from(from.as_deref(), 1000, |_, v| {
-                assert!(*v < 150, "the predicate fails at {v}");
-                *v % 2 == 0
-            })
-        }));
-        assert!(result.is_err());
+        (n, map)
+    }
+
+    /// Checks that a map from [`panic_test_map`], filtered for even values by a predicate
+    /// that panicked at 150, is well formed and holds the even values below 150 and every
+    /// value from 150 on; returns how many it holds.
+    fn check_after_panic(map: &LeafMap<u64>, n: u64) -> usize {
         map.check();
         let want: Vec<u64> = (0..n).filter(|v| *v >= 150 || v % 2 == 0).collect();
         assert_eq!(map.values().copied().collect::<Vec<_>>(), want);
@@ -647,6 +634,24 @@ mod tests {
                 "{k}"
             );
         }
+        want.len()
+    }
+
+    /// A chunked retain whose predicate panics part way leaves a well-formed map too: the
+    /// leaf being filtered goes back into the map with every entry not yet refused.
+    #[test]
+    fn a_panicking_retain_from_leaves_a_well_formed_map() {
+        let (n, mut map) = panic_test_map();
+        let from = map.retain_from(None, 100, |_, v| *v % 2 == 0);
+        assert_eq!(from.as_deref(), Some(&b"k00000100"[..]));
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            map.retain_from(from.as_deref(), 1000, |_, v| {
+                assert!(*v < 150, "the predicate fails at {v}");
+                *v % 2 == 0
+            })
+        }));
+        assert!(result.is_err());
+        check_after_panic(&map, n);
     }
 
     /// A chunked retain that removes most entries packs the leaves it thinned out as it
@@ -717,7 +722,7 @@ mod tests {
         assert_eq!(up.leaf_count(), full, "ascending");
         assert_eq!(down.leaf_count(), full, "descending");
         let mut random: LeafMap<u64> = LeafMap::default();
-        let mut next = rng(0x2545_f491_4f6c_dd1d);
+        let mut next = crate::xorshift(0x2545_f491_4f6c_dd1d);
         for i in 0..n {
             random.upsert(format!("k{:016}", next()).as_bytes(), || i, |_| ());
         }
@@ -737,11 +742,7 @@ mod tests {
     /// refused before the panic are gone, every other one is still there, in order.
     #[test]
     fn a_panicking_retain_leaves_a_well_formed_map() {
-        let n = 10 * LEAF as u64 + 3;
-        let mut map: LeafMap<u64> = LeafMap::default();
-        for i in 0..n {
-            map.upsert(format!("k{i:08}").as_bytes(), || i, |_| ());
-        }
+        let (n, mut map) = panic_test_map();
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             map.retain(|_, v| {
                 assert!(*v < 150, "the predicate fails at {v}");
@@ -749,18 +750,7 @@ mod tests {
             })
         }));
         assert!(result.is_err());
-        map.check();
-        let want: Vec<u64> = (0..n).filter(|v| *v >= 150 || v % 2 == 0).collect();
-        assert_eq!(map.values().copied().collect::<Vec<_>>(), want);
-        assert_eq!(map.len(), want.len());
-        for v in [0, 1, 148, 149, 150, 151, n - 1] {
-            let k = format!("k{v:08}");
-            assert_eq!(
-                map.get(k.as_bytes()),
-                want.contains(&v).then_some(&v),
-                "{k}"
-            );
-        }
-        assert_eq!(map.leaf_count(), want.len().div_ceil(LEAF));
+        let want = check_after_panic(&map, n);
+        assert_eq!(map.leaf_count(), want.div_ceil(LEAF));
     }
 }

@@ -20,7 +20,7 @@ fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
     }
 }
 
-fn fill(s: &Store<MemBackend>) {
+fn fill<B: Backend>(s: &Store<B>) {
     // 10 keys x 10 versions, then 3 keys deleted: revisions 1..=103.
     for v in 0..10u32 {
         for k in 0..10u32 {
@@ -620,15 +620,7 @@ fn faulty_store() -> (tempfile::TempDir, Store<faulty::Faulty>) {
         ..StoreOptions::default()
     };
     let s = Store::open(backend, options).unwrap();
-    for v in 0..10u32 {
-        for k in 0..10u32 {
-            s.put(format!("k{k}").as_bytes(), format!("{v}").as_bytes(), 0)
-                .unwrap();
-        }
-    }
-    for k in 0..3u32 {
-        s.delete_range(format!("k{k}").as_bytes(), None).unwrap();
-    }
+    fill(&s);
     s.force_commit().unwrap();
     assert_eq!(s.backend().mem.len(&KEY_BUCKET), 103);
     (dir, s)
