@@ -173,15 +173,35 @@ impl SegmentWriter {
         }
         let mut tail = [0u8; DIRECT_ALIGN];
         tail[..keep].copy_from_slice(&self.buf[self.buf.len() - keep..]);
+        self.start_page(&tail[..keep]);
+    }
+
+    /// Starts the buffer over with `head`, the file's bytes from the page boundary below
+    /// `flushed`, at a page-aligned address.
+    fn start_page(&mut self, head: &[u8]) {
         if self.buf.capacity() < BUF_RESERVE {
             self.buf = Vec::with_capacity(BUF_RESERVE);
         }
         self.buf.clear();
         let pad = self.buf.as_ptr().align_offset(DIRECT_ALIGN);
         self.buf.resize(pad, 0);
-        self.buf.extend_from_slice(&tail[..keep]);
+        self.buf.extend_from_slice(head);
         self.file_from = pad;
-        self.lead = pad + keep;
+        self.lead = pad + head.len();
+    }
+
+    /// Tells a writer just started at the end of its segment's header what that header is:
+    /// the file's bytes in front of the first record, which the first direct write rewrites.
+    /// Without, that write reads them back from the file (a disk read, since a segment
+    /// prepared for direct writes has no cached pages).
+    pub(crate) fn header_is(&mut self, header: &[u8]) {
+        if self.direct.is_some()
+            && self.pending() == 0
+            && self.flushed == header.len() as u64
+            && header.len() < DIRECT_ALIGN
+        {
+            self.start_page(header);
+        }
     }
 
     /// [`SegmentWriter::flush`] as one direct write of whole pages; `Ok(false)` (nothing

@@ -137,10 +137,10 @@ impl LogIndex {
 
     /// Drops the leading entries stored in segments below `seq`.
     pub(crate) fn release_below(&mut self, seq: u64) {
-        while self.locs.front().is_some_and(|l| l.seq < seq) {
-            self.locs.pop_front();
-            self.base += 1;
-        }
+        // Segments hold ascending indices: the entries below `seq` are a prefix.
+        let n = self.locs.partition_point(|l| l.seq < seq);
+        self.locs.drain(..n);
+        self.base += n as u64;
     }
 
     /// Locations of `[lo, hi)` (the caller checked the range is held).

@@ -365,7 +365,9 @@ impl Wal {
                     size,
                     version: FORMAT_VERSION,
                 };
-                (SegmentWriter::new(start), false)
+                let mut writer = SegmentWriter::new(start);
+                writer.header_is(&segment::encode_header(seq));
+                (writer, false)
             }
         };
         let next_seq = writer.seq + 1;
@@ -613,6 +615,7 @@ impl Wal {
             size: self.options.segment_size,
             version: FORMAT_VERSION,
         });
+        g.writer.header_is(&segment::encode_header(seq));
         g.writer.seed(prev, first);
         write_state(g);
         g.writer.data_start = g.writer.end();
