@@ -6,8 +6,8 @@
 //! already in the file from the last page boundary and ending with zeros, so the kernel
 //! neither copies the records into the page cache nor has them to write back inside
 //! `fdatasync`, which is left with the disk's cache flush. The write buffer keeps those
-//! first bytes in front of the records, at a page-aligned address, so the pages go out
-//! straight from it. Rewriting a page's first bytes with the same bytes leaves them as they
+//! first bytes in front of the records, at a page-aligned address (the start of a huge page
+//! where the kernel gives one, see `pagebuf`), so the pages go out straight from it. Rewriting a page's first bytes with the same bytes leaves them as they
 //! were whatever part of the write reaches the disk.
 
 use std::io::{self, IoSlice};
@@ -16,6 +16,7 @@ use std::sync::Arc;
 
 use crate::index::Loc;
 use crate::io::{DIRECT_ALIGN, WalFile, read_full_at, write_all_at, write_all_vectored_at};
+use crate::pagebuf::PageBuf;
 use crate::record::{
     self, ENTRY_PREFIX, Entry, HEADER_LEN, HardState, Metadata, SnapshotMarker, padded,
 };
@@ -40,7 +41,7 @@ pub(crate) struct SegmentWriter {
     /// records: when they reach back to the page boundary below `flushed`, at a page-aligned
     /// address (as [`SegmentWriter::rebase`] leaves them), a direct write of those pages
     /// goes straight from this buffer.
-    buf: Vec<u8>,
+    buf: PageBuf,
     /// Where the records start in `buf`.
     lead: usize,
     /// Where the file's bytes start in `buf` (see `buf`).
@@ -65,10 +66,11 @@ pub(crate) struct SegmentWriter {
     pub version: u32,
 }
 
-/// Memory the write buffer keeps once a direct write has used it: records up to about this
-/// many bytes stay at the aligned address a direct write needs (a larger buffer moves, and
-/// its direct write then goes through a copy).
-const BUF_RESERVE: usize = (1 << 20) + 4 * DIRECT_ALIGN;
+/// Room the write buffer makes when it starts over after a write: one huge page's worth
+/// (see `pagebuf`), so appends up to about that size are written from a single page.
+const BUF_RESERVE: usize = 2 << 20;
+/// A write buffer grown past this by a large append is given back when it starts over.
+const BUF_KEEP: usize = 8 << 20;
 
 /// What a segment writer starts from.
 pub(crate) struct WriterStart {
@@ -97,7 +99,7 @@ impl SegmentWriter {
             seq: start.seq,
             path: start.path,
             file: start.file,
-            buf: Vec::new(),
+            buf: PageBuf::default(),
             lead: 0,
             file_from: 0,
             flushed: start.end,
@@ -179,10 +181,12 @@ impl SegmentWriter {
     /// Starts the buffer over with `head`, the file's bytes from the page boundary below
     /// `flushed`, at a page-aligned address.
     fn start_page(&mut self, head: &[u8]) {
-        if self.buf.capacity() < BUF_RESERVE {
-            self.buf = Vec::with_capacity(BUF_RESERVE);
+        if self.buf.capacity() > BUF_KEEP {
+            // Grown by a large append: given back.
+            self.buf = PageBuf::default();
         }
         self.buf.clear();
+        self.buf.reserve(BUF_RESERVE);
         let pad = self.buf.as_ptr().align_offset(DIRECT_ALIGN);
         self.buf.resize(pad, 0);
         self.buf.extend_from_slice(head);

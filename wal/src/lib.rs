@@ -107,6 +107,7 @@ mod error;
 mod index;
 mod io;
 mod options;
+mod pagebuf;
 mod record;
 mod recovery;
 mod repair;

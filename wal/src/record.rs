@@ -45,6 +45,8 @@
 //! records left over from an earlier life of a recycled file (another sequence number, so
 //! another chain) never verify in it.
 
+use crate::pagebuf::Sink;
+
 /// Size of a record header.
 pub const HEADER_LEN: usize = 8;
 /// Largest payload a record can carry (the length field has 24 bits).
@@ -148,7 +150,7 @@ pub(crate) const fn record_len(payload_len: usize) -> usize {
 /// Appends a framed record whose payload is the concatenation of `parts` to `buf` and
 /// returns its crc (the seed of the next record). The caller keeps the total under
 /// [`MAX_PAYLOAD`].
-pub(crate) fn encode(buf: &mut Vec<u8>, ty: RecordType, parts: &[&[u8]], prev_crc: u32) -> u32 {
+pub(crate) fn encode(buf: &mut impl Sink, ty: RecordType, parts: &[&[u8]], prev_crc: u32) -> u32 {
     let len: usize = parts.iter().map(|p| p.len()).sum();
     debug_assert!(len <= MAX_PAYLOAD);
     let word = ((ty as u32) << 24) | len as u32;
@@ -357,7 +359,7 @@ impl<'a> Record<'a> {
 }
 
 /// Encoders for each record kind; each returns the new chain crc.
-pub(crate) fn encode_entry(buf: &mut Vec<u8>, e: &Entry, prev: u32) -> u32 {
+pub(crate) fn encode_entry(buf: &mut impl Sink, e: &Entry, prev: u32) -> u32 {
     // `encode` for an entry, without its general parts: header and prefix framed in one
     // piece, then the data, the padding from zeros, and one crc pass over word and payload.
     let len = ENTRY_PREFIX + e.data.len();
@@ -395,7 +397,7 @@ pub(crate) fn batch_payload_len(entries: &[Entry]) -> usize {
 
 /// Appends a batch record of `entries` (at least two, consecutive indices, one term, within
 /// [`BATCH_MAX_PAYLOAD`], as [`batch_run`] picks them) to `buf` and returns its crc.
-pub(crate) fn encode_batch(buf: &mut Vec<u8>, entries: &[Entry], prev: u32) -> u32 {
+pub(crate) fn encode_batch(buf: &mut impl Sink, entries: &[Entry], prev: u32) -> u32 {
     let len = batch_payload_len(entries);
     debug_assert!(entries.len() >= 2 && len <= BATCH_MAX_PAYLOAD);
     let word = ((RecordType::Batch as u32) << 24) | len as u32;
@@ -420,7 +422,7 @@ pub(crate) fn encode_batch(buf: &mut Vec<u8>, entries: &[Entry], prev: u32) -> u
 /// Finishes the record framed at `buf[start..]` (header with its crc left zero, then `len`
 /// bytes of payload): computes its crc over word and payload, chained from `prev`, writes it
 /// into the header, pads the payload to 8 bytes, and returns the crc.
-fn seal(buf: &mut Vec<u8>, start: usize, len: usize, prev: u32) -> u32 {
+fn seal(buf: &mut impl Sink, start: usize, len: usize, prev: u32) -> u32 {
     let mut h = crc32fast::Hasher::new_with_initial(prev);
     h.update(&buf[start + 4..]);
     let crc = h.finalize();
@@ -453,7 +455,7 @@ pub(crate) fn entry_head(e: &Entry, prev: u32) -> ([u8; HEADER_LEN + ENTRY_PREFI
     (h, crc)
 }
 
-pub(crate) fn encode_seed(buf: &mut Vec<u8>, chain: u32, prev_crc: u32, first_index: u64) -> u32 {
+pub(crate) fn encode_seed(buf: &mut impl Sink, chain: u32, prev_crc: u32, first_index: u64) -> u32 {
     let mut p = [0u8; 16];
     p[..4].copy_from_slice(&prev_crc.to_le_bytes());
     p[8..].copy_from_slice(&first_index.to_le_bytes());
@@ -463,7 +465,7 @@ pub(crate) fn encode_seed(buf: &mut Vec<u8>, chain: u32, prev_crc: u32, first_in
     encode(buf, RecordType::Seed, &[&p], chain)
 }
 
-pub(crate) fn encode_hard_state(buf: &mut Vec<u8>, hs: &HardState, prev: u32) -> u32 {
+pub(crate) fn encode_hard_state(buf: &mut impl Sink, hs: &HardState, prev: u32) -> u32 {
     let mut p = [0u8; 24];
     p[..8].copy_from_slice(&hs.term.to_le_bytes());
     p[8..16].copy_from_slice(&hs.vote.to_le_bytes());
@@ -471,14 +473,14 @@ pub(crate) fn encode_hard_state(buf: &mut Vec<u8>, hs: &HardState, prev: u32) ->
     encode(buf, RecordType::HardState, &[&p], prev)
 }
 
-pub(crate) fn encode_snapshot(buf: &mut Vec<u8>, m: &SnapshotMarker, prev: u32) -> u32 {
+pub(crate) fn encode_snapshot(buf: &mut impl Sink, m: &SnapshotMarker, prev: u32) -> u32 {
     let mut p = [0u8; 16];
     p[..8].copy_from_slice(&m.index.to_le_bytes());
     p[8..].copy_from_slice(&m.term.to_le_bytes());
     encode(buf, RecordType::Snapshot, &[&p], prev)
 }
 
-pub(crate) fn encode_metadata(buf: &mut Vec<u8>, m: &Metadata, prev: u32) -> u32 {
+pub(crate) fn encode_metadata(buf: &mut impl Sink, m: &Metadata, prev: u32) -> u32 {
     let mut p = [0u8; 16];
     p[..8].copy_from_slice(&m.cluster_id.to_le_bytes());
     p[8..].copy_from_slice(&m.member_id.to_le_bytes());

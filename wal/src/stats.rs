@@ -20,7 +20,8 @@ pub struct WalStats {
     /// appends; the rest of their latency is the log's and the scheduler's).
     pub sync_time: Duration,
     /// Durable appends of large entries written straight from the entries' own buffers
-    /// (one vectored write) rather than copied into the write buffer.
+    /// (one vectored write through the page cache) rather than copied into the write
+    /// buffer; only where direct writes are off.
     pub direct_writes: u64,
     /// Writes ahead of a group commit's `fdatasync` made as direct writes
     /// ([`crate::WalOptions::direct_writes`]).

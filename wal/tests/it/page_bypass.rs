@@ -167,7 +167,7 @@ fn a_file_system_without_direct_writes_keeps_the_page_cache() {
 }
 
 #[test]
-fn direct_appends_never_read_the_segment_back_even_across_rotations() {
+fn direct_appends_copy_even_large_entries_and_never_read_the_segment_back() {
     let dir = tempfile::tempdir().unwrap();
     if !direct_supported(dir.path()) {
         eprintln!("direct writes unsupported here: skipped");
@@ -182,15 +182,20 @@ fn direct_appends_never_read_the_segment_back_even_across_rotations() {
         ..opts(true)
     };
     let wal = Wal::open(&dir.path().join("wal"), o.clone()).unwrap();
-    // Batches of 16 KiB: a 256 KiB segment takes about 15 of them, so 64 rotate 4 times.
+    // Batches of 16 entries of 1000 or 4096 bytes: a 256 KiB segment takes 4 to 15 of
+    // them, so 40 rotate at least 4 times.
     let mut es = Vec::new();
-    for b in 0..64u64 {
-        let batch: Vec<Entry> = (0..16).map(|k| entry(b * 16 + k + 1, 1, 1000)).collect();
+    for b in 0..40u64 {
+        let len = if b % 2 == 0 { 1000 } else { 4096 };
+        let batch: Vec<Entry> = (0..16).map(|k| entry(b * 16 + k + 1, 1, len)).collect();
         wal.append(&batch, None, true).unwrap();
         es.extend(batch);
     }
     let stats = wal.stats();
-    assert!(stats.rotations >= 3, "{stats:?}");
+    assert!(stats.rotations >= 4, "{stats:?}");
+    // Large entries too are copied into the write buffer and written direct, not written
+    // through the page cache from their own buffers.
+    assert_eq!(stats.direct_writes, 0, "{stats:?}");
     assert_eq!(stats.direct_flushes, stats.syncs, "{stats:?}");
     // Every page a direct write rewrites starts with bytes the log wrote itself, the first
     // page of a segment with its header: none is read back from the disk.
