@@ -43,16 +43,8 @@ const INDEX_KEEP_CHUNK: usize = 4096;
 /// How often the compactor looks again while an open view pins history it would delete.
 const PIN_POLL: Duration = Duration::from_millis(5);
 
-/// Tries the compactor makes at reading a batch of what to delete (a backend read
-/// transaction and a range of the `key` bucket) before it gives the job up.
-const READ_TRIES: u32 = 8;
-
-/// The compactor's pause after its first failed read of a batch; each later failure of the
-/// same batch doubles it, up to [`READ_RETRY_PAUSE_MAX`]: the [`READ_TRIES`] tries span some
-/// 1.3 s.
-const READ_RETRY_PAUSE: Duration = Duration::from_millis(10);
-
-/// The longest pause between two tries at reading a batch.
+/// The longest pause between two tries at reading a batch (the first is
+/// [`StoreOptions::compaction_retry_pause`](crate::StoreOptions::compaction_retry_pause)).
 const READ_RETRY_PAUSE_MAX: Duration = Duration::from_secs(1);
 
 /// Physical deletion work for the compactor thread; revision 0 stops the thread.
@@ -147,7 +139,7 @@ pub(crate) fn compact<B: Backend>(inner: &Arc<Inner<B>>, revision: u64) -> Resul
 /// so the queue, and the kept-revision sets its jobs hold, stay bounded however many
 /// compactions an open view holds back.
 ///
-/// A job whose reads of what to delete keep failing is given up after [`READ_TRIES`] tries
+/// A job whose reads of what to delete keep failing is given up after `compaction_read_tries`
 /// (see [`delete_compacted`]): the next compaction deletes what it would have (it deletes
 /// everything older ones do, from the start), and so does the next open (the compaction
 /// point is recorded as scheduled, not finished). A failed commit of deletions poisons the
@@ -178,7 +170,7 @@ pub(crate) fn compactor_loop<B: Backend>(
             Err(e) => tracing::error!(
                 revision = job.revision,
                 error = %e,
-                tries = READ_TRIES,
+                tries = inner.options.compaction_read_tries,
                 "compaction gave up reading what to delete; the next compaction or open \
                  deletes it"
             ),
@@ -213,7 +205,8 @@ fn take_newer(rx: &Receiver<CompactJob>, job: &mut CompactJob) -> Option<bool> {
 ///
 /// A failed read of a batch of what to delete has written nothing of it: it is tried again,
 /// from where it started, after a pause that doubles with each failure of the same batch
-/// (see [`READ_RETRY_PAUSE`]), and its error is returned once [`READ_TRIES`] tries failed.
+/// (from `compaction_retry_pause` up to [`READ_RETRY_PAUSE_MAX`]), and its error is returned
+/// once `compaction_read_tries` tries failed.
 /// The batches committed before it stay committed (deleting is idempotent). A failed commit
 /// poisons the store (see [`Inner::poison`]) and is returned at once: the backend may hold
 /// the batch or not, and a store that cannot tell what it holds writes nothing more.
@@ -256,10 +249,12 @@ fn delete_compacted<B: Backend>(
             Ok(read) => read,
             Err(e) => {
                 failed += 1;
-                if failed >= READ_TRIES {
+                if failed >= inner.options.compaction_read_tries {
                     return Err(e);
                 }
-                let pause = READ_RETRY_PAUSE
+                let pause = inner
+                    .options
+                    .compaction_retry_pause
                     .saturating_mul(1 << (failed - 1).min(16))
                     .min(READ_RETRY_PAUSE_MAX);
                 tracing::warn!(

@@ -26,6 +26,15 @@ pub struct StoreOptions {
     /// Pause between two compaction batches, so compaction never hogs the backend.
     /// Default: 10 ms (etcd).
     pub compaction_sleep_interval: Duration,
+    /// Tries the background compactor makes at reading one batch of what to delete (a backend
+    /// read transaction and a range of the key bucket) before it gives that compaction up
+    /// and logs the error; the next compaction, or the next open, deletes what it left.
+    /// Failures to commit a batch are not retried: they poison the store. Default: 8.
+    pub compaction_read_tries: u32,
+    /// The compactor's pause after its first failed read of a batch; each later failure of
+    /// the same batch doubles it, up to 1 s (with the default tries, some 1.3 s in all).
+    /// Default: 10 ms.
+    pub compaction_retry_pause: Duration,
     /// Messages a watcher's channel holds before the watcher is marked slow and catches up
     /// from the store later: one per revision while it keeps up, one per catch-up round (its
     /// share of that round's revisions) while it catches up; the receiver still sees one
@@ -65,6 +74,8 @@ impl Default for StoreOptions {
             max_txn_ops: 128,
             compaction_batch_limit: 1_000,
             compaction_sleep_interval: Duration::from_millis(10),
+            compaction_read_tries: 8,
+            compaction_retry_pause: Duration::from_millis(10),
             watch_channel_capacity: 128,
             watch_sync_interval: Duration::from_millis(100),
             watch_sync_batch: 1_000,
@@ -97,6 +108,9 @@ impl StoreOptions {
         }
         if self.compaction_batch_limit == 0 {
             return bad("compaction_batch_limit", "must be at least 1");
+        }
+        if self.compaction_read_tries == 0 {
+            return bad("compaction_read_tries", "must be at least 1");
         }
         if self.watch_channel_capacity == 0 {
             return bad("watch_channel_capacity", "must be at least 1");

@@ -63,9 +63,12 @@ pub struct WalOptions {
     /// Write the records a sync is about to make durable with a direct write (`O_DIRECT`)
     /// of whole pages, where the file system allows it, instead of through the page cache:
     /// the kernel neither copies them into the cache nor writes them back inside
-    /// `fdatasync`, which is left with the disk's cache flush. Appends that are not synced
-    /// at once, and large entries written straight from their own buffers, still go through
-    /// the page cache. Default: true.
+    /// `fdatasync`, which is left with the disk's cache flush. The write buffer sits in a
+    /// transparent huge page where the kernel gives one (`transparent_hugepage` set to
+    /// `madvise` or `always`), so a write of up to about 2 MiB reaches the device as one
+    /// piece instead of one per 4 KiB page. Appends that are not synced at once still go
+    /// through the page cache. Off, durable appends of large entries are written straight
+    /// from the entries' own buffers (one vectored write). Default: true.
     pub direct_writes: bool,
     /// The file-system seam every file operation goes through. Default: the real file
     /// system ([`RealFs`]); tests inject faults through their own implementation.

@@ -613,11 +613,15 @@ mod faulty {
 
 /// A store over [`faulty::Faulty`] holding [`fill`]'s revisions, all in the backend.
 fn faulty_store() -> (tempfile::TempDir, Store<faulty::Faulty>) {
+    faulty_store_with(StoreOptions::default())
+}
+
+fn faulty_store_with(options: StoreOptions) -> (tempfile::TempDir, Store<faulty::Faulty>) {
     let (dir, path) = fresh_path();
     let backend = faulty::Faulty::open(&path, &Default::default()).unwrap();
     let options = StoreOptions {
         compaction_sleep_interval: Duration::from_millis(1),
-        ..StoreOptions::default()
+        ..options
     };
     let s = Store::open(backend, options).unwrap();
     fill(&s);
@@ -720,6 +724,46 @@ fn reads_that_keep_failing_give_the_deletion_up_until_the_next_compaction() {
     s.compact(103).unwrap();
     // Kept: the live keys' last puts, and k5's put at 104 (above the point).
     wait_for("the next compaction", || b.mem.len(&KEY_BUCKET) == 8);
+}
+
+/// The tries and the first pause are options: three tries 1 and 2 ms apart give up within
+/// milliseconds, not the default's 1.3 s.
+#[test]
+fn the_compactors_read_tries_and_pause_are_options() {
+    use std::sync::atomic::Ordering;
+    let (_d, s) = faulty_store_with(StoreOptions {
+        compaction_read_tries: 3,
+        compaction_retry_pause: Duration::from_millis(1),
+        ..StoreOptions::default()
+    });
+    let b = s.backend();
+    b.failing_reads.store(u64::MAX, Ordering::Release);
+    let t0 = Instant::now();
+    s.compact(95).unwrap();
+    wait_for("three tries", || b.reads_tried.load(Ordering::Acquire) >= 3);
+    assert!(
+        t0.elapsed() < Duration::from_millis(1000),
+        "{:?}",
+        t0.elapsed()
+    );
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(
+        b.reads_tried.load(Ordering::Acquire),
+        3,
+        "tried again after giving up"
+    );
+    assert_eq!(b.mem.len(&KEY_BUCKET), 103);
+    let refused = StoreOptions {
+        compaction_read_tries: 0,
+        ..StoreOptions::default()
+    };
+    assert!(matches!(
+        refused.validate(),
+        Err(keel_mvcc::MvccError::InvalidOption {
+            option: "compaction_read_tries",
+            ..
+        })
+    ));
 }
 
 /// A shutdown stops the compactor while it pauses before trying a failed read again.
