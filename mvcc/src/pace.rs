@@ -57,6 +57,12 @@ pub(crate) const MIN_SLEEP: Duration = Duration::from_micros(500);
 /// The longest sleep a paced read takes at once.
 pub(crate) const MAX_SLEEP: Duration = Duration::from_millis(20);
 
+/// The most time on a CPU a paced read may take at full speed on what it earned while off
+/// a CPU without sleeping (waiting for a CPU, or for a lock): a read kept waiting by busy
+/// CPUs for a while would otherwise run unpaced, once it had a CPU again, for a share of
+/// all that while, just when the CPUs are busiest.
+pub(crate) const MAX_CREDIT: Duration = Duration::from_micros(500);
+
 /// How often, at most, a paced read reads its time on a CPU to see whether a sleep is due.
 pub(crate) const CHECK_EVERY: Duration = Duration::from_micros(500);
 
@@ -285,10 +291,17 @@ impl<'a> Pacer<'a> {
             return None;
         }
         self.next_check.set(Some(now + CHECK_EVERY));
-        let elapsed = now - since;
+        let mut elapsed = now - since;
         let on_cpu_now = (self.probes.on_cpu)();
         self.on_cpu.set(on_cpu_now);
         let on_cpu = on_cpu_since(on_cpu_then, on_cpu_now, elapsed);
+        // What the read has earned beyond its time on a CPU is capped at `MAX_CREDIT`: the
+        // time it began to run moves up as far as that needs.
+        let capped = (on_cpu + MAX_CREDIT) * 100 / percent;
+        if elapsed > capped {
+            elapsed = capped;
+            self.running.set(Some((now - capped, on_cpu_then)));
+        }
         let owed = (on_cpu * 100 / percent).saturating_sub(elapsed) + self.carried.get();
         self.owed.set(owed);
         (owed >= MIN_SLEEP).then(|| owed.min(MAX_SLEEP))
@@ -509,6 +522,44 @@ mod tests {
         assert!(rest >= Duration::from_millis(5), "{rest:?}");
         p.sleep(rest);
         assert_eq!(chunk(&store, &p, Duration::ZERO), None);
+    }
+
+    thread_local! {
+        /// The reading thread's time on a CPU, as the test sets it.
+        static FAKE_ON_CPU: Cell<Duration> = const { Cell::new(Duration::ZERO) };
+    }
+
+    /// The read's time on a CPU is [`FAKE_ON_CPU`]; nothing else can be read (so a read
+    /// paces whenever writes flow).
+    const FAKE_CPU_CLOCK: Probes = Probes {
+        on_cpu: || Some(FAKE_ON_CPU.with(Cell::get)),
+        process: || None,
+        cpus: || None,
+    };
+
+    #[test]
+    fn waiting_off_a_cpu_earns_no_long_run_at_full_speed() {
+        let store = fake(25);
+        let p = Pacer::with_probes(&store, FAKE_CPU_CLOCK);
+        assert_eq!(chunk(&store, &p, Duration::ZERO), None);
+        // 30 ms kept off a CPU (no time on one): at 25% that would earn 7.5 ms at full speed.
+        assert_eq!(chunk(&store, &p, Duration::from_millis(30)), None);
+        // Then on a CPU all along: a sleep comes due within `MAX_CREDIT` and a check or two.
+        let step = CHECK_EVERY + Duration::from_micros(100);
+        let mut ran = Duration::ZERO;
+        let owed = loop {
+            FAKE_ON_CPU.with(|c| c.set(c.get() + step));
+            ran += step;
+            if let Some(owed) = chunk(&store, &p, step) {
+                break owed;
+            }
+            assert!(ran < Duration::from_millis(20), "no sleep came due");
+        };
+        assert!(
+            ran <= MAX_CREDIT + 2 * step,
+            "ran {ran:?} at full speed before a sleep"
+        );
+        assert!(owed >= MIN_SLEEP, "{owed:?}");
     }
 
     #[test]
