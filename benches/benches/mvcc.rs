@@ -1323,6 +1323,84 @@ fn profile_clients<B: Backend + 'static>(s: &Arc<Store<B>>) {
     }
 }
 
+/// `profile-memp99`: the in-memory headline on LMDB (one writer applying puts back to
+/// back), measured for its p99 over many more halves than the criterion run gives it:
+/// `KEEL_PROFILE_ROUNDS` rounds (10) of `KEEL_PROFILE_PUTS` puts (200 000) alone and as many
+/// with the reader (a reader of its own per half, as in the headline), in alternating order.
+/// Prints each round's throughput and p99 ratios and the share of puts slower than twice the
+/// half's median, then their medians and the p99 ratio of all the rounds' latencies pooled.
+fn profile_memp99<B: Backend + 'static>(s: &Arc<Store<B>>) {
+    headline_load(s);
+    let env = |k: &str, d: u64| {
+        std::env::var(k)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(d)
+    };
+    let rounds = env("KEEL_PROFILE_ROUNDS", 10);
+    let puts = env("KEEL_PROFILE_PUTS", 200_000);
+    let keys = headline_keys();
+    let value = vec![3u8; 1024];
+    let scans = Arc::new(Scans::default());
+    let mut next = 0u64;
+    let mut pooled: [Vec<Duration>; 2] = Default::default();
+    let (mut throughput, mut p99s) = (Vec::new(), Vec::new());
+    let mut slow_share: [Vec<f64>; 2] = Default::default();
+    for round in 0..rounds {
+        let first = round % 2 == 0;
+        let mut took = [Duration::ZERO; 2];
+        let mut p = [0f64; 2];
+        // Share of the half's puts slower than twice its median: the slow mode whose size
+        // against 1% decides where the p99 falls.
+        let mut slow = [0f64; 2];
+        for with_reader in [first, !first] {
+            let stop = Arc::new(AtomicBool::new(false));
+            let reader = with_reader.then(|| spawn_scanner(s, &stop, &scans));
+            let mut lat = Vec::with_capacity(puts as usize);
+            let start = Instant::now();
+            for _ in 0..puts {
+                let t0 = Instant::now();
+                s.put(&key(next.wrapping_mul(7919) % keys), &value, 0)
+                    .expect("put");
+                lat.push(t0.elapsed());
+                next += 1;
+            }
+            took[usize::from(with_reader)] = start.elapsed();
+            stop.store(true, Ordering::Release);
+            if let Some(r) = reader {
+                r.join().expect("reader");
+            }
+            p[usize::from(with_reader)] = p99(&mut lat).as_secs_f64() * 1e6;
+            let median = lat[lat.len() / 2];
+            slow[usize::from(with_reader)] =
+                lat.iter().filter(|l| **l > 2 * median).count() as f64 / lat.len().max(1) as f64;
+            pooled[usize::from(with_reader)].extend(lat);
+        }
+        let t = took[0].as_secs_f64() / took[1].as_secs_f64().max(1e-9);
+        let q = p[1] / p[0].max(1e-9);
+        println!(
+            "profile-memp99 round {round}: throughput with/alone {t:.3}, p99 {:.2} us alone, {:.2} us with the reader ({q:.3}x); puts over twice the median {:.2}% alone, {:.2}% with the reader",
+            p[0],
+            p[1],
+            slow[0] * 100.0,
+            slow[1] * 100.0
+        );
+        slow_share[0].push(slow[0] * 100.0);
+        slow_share[1].push(slow[1] * 100.0);
+        throughput.push(t);
+        p99s.push(q);
+    }
+    let [alone, with_reader] = &mut pooled;
+    let pooled_ratio = p99(with_reader).as_secs_f64() / p99(alone).as_secs_f64().max(1e-9);
+    println!(
+        "profile-memp99: median throughput with/alone {:.3}, median p99 ratio {:.3}, pooled p99 ratio {pooled_ratio:.3}, median share of puts over twice the median {:.2}% alone, {:.2}% with the reader, over {rounds} rounds of {puts} puts per half",
+        median_of(&mut throughput),
+        median_of(&mut p99s),
+        median_of(&mut slow_share[0]),
+        median_of(&mut slow_share[1])
+    );
+}
+
 /// Fixed workloads for an instruction counter: 20 batches (`KEEL_PROFILE_BATCHES`) of 1 000
 /// puts plus a commit (no fsync, or with it for the `-fsync` variants, to trace system calls)
 /// on the store or on raw heed, printing the median time per batch, or 20 ranges of 10 000
@@ -1503,6 +1581,10 @@ fn profile(what: &str) {
             let s = Arc::new(store(dir.path(), true, StoreOptions::default()));
             profile_clients(&s);
         }
+        "profile-memp99" => {
+            let s = Arc::new(store(dir.path(), true, StoreOptions::default()));
+            profile_memp99(&s);
+        }
         #[cfg(feature = "backend-file")]
         "profile-clients-file" => {
             // The same on the file backend, opened as the headline opens it.
@@ -1535,7 +1617,8 @@ fn main() {
     // `put` runs only the put comparison's interleaved REPORT;
     // `profile-put`, `profile-raw-put` and `profile-range` run a fixed amount of one workload
     // for an instruction counter (`valgrind --tool=callgrind`); `profile-clients` measures
-    // where the durable clients' time goes, alone and with the reader (see `profile_clients`).
+    // where the durable clients' time goes, alone and with the reader (see `profile_clients`);
+    // `profile-memp99` measures the in-memory headline's p99 over many rounds.
     let only = std::env::var("KEEL_MVCC_BENCH_ONLY").unwrap_or_default();
     if only.starts_with("profile-") {
         profile(&only);
