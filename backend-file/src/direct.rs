@@ -32,13 +32,13 @@
 //! A file system that refuses `O_DIRECT` (tmpfs, some network file systems) makes the restore
 //! fall back to ordinary writes.
 
-use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
-use std::ptr::NonNull;
 use std::sync::Arc;
+
+use memmap2::{Advice, MmapMut};
 
 use crate::format::{PUT_HEADER, TAG_PUT};
 
@@ -48,80 +48,68 @@ pub(crate) const BLOCK: usize = 4096;
 /// Largest single direct write: the most a restore ever has queued on the device.
 pub(crate) const PIECE: usize = 1 << 20;
 
-/// A zero-initialised heap buffer whose start is aligned to [`BLOCK`].
+/// Size and alignment of a transparent huge page on the platforms keel runs on.
+const HUGE: usize = 2 << 20;
+
+/// A zero-initialised buffer in an anonymous mapping, starting on a huge-page boundary (so
+/// aligned to [`BLOCK`]) and advised into transparent huge pages where the kernel gives them
+/// (`transparent_hugepage` set to `madvise` or `always`). A direct write hands the device
+/// the buffer's physical pages, one I/O segment per contiguous run: from one huge page that
+/// is one segment instead of one per 4 KiB page. (On a virtio disk, 256 KiB direct writes
+/// plus `fdatasync` took 133–156 µs from a huge page against 190–234 µs from small pages;
+/// see keel-wal's write buffer.) Without huge pages it works the same in small pages. The
+/// mapping has one huge page more of address space than the buffer, never touched, to align
+/// it.
 struct AlignedBuf {
-    ptr: NonNull<u8>,
+    /// The mapping, `None` while the buffer is empty.
+    map: Option<MmapMut>,
+    /// Offset of the huge-page boundary in `map` where the buffer starts.
+    start: usize,
+    /// Bytes of the buffer.
     cap: usize,
 }
-
-// SAFETY: `AlignedBuf` owns its allocation exclusively (no aliasing pointer is kept anywhere
-// else), like a `Vec<u8>`, so moving it to another thread is sound.
-unsafe impl Send for AlignedBuf {}
 
 impl AlignedBuf {
     const fn empty() -> AlignedBuf {
         AlignedBuf {
-            ptr: NonNull::dangling(),
+            map: None,
+            start: 0,
             cap: 0,
         }
     }
 
-    /// Makes room for at least `len` bytes (rounded up to a block); the content is lost.
+    /// Makes room for at least `len` bytes (rounded up to whole huge pages); the content is
+    /// lost.
     fn reserve(&mut self, len: usize) -> io::Result<()> {
         if len <= self.cap {
             return Ok(());
         }
-        let cap = len.div_ceil(BLOCK) * BLOCK;
-        let layout = Layout::from_size_align(cap, BLOCK)
-            .map_err(|_| io::Error::new(io::ErrorKind::OutOfMemory, "buffer too large"))?;
-        // SAFETY: `layout` has a non-zero size (`len > self.cap >= 0`, rounded up to a block).
-        let raw = unsafe { alloc_zeroed(layout) };
-        let ptr = NonNull::new(raw).ok_or_else(|| {
-            io::Error::new(io::ErrorKind::OutOfMemory, "cannot allocate a write buffer")
-        })?;
-        self.free();
-        self.ptr = ptr;
+        let cap = len
+            .checked_next_multiple_of(HUGE)
+            .filter(|c| *c <= isize::MAX as usize - HUGE)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::OutOfMemory, "buffer too large"))?;
+        let map = MmapMut::map_anon(cap + HUGE)?;
+        let start = map.as_ptr().align_offset(HUGE).min(HUGE);
+        // A hint: without huge pages the buffer works the same.
+        let _ = map.advise_range(Advice::HugePage, start, cap);
+        self.map = Some(map);
+        self.start = start;
         self.cap = cap;
         Ok(())
     }
 
-    fn free(&mut self) {
-        if self.cap > 0 {
-            // SAFETY: `ptr` came from `alloc_zeroed` with exactly this size and alignment
-            // (`reserve`), and is freed once: `cap` is reset right after.
-            unsafe {
-                dealloc(
-                    self.ptr.as_ptr(),
-                    Layout::from_size_align_unchecked(self.cap, BLOCK),
-                )
-            };
-            self.ptr = NonNull::dangling();
-            self.cap = 0;
-        }
-    }
-
     fn as_slice(&self) -> &[u8] {
-        if self.cap == 0 {
-            return &[];
+        match &self.map {
+            Some(map) => &map[self.start..self.start + self.cap],
+            None => &[],
         }
-        // SAFETY: `ptr` points to `cap` bytes we own, initialised (zeroed at allocation and
-        // only ever written through `as_mut_slice`), and `&self` rules out a mutable borrow.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.cap) }
     }
 
     fn as_mut_slice(&mut self) -> &mut [u8] {
-        if self.cap == 0 {
-            return &mut [];
+        match &mut self.map {
+            Some(map) => &mut map[self.start..self.start + self.cap],
+            None => &mut [],
         }
-        // SAFETY: `ptr` points to `cap` bytes we own, initialised (zeroed at allocation and
-        // only ever written through this slice), and `&mut self` makes this the only borrow.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.cap) }
-    }
-}
-
-impl Drop for AlignedBuf {
-    fn drop(&mut self) {
-        self.free();
     }
 }
 
