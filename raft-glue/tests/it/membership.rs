@@ -736,8 +736,10 @@ fn a_raw_conf_change_of_a_listed_members_role_lists_its_new_role() {
             other => panic!("unexpected answer {other:?}"),
         }
         for n in c.running() {
+            // Both sides: a member that has not applied the change at all has 4 in neither.
             wait_until("the configuration's change", || {
-                n.status().learners.contains(&4) == is_learner
+                let st = n.status();
+                st.learners.contains(&4) == is_learner && st.voters.contains(&4) != is_learner
             });
             assert_eq!(
                 listed_role(&n),
