@@ -1175,6 +1175,14 @@ fn median_of(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
+/// The number in the environment variable `name`, or `default`.
+fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
 /// `profile-clients`: the durable clients' headline on LMDB, instrumented. `KEEL_PROFILE_ROUNDS`
 /// rounds (6) of `KEEL_PROFILE_PUTS` puts (4 000) alone and the same with the reader, in
 /// alternating order; per half: throughput, p50/p99, the clients' CPU, time waiting for a
@@ -1182,14 +1190,8 @@ fn median_of(v: &mut [f64]) -> f64 {
 /// latency, and the committer thread's and the reader's share; then the medians.
 fn profile_clients<B: Backend + 'static>(s: &Arc<Store<B>>) {
     headline_load(s);
-    let env = |k: &str, d: u64| {
-        std::env::var(k)
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(d)
-    };
-    let rounds = env("KEEL_PROFILE_ROUNDS", 6);
-    let per_client = env("KEEL_PROFILE_PUTS", 4_000) / HEADLINE_CLIENTS;
+    let rounds = env_u64("KEEL_PROFILE_ROUNDS", 6);
+    let per_client = env_u64("KEEL_PROFILE_PUTS", 4_000) / HEADLINE_CLIENTS;
     let puts = (per_client * HEADLINE_CLIENTS) as f64;
     let keys = headline_keys();
     let value = vec![3u8; 1024];
@@ -1331,14 +1333,8 @@ fn profile_clients<B: Backend + 'static>(s: &Arc<Store<B>>) {
 /// half's median, then their medians and the p99 ratio of all the rounds' latencies pooled.
 fn profile_memp99<B: Backend + 'static>(s: &Arc<Store<B>>) {
     headline_load(s);
-    let env = |k: &str, d: u64| {
-        std::env::var(k)
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(d)
-    };
-    let rounds = env("KEEL_PROFILE_ROUNDS", 10);
-    let puts = env("KEEL_PROFILE_PUTS", 200_000);
+    let rounds = env_u64("KEEL_PROFILE_ROUNDS", 10);
+    let puts = env_u64("KEEL_PROFILE_PUTS", 200_000);
     let keys = headline_keys();
     let value = vec![3u8; 1024];
     let scans = Arc::new(Scans::default());

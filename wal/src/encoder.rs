@@ -7,8 +7,9 @@
 //! neither copies the records into the page cache nor has them to write back inside
 //! `fdatasync`, which is left with the disk's cache flush. The write buffer keeps those
 //! first bytes in front of the records, at a page-aligned address (the start of a huge page
-//! where the kernel gives one, see `pagebuf`), so the pages go out straight from it. Rewriting a page's first bytes with the same bytes leaves them as they
-//! were whatever part of the write reaches the disk.
+//! where the kernel gives one, see `pagebuf`), so the pages go out straight from it.
+//! Rewriting a page's first bytes with the same bytes leaves them as they were whatever part
+//! of the write reaches the disk.
 
 use std::io::{self, IoSlice};
 use std::path::PathBuf;
