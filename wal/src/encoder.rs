@@ -21,7 +21,7 @@ use crate::pagebuf::PageBuf;
 use crate::record::{
     self, ENTRY_PREFIX, Entry, HEADER_LEN, HardState, Metadata, SnapshotMarker, padded,
 };
-use crate::segment::{BATCH_VERSION, Writes};
+use crate::segment::{BATCH_VERSION, SEGMENT_HEADER_LEN, Writes, encode_header_version};
 
 /// Ends the records of every write: a record header of zeros.
 const END_MARK: [u8; 8] = [0; 8];
@@ -96,6 +96,13 @@ pub(crate) struct WriterStart {
 impl SegmentWriter {
     /// A writer appending at `start.end`.
     pub(crate) fn new(start: WriterStart) -> SegmentWriter {
+        let mut w = SegmentWriter::bare(start);
+        w.after_header();
+        w
+    }
+
+    /// [`new`](Self::new) before it looks at where it starts.
+    fn bare(start: WriterStart) -> SegmentWriter {
         SegmentWriter {
             seq: start.seq,
             path: start.path,
@@ -116,12 +123,13 @@ impl SegmentWriter {
 
     /// Starts over on another segment (after a rotation), keeping the buffers' memory.
     pub(crate) fn restart(&mut self, start: WriterStart) {
-        let mut next = SegmentWriter::new(start);
+        let mut next = SegmentWriter::bare(start);
         next.buf = std::mem::take(&mut self.buf);
         next.side = std::mem::take(&mut self.side);
         next.pages = std::mem::take(&mut self.pages);
         next.buf.clear();
         *self = next;
+        self.after_header();
     }
 
     /// How appends write this segment, and so most likely the next one.
@@ -195,17 +203,14 @@ impl SegmentWriter {
         self.lead = pad + head.len();
     }
 
-    /// Tells a writer just started at the end of its segment's header what that header is:
-    /// the file's bytes in front of the first record, which the first direct write rewrites.
-    /// Without, that write reads them back from the file (a disk read, since a segment
+    /// A writer starting right after its segment's header knows the file's bytes in front
+    /// of the first record, which the first direct write rewrites: the header, as
+    /// [`encode_header_version`] makes it (whoever wrote it, or open checked it). Without
+    /// them that write would read them back from the file (a disk read, since a segment
     /// prepared for direct writes has no cached pages).
-    pub(crate) fn header_is(&mut self, header: &[u8]) {
-        if self.direct.is_some()
-            && self.pending() == 0
-            && self.flushed == header.len() as u64
-            && header.len() < DIRECT_ALIGN
-        {
-            self.start_page(header);
+    fn after_header(&mut self) {
+        if self.direct.is_some() && self.pending() == 0 && self.flushed == SEGMENT_HEADER_LEN {
+            self.start_page(&encode_header_version(self.seq, self.version));
         }
     }
 

@@ -1,26 +1,24 @@
 //! The log itself: open and recovery, appends with group commit, reads, snapshot markers,
 //! release.
 //!
-//! Concurrency: one mutex guards the in-memory state and the active segment's buffer. An
-//! append encodes its records into the buffer under the mutex; without direct writes, a
-//! durable append of large entries instead writes them out at once, straight from the
-//! entries' own buffers (one vectored write behind whatever was buffered), since its sync
-//! follows anyway. A durable
-//! request then waits for a sync that started after its bytes were written. The first one
-//! that finds no sync running becomes the leader: if the previous sync served several
-//! requests, it first waits (briefly, [`WalOptions::group_commit_wait`]) for as many to be
-//! pending again, since the appenders that sync released are usually on their way back. The
-//! leader writes the buffer out under the mutex (one direct write of whole pages where the
-//! file system allows, [`WalOptions::direct_writes`], else one `pwrite`) and runs
-//! `fdatasync` with the mutex released, while later requests fill the buffer and wait. A
-//! waiting request first spins for the running sync, yielding its CPU
-//! ([`WalOptions::durable_spin`]), and parks only if it runs long: then the end of a sync
-//! costs no wake-ups, and the released appenders are back for the next group at once. When
-//! the sync finishes, the leader unlists exactly the parked requests it made durable and, if
-//! any remain, one of them to lead the next sync, and wakes them once the mutex is released
-//! (they check an atomic durable mark and return without taking it), so none of them finds
-//! the mutex held by the waker. Reads copy the locations they need under the mutex and read
-//! the files without it.
+//! Concurrency: one mutex guards the in-memory state and the active segment's buffer. An append
+//! encodes its records into the buffer under the mutex; without direct writes, a durable append
+//! of large entries instead writes them out at once, straight from the entries' own buffers
+//! (one vectored write behind whatever was buffered), since its sync follows anyway. A durable
+//! request then waits for a sync that started after its bytes were written. The first one that
+//! finds no sync running becomes the leader: if the previous sync served several requests, it
+//! first waits (briefly, [`WalOptions::group_commit_wait`]) for as many to be pending again,
+//! since the appenders that sync released are usually on their way back. The leader writes the
+//! buffer out under the mutex (one direct write of whole pages where the file system allows,
+//! [`WalOptions::direct_writes`], else one `pwrite`) and runs `fdatasync` with the mutex
+//! released, while later requests fill the buffer and wait. A waiting request first spins for
+//! the running sync, yielding its CPU ([`WalOptions::durable_spin`]), and parks only if it runs
+//! long: then the end of a sync costs no wake-ups, and the released appenders are back for the
+//! next group at once. When the sync finishes, the leader unlists exactly the parked requests
+//! it made durable and, if any remain, one of them to lead the next sync, and wakes them once
+//! the mutex is released (they check an atomic durable mark and return without taking it), so
+//! none of them finds the mutex held by the waker. Reads copy the locations they need under the
+//! mutex and read the files without it.
 //!
 //! Release and recycling: released segments are renamed to `<seq>.free` (up to
 //! [`WalOptions::recycle_segments`] of them) and become the next prepared segment instead of
@@ -374,9 +372,7 @@ impl Wal {
                     size,
                     version: FORMAT_VERSION,
                 };
-                let mut writer = SegmentWriter::new(start);
-                writer.header_is(&segment::encode_header(seq));
-                (writer, false)
+                (SegmentWriter::new(start), false)
             }
         };
         let next_seq = writer.seq + 1;
@@ -624,7 +620,6 @@ impl Wal {
             size: self.options.segment_size,
             version: FORMAT_VERSION,
         });
-        g.writer.header_is(&segment::encode_header(seq));
         g.writer.seed(prev, first);
         write_state(g);
         g.writer.data_start = g.writer.end();
