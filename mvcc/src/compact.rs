@@ -162,6 +162,9 @@ pub(crate) fn compactor_loop<B: Backend>(
         match delete_compacted(inner, &mut job, rx, stop) {
             Ok(true) => {
                 finished = job.revision;
+                inner
+                    .compacted_physically
+                    .fetch_max(job.revision, Ordering::AcqRel);
                 tracing::debug!(revision = job.revision, "compaction finished");
             }
             Ok(false) => return,

@@ -119,6 +119,9 @@ pub(crate) struct Inner<B: Backend> {
     durable_waits: Mutex<Vec<(u64, std::thread::Thread)>>,
     pub consistent_index: AtomicU64,
     pub compacted: AtomicU64,
+    /// The newest compaction point whose superseded revisions are deleted from the backend
+    /// (its `finished_compact_rev`).
+    pub compacted_physically: AtomicU64,
     pub poisoned: Mutex<Option<String>>,
     /// `poisoned` holds a reason: checked without taking its lock on every write.
     pub is_poisoned: AtomicBool,
@@ -313,6 +316,7 @@ impl<B: Backend> Store<B> {
             durable_waits: Mutex::new(Vec::new()),
             consistent_index: AtomicU64::new(consistent_index),
             compacted: AtomicU64::new(scheduled),
+            compacted_physically: AtomicU64::new(finished),
             poisoned: Mutex::new(None),
             is_poisoned: AtomicBool::new(false),
             committer: commit_tx,
@@ -497,6 +501,16 @@ impl<B: Backend> Store<B> {
     /// The compaction point (0 if never compacted).
     pub fn compacted_revision(&self) -> u64 {
         self.inner.compacted.load(Ordering::Acquire)
+    }
+
+    /// The newest compaction point whose superseded revisions are deleted from the backend
+    /// and that deletion committed (etcd's physical compaction): at or below
+    /// [`compacted_revision`](Self::compacted_revision), which a compaction sets when it is
+    /// asked for, before the background deletions. 0 if no compaction finished. A caller
+    /// that needs the space back before it goes on (a benchmark, a backup, a defragmentation)
+    /// waits for this to reach the point it compacted at.
+    pub fn physically_compacted_revision(&self) -> u64 {
+        self.inner.compacted_physically.load(Ordering::Acquire)
     }
 
     /// The last Raft index applied by a write transaction (0 if none).

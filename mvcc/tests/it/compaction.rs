@@ -49,10 +49,18 @@ fn compaction_deletes_in_bounded_batches_and_keeps_what_reads_need() {
     let at_95 = s
         .range(&RangeRequest::range(vec![0], vec![0]).at(95))
         .unwrap();
+    assert_eq!(s.physically_compacted_revision(), 0);
     s.compact(95).unwrap();
     assert_eq!(s.compacted_revision(), 95);
     // Kept: per key its last put <= 95 (10), the puts 96..=100 and tombstones 101..=103.
-    wait_for("physical compaction", || key_bucket_len(&s) == 18);
+    wait_for("physical compaction", || {
+        s.physically_compacted_revision() == 95
+    });
+    assert_eq!(
+        key_bucket_len(&s),
+        18,
+        "physically compacted before its deletions were committed"
+    );
     let again = s
         .range(&RangeRequest::range(vec![0], vec![0]).at(95))
         .unwrap();
@@ -61,7 +69,10 @@ fn compaction_deletes_in_bounded_batches_and_keeps_what_reads_need() {
     assert_eq!(h.compact_revision, 95);
     assert_ne!(h.hash, hash_before.hash, "the hash covers the compaction");
     s.compact(103).unwrap();
-    wait_for("second compaction", || key_bucket_len(&s) == 7);
+    wait_for("second compaction", || {
+        s.physically_compacted_revision() == 103
+    });
+    assert_eq!(key_bucket_len(&s), 7);
     assert_eq!(
         s.range(&RangeRequest::range(vec![0], vec![0]))
             .unwrap()
@@ -83,6 +94,11 @@ fn an_interrupted_compaction_resumes_on_open_and_hashes_agree() {
     s.compact(100).unwrap();
     let hash = s.hash_kv(0).unwrap();
     wait_for("first batch", || key_bucket_len(&s) == 102);
+    assert_eq!(
+        s.physically_compacted_revision(),
+        0,
+        "physically compacted with deletions left"
+    );
     // Stopped after one batch of one deletion.
     let start = Instant::now();
     drop(s);
@@ -108,13 +124,17 @@ fn an_interrupted_compaction_resumes_on_open_and_hashes_agree() {
     drop(txn);
     let s = open_at(&path, StoreOptions::default());
     assert_eq!(s.compacted_revision(), 100);
+    assert!(s.physically_compacted_revision() < 100);
     assert_eq!(
         s.hash_kv(0).unwrap(),
         hash,
         "hash differs while compaction is unfinished"
     );
     // Kept: the last put of each key (91..=100) and the tombstones 101..=103.
-    wait_for("resumed compaction", || key_bucket_len(&s) == 13);
+    wait_for("resumed compaction", || {
+        s.physically_compacted_revision() == 100
+    });
+    assert_eq!(key_bucket_len(&s), 13);
     assert_eq!(
         s.hash_kv(0).unwrap(),
         hash,
