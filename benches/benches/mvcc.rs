@@ -22,7 +22,11 @@
 //!   15% of its time on a CPU while writes flow and no CPU is idle, and the reader's share
 //!   is printed. Both
 //!   parts run each criterion sample's puts half alone and half with the reader, the halves
-//!   in alternating order, so both meet the same machine. A REPORT line follows with the
+//!   in alternating order, so both meet the same machine; each half runs at least 0.3 s and
+//!   two and a half of the reader's median full scans, so the reader completes scans inside
+//!   the measured window and the puts meet every phase of a scan. Between samples, untimed,
+//!   the store is compacted at its current revision and the deletions waited for, so it
+//!   stays about the size of its key space over the millions of puts. A REPORT line follows with the
 //!   machine's own figure: raw heed's put throughput with a raw full-scan reader against raw
 //!   heed's alone, over the same data.
 //! - range of 10 000 keys (owned results) against a raw heed cursor copying the same pairs
@@ -292,7 +296,7 @@ fn p99(lat: &mut [Duration]) -> Duration {
 
 fn headline(c: &mut Criterion) {
     let dir = tempfile::tempdir().unwrap();
-    let s = Arc::new(store(dir.path(), true, StoreOptions::default()));
+    let s = Arc::new(store(dir.path(), true, headline_options()));
     headline_clients_on(c, "lmdb", &s);
     headline_on(c, "lmdb", &s);
     drop(s);
@@ -306,7 +310,7 @@ fn headline(c: &mut Criterion) {
             &keel_backend_file::FileOptions::default(),
         )
         .expect("open file backend");
-        let s = Arc::new(Store::open(backend, StoreOptions::default()).expect("open store"));
+        let s = Arc::new(Store::open(backend, headline_options()).expect("open store"));
         headline_clients_on(c, "file", &s);
         headline_on(c, "file", &s);
     }
@@ -357,6 +361,8 @@ impl Scans {
 /// Starts the headline's reader: a thread named "reader" that scans every key back to back,
 /// each scan through one read view, until `stop` (a scan under way when it stops finishes);
 /// counts finished scans and their times in `scans`. Returns once the first view is open.
+/// `KEEL_PROFILE_SCAN=count` or `keys` makes the scans count-only or keys-only (for the
+/// profiles; the headline leaves it unset).
 fn spawn_scanner<B: Backend + 'static>(
     s: &Arc<Store<B>>,
     stop: &Arc<AtomicBool>,
@@ -368,15 +374,19 @@ fn spawn_scanner<B: Backend + 'static>(
     let reader = std::thread::Builder::new()
         .name("reader".to_owned())
         .spawn(move || {
+            let scan = std::env::var("KEEL_PROFILE_SCAN").unwrap_or_default();
+            let mut req = RangeRequest::range(b"key-".to_vec(), vec![0]);
+            req.count_only = scan == "count";
+            req.keys_only = scan == "keys";
             while !stop.load(Ordering::Acquire) {
                 let began = Instant::now();
                 let view = s.read().expect("view");
                 started2.store(true, Ordering::Release);
-                let r = view
-                    .range(&RangeRequest::range(b"key-".to_vec(), vec![0]))
-                    .expect("scan");
+                let r = view.range(&req).expect("scan");
                 assert_eq!(r.count as u64, keys);
-                assert_eq!(r.kvs.len() as u64, keys, "the scan reads every pair");
+                if !req.count_only {
+                    assert_eq!(r.kvs.len() as u64, keys, "the scan reads every pair");
+                }
                 black_box(r);
                 scans.took.lock().expect("scan times").push(began.elapsed());
                 scans.done.fetch_add(1, Ordering::Relaxed);
@@ -391,6 +401,16 @@ fn spawn_scanner<B: Backend + 'static>(
 
 /// Client threads of the durable headline (etcd's own measurement of the change ran 10).
 const HEADLINE_CLIENTS: u64 = 16;
+
+/// Durable puts per chunk of a durable headline half: 100 per client (10 in the smoke run).
+fn client_chunk() -> u64 {
+    HEADLINE_CLIENTS * if smoke() { 10 } else { 100 }
+}
+
+/// Puts per chunk of an in-memory headline half: 10 000 (1 000 in the smoke run).
+fn memory_chunk() -> u64 {
+    if smoke() { 1_000 } else { 10_000 }
+}
 
 /// `n` durable puts from [`HEADLINE_CLIENTS`] closed-loop clients on `s`: each client puts
 /// (keys from `next`) and calls `force_commit` before its next put. Returns the time they
@@ -429,18 +449,66 @@ fn client_puts<B: Backend>(
     (start.elapsed(), per_client.into_iter().flatten().collect())
 }
 
-/// A headline comparison as one criterion benchmark in `group`: each sample's `half(with_reader,
-/// n)` runs `n` (half of criterion's iterations) puts alone and `n` with the reader scanning
-/// every key back to back (started before that half and stopped after it), the two halves in
-/// alternating order from one sample to the next, so both meet the same machine; each returns
-/// the time it measured. Adds the scans finished and the time measured with the reader to
+/// How long each half of a headline sample runs at least: 0.3 s, and two and a half of the
+/// reader's full scans at the median of those so far (scans take longer beside busier
+/// writers), so the puts measured with the reader meet every phase of a scan (the key index,
+/// the write buffers, the backend) and not only the start of a fresh one. None in the smoke
+/// run.
+fn half_time(scans: &Scans) -> Duration {
+    if smoke() {
+        Duration::ZERO
+    } else {
+        (scans.median() * 5 / 2).max(Duration::from_millis(300))
+    }
+}
+
+/// The measurement time criterion is given for a headline group's ten samples. A sample's
+/// length is set by [`half_time`], not by its iteration count, so criterion cannot plan it:
+/// this is about what ten samples take here, so it does not warn that they overran.
+const HEADLINE_TIME: Duration = Duration::from_secs(30);
+
+/// Compacts `s` at its current revision and waits until the superseded revisions are deleted
+/// from the backend: between two headline samples, outside their timed halves, so the store
+/// keeps to about its key space's size over however many puts the run makes (millions, at an
+/// in-memory writer's rate), as etcd keeps a busy store with its periodic compaction.
+fn compact_untimed<B: Backend>(s: &Store<B>) {
+    let at = s.current_revision();
+    if at <= s.compacted_revision() {
+        return;
+    }
+    s.compact(at).expect("compact");
+    while s.physically_compacted_revision() < at {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Options of the headline's stores: the defaults, with compaction deleting in batches of
+/// 100 000 and pausing 1 ms between them. Compactions run only between samples, with nothing
+/// else running (see [`compact_untimed`]): nothing measured meets them.
+fn headline_options() -> StoreOptions {
+    StoreOptions {
+        compaction_batch_limit: 100_000,
+        compaction_sleep_interval: Duration::from_millis(1),
+        ..StoreOptions::default()
+    }
+}
+
+/// A headline comparison as one criterion benchmark in `group`: each sample runs its puts
+/// alone for at least [`half_time`], then with the reader scanning every key back to back
+/// (started before that half and stopped after it) for as long, the two halves in
+/// alternating order from one sample to the next, so both meet the same machine.
+/// `chunk(with_reader)` runs one chunk of puts and returns the time they took and how many
+/// they were; a half runs chunks until it is long enough. The sample's time is each half's
+/// mean time per put times half the sample's iterations, and each half is recorded under
+/// `names[with_reader]`. Adds the scans finished and the time measured with the reader to
 /// `window`.
 fn bench_alternating<B: Backend + 'static>(
     group: &mut BenchmarkGroup<'_, WallTime>,
     s: &Arc<Store<B>>,
     scans: &Arc<Scans>,
     window: &mut (u64, Duration),
-    mut half: impl FnMut(bool, u64) -> Duration,
+    names: [&str; 2],
+    mut chunk: impl FnMut(bool) -> (Duration, u64),
 ) {
     let mut sample = 0u64;
     group.bench_function("alone and with a long reader, alternating", |b| {
@@ -449,11 +517,17 @@ fn bench_alternating<B: Backend + 'static>(
             let n = (iters / 2).max(1);
             let first = sample.is_multiple_of(2);
             let mut total = Duration::ZERO;
+            let least = half_time(scans);
             for with_reader in [first, !first] {
                 let stop = Arc::new(AtomicBool::new(false));
                 let reader = with_reader.then(|| spawn_scanner(s, &stop, scans));
                 let scans_before = scans.done.load(Ordering::Relaxed);
-                let took = half(with_reader, n);
+                let (mut took, mut puts) = (Duration::ZERO, 0u64);
+                while puts == 0 || took < least {
+                    let (t, p) = chunk(with_reader);
+                    took += t;
+                    puts += p;
+                }
                 if with_reader {
                     window.0 += scans.done.load(Ordering::Relaxed) - scans_before;
                     window.1 += took;
@@ -462,8 +536,10 @@ fn bench_alternating<B: Backend + 'static>(
                 if let Some(r) = reader {
                     r.join().expect("reader");
                 }
-                total += took;
+                RECORDER.record(names[usize::from(with_reader)], took, puts);
+                total += took.mul_f64(n as f64 / puts as f64);
             }
+            compact_untimed(s);
             total
         })
     });
@@ -471,10 +547,10 @@ fn bench_alternating<B: Backend + 'static>(
 
 /// The headline as etcd measures it: closed-loop clients, each put durable before its
 /// client sends the next one (see [`client_puts`]), alone and with the reader scanning all
-/// keys back to back. Every criterion sample runs half its puts alone and half with the
-/// reader (started before that half and running through it), the two halves in alternating
-/// order, so both meet the same disk on a shared machine. The goal figures: throughput and
-/// p99 latency of these puts with the reader against without it.
+/// keys back to back. Every criterion sample runs puts alone and with the reader (started
+/// before that half and running through it), the two halves in alternating order, so both
+/// meet the same disk on a shared machine (see [`bench_alternating`]). The goal figures:
+/// throughput and p99 latency of these puts with the reader against without it.
 fn headline_clients_on<B: Backend + 'static>(c: &mut Criterion, label: &str, s: &Arc<Store<B>>) {
     headline_load(s);
     let value = vec![3u8; 1024];
@@ -484,19 +560,18 @@ fn headline_clients_on<B: Backend + 'static>(c: &mut Criterion, label: &str, s: 
     ));
     group
         .throughput(Throughput::Elements(1))
-        .sample_size(20)
-        .measurement_time(Duration::from_secs(10));
+        .sample_size(10)
+        .measurement_time(HEADLINE_TIME);
     let alone = format!("durable client puts alone ({label})");
     let with = format!("durable client puts with a long reader ({label})");
     let mut latencies = [Vec::new(), Vec::new()];
     let scans = Arc::new(Scans::default());
     let mut window = (0, Duration::ZERO);
-    bench_alternating(&mut group, s, &scans, &mut window, |with_reader, half| {
-        let (took, lat) = client_puts(s, half, &next, &value);
-        let name = if with_reader { &with } else { &alone };
-        RECORDER.record(name, took, half);
+    let names = [alone.as_str(), with.as_str()];
+    bench_alternating(&mut group, s, &scans, &mut window, names, |with_reader| {
+        let (took, lat) = client_puts(s, client_chunk(), &next, &value);
         latencies[usize::from(with_reader)].extend(lat);
-        took
+        (took, client_chunk())
     });
     group.finish();
     RECORDER.ratio(
@@ -654,8 +729,8 @@ fn headline_on<B: Backend + 'static>(c: &mut Criterion, label: &str, s: &Arc<Sto
     ));
     group
         .throughput(Throughput::Elements(1))
-        .sample_size(20)
-        .measurement_time(Duration::from_secs(12));
+        .sample_size(10)
+        .measurement_time(HEADLINE_TIME);
     let mut latencies = [Vec::new(), Vec::new()];
     let mut next = 0u64;
     let alone = format!("puts alone ({label})");
@@ -667,7 +742,9 @@ fn headline_on<B: Backend + 'static>(c: &mut Criterion, label: &str, s: &Arc<Sto
     // Every other thread's CPU, summed over each phase's halves.
     let mut threads: [std::collections::BTreeMap<String, u64>; 2] = Default::default();
     let me = std::thread::current().name().map(str::to_owned);
-    bench_alternating(&mut group, s, &scans, &mut window, |with_reader, half| {
+    let names = [alone.as_str(), with.as_str()];
+    bench_alternating(&mut group, s, &scans, &mut window, names, |with_reader| {
+        let half = memory_chunk();
         let phase = usize::from(with_reader);
         let threads0 = threads_cpu();
         let lat = &mut latencies[phase];
@@ -686,8 +763,7 @@ fn headline_on<B: Backend + 'static>(c: &mut Criterion, label: &str, s: &Arc<Sto
             let used = ns.saturating_sub(threads0.get(&name).copied().unwrap_or(0));
             *threads[phase].entry(name).or_insert(0) += used;
         }
-        RECORDER.record(if with_reader { &with } else { &alone }, took, half);
-        took
+        (took, half)
     });
     group.finish();
     let puts = latencies.each_ref().map(|l| l.len().max(1) as f64);
@@ -1148,6 +1224,23 @@ fn sched_self() -> [u64; 3] {
 }
 
 /// Schedstat of every thread of this process, summed by thread name.
+/// This thread's migrations between CPUs and its voluntary and involuntary context
+/// switches so far, from `/proc/thread-self/sched` (zeros where it is missing).
+fn sched_moves() -> [u64; 3] {
+    let text = std::fs::read_to_string("/proc/thread-self/sched").unwrap_or_default();
+    let field = |name: &str| {
+        text.lines()
+            .find(|l| l.split(':').next().is_some_and(|k| k.trim() == name))
+            .and_then(|l| l.split(':').nth(1)?.trim().parse().ok())
+            .unwrap_or(0)
+    };
+    [
+        field("se.nr_migrations"),
+        field("nr_voluntary_switches"),
+        field("nr_involuntary_switches"),
+    ]
+}
+
 fn sched_all() -> std::collections::BTreeMap<String, [u64; 3]> {
     let mut out = std::collections::BTreeMap::new();
     for task in std::fs::read_dir("/proc/self/task")
@@ -1325,12 +1418,40 @@ fn profile_clients<B: Backend + 'static>(s: &Arc<Store<B>>) {
     }
 }
 
+/// The control for [`profile_memp99`]'s reader: a thread named "reader" that shares nothing
+/// with the store and keeps a CPU busy (arithmetic on its own registers) for 500 µs of every
+/// 3.3 ms, the paced reader's 15%, until `stop`. What it costs the writer's latency is what
+/// one more busy thread costs on this machine, whatever it runs.
+fn spawn_spinner(stop: &Arc<AtomicBool>) -> std::thread::JoinHandle<()> {
+    let stop = stop.clone();
+    std::thread::Builder::new()
+        .name("reader".to_owned())
+        .spawn(move || {
+            let mut x = 1u64;
+            while !stop.load(Ordering::Acquire) {
+                let began = Instant::now();
+                while began.elapsed() < Duration::from_micros(500) {
+                    for _ in 0..100 {
+                        x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+                    }
+                }
+                std::thread::sleep(Duration::from_micros(2_800));
+            }
+            black_box(x);
+        })
+        .expect("spawn spinner")
+}
+
 /// `profile-memp99`: the in-memory headline on LMDB (one writer applying puts back to
 /// back), measured for its p99 over many more halves than the criterion run gives it:
 /// `KEEL_PROFILE_ROUNDS` rounds (10) of `KEEL_PROFILE_PUTS` puts (200 000) alone and as many
 /// with the reader (a reader of its own per half, as in the headline), in alternating order.
-/// Prints each round's throughput and p99 ratios and the share of puts slower than twice the
-/// half's median, then their medians and the p99 ratio of all the rounds' latencies pooled.
+/// Prints each round's throughput and p99 ratios, the share of puts slower than twice the
+/// half's median, the latency at seven quantiles, and the writer's schedstat (CPU, waiting
+/// for a CPU, migrations, switches) per half; then the medians and the p99 ratio of all the
+/// rounds' latencies pooled. `KEEL_PROFILE_SCAN` picks the reader: `count` (count-only
+/// scans: the key index alone), `keys` (keys-only scans), `spin` (the control of
+/// [`spawn_spinner`], which shares nothing with the store), else full scans.
 fn profile_memp99<B: Backend + 'static>(s: &Arc<Store<B>>) {
     headline_load(s);
     let rounds = env_u64("KEEL_PROFILE_ROUNDS", 10);
@@ -1349,10 +1470,22 @@ fn profile_memp99<B: Backend + 'static>(s: &Arc<Store<B>>) {
         // Share of the half's puts slower than twice its median: the slow mode whose size
         // against 1% decides where the p99 falls.
         let mut slow = [0f64; 2];
+        let mut quantiles: [String; 2] = Default::default();
+        // The writer's own schedstat over each half.
+        let mut writer: [String; 2] = Default::default();
         for with_reader in [first, !first] {
             let stop = Arc::new(AtomicBool::new(false));
-            let reader = with_reader.then(|| spawn_scanner(s, &stop, &scans));
+            let control = std::env::var("KEEL_PROFILE_SCAN").is_ok_and(|v| v == "spin");
+            let reader = with_reader.then(|| {
+                if control {
+                    spawn_spinner(&stop)
+                } else {
+                    spawn_scanner(s, &stop, &scans)
+                }
+            });
             let mut lat = Vec::with_capacity(puts as usize);
+            let sched0 = sched_self();
+            let moves0 = sched_moves();
             let start = Instant::now();
             for _ in 0..puts {
                 let t0 = Instant::now();
@@ -1362,12 +1495,27 @@ fn profile_memp99<B: Backend + 'static>(s: &Arc<Store<B>>) {
                 next += 1;
             }
             took[usize::from(with_reader)] = start.elapsed();
+            let sched1 = sched_self();
+            let moves1 = sched_moves();
+            writer[usize::from(with_reader)] = format!(
+                "{:.2} us on a CPU and {:.3} us waiting for one per put, {} timeslices, {} migrations, {} voluntary and {} involuntary switches",
+                sched1[0].saturating_sub(sched0[0]) as f64 / 1e3 / puts.max(1) as f64,
+                sched1[1].saturating_sub(sched0[1]) as f64 / 1e3 / puts.max(1) as f64,
+                sched1[2].saturating_sub(sched0[2]),
+                moves1[0].saturating_sub(moves0[0]),
+                moves1[1].saturating_sub(moves0[1]),
+                moves1[2].saturating_sub(moves0[2]),
+            );
             stop.store(true, Ordering::Release);
             if let Some(r) = reader {
                 r.join().expect("reader");
             }
             p[usize::from(with_reader)] = p99(&mut lat).as_secs_f64() * 1e6;
             let median = lat[lat.len() / 2];
+            let at = |q: f64| lat[((lat.len() as f64 * q) as usize).min(lat.len() - 1)];
+            quantiles[usize::from(with_reader)] = [0.5, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999]
+                .map(|q| format!("{:.2}", at(q).as_secs_f64() * 1e6))
+                .join("/");
             slow[usize::from(with_reader)] =
                 lat.iter().filter(|l| **l > 2 * median).count() as f64 / lat.len().max(1) as f64;
             pooled[usize::from(with_reader)].extend(lat);
@@ -1380,6 +1528,14 @@ fn profile_memp99<B: Backend + 'static>(s: &Arc<Store<B>>) {
             p[1],
             slow[0] * 100.0,
             slow[1] * 100.0
+        );
+        println!(
+            "profile-memp99 round {round}: latency in us at p50/p90/p95/p98/p99/p99.5/p99.9: {} alone, {} with the reader",
+            quantiles[0], quantiles[1]
+        );
+        println!(
+            "profile-memp99 round {round}: writer {} alone; {} with the reader",
+            writer[0], writer[1]
         );
         slow_share[0].push(slow[0] * 100.0);
         slow_share[1].push(slow[1] * 100.0);
