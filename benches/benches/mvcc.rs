@@ -40,8 +40,8 @@
 //!   put throughput goal ≥ 0.5× the same puts without watchers
 //!   (`KEEL_MVCC_BENCH_ONLY=fanout` runs this part alone).
 //!
-//! `cargo bench -p keel-benches --bench mvcc` (a few minutes); `-- --test` is the smoke run
-//! (small sizes).
+//! `cargo bench -p keel-benches --bench mvcc` (the headline part alone, about five minutes:
+//! `KEEL_MVCC_BENCH_ONLY=headline`); `-- --test` is the smoke run (small sizes).
 
 use std::hint::black_box;
 use std::ops::Bound;
