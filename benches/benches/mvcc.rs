@@ -464,7 +464,8 @@ fn half_time(scans: &Scans) -> Duration {
 
 /// The measurement time criterion is given for a headline group's ten samples. A sample's
 /// length is set by [`half_time`], not by its iteration count, so criterion cannot plan it:
-/// this is about what ten samples take here, so it does not warn that they overran.
+/// this is about what ten samples take here (a group whose reader scans slowly takes up to
+/// about 40 s, and criterion then warns that its samples overran).
 const HEADLINE_TIME: Duration = Duration::from_secs(30);
 
 /// Compacts `s` at its current revision and waits until the superseded revisions are deleted
