@@ -26,9 +26,9 @@
 //!   two and a half of the reader's median full scans, so the reader completes scans inside
 //!   the measured window and the puts meet every phase of a scan. Between samples, untimed,
 //!   the store is compacted at its current revision and the deletions waited for, so it
-//!   stays about the size of its key space over the millions of puts. A REPORT line follows with the
-//!   machine's own figure: raw heed's put throughput with a raw full-scan reader against raw
-//!   heed's alone, over the same data.
+//!   stays about the size of its key space over the millions of puts. A REPORT line follows
+//!   with the machine's own figure: raw heed's put throughput with a raw full-scan reader
+//!   against raw heed's alone, over the same data.
 //! - range of 10 000 keys (owned results) against a raw heed cursor copying the same pairs
 //!   out; goal ≤ 1.5× the time.
 //! - index memory: anonymous resident memory added by rebuilding the key index of 1 000 000
@@ -718,11 +718,32 @@ fn headline_raw_reference() {
     );
 }
 
+/// The in-memory headline's writer: `n` puts of `value` back to back, to keys of the
+/// headline's key space from `next` on (advanced past them), each put's latency pushed to
+/// `lat`; returns the time they took.
+fn timed_puts<B: Backend>(
+    s: &Store<B>,
+    n: u64,
+    next: &mut u64,
+    value: &[u8],
+    lat: &mut Vec<Duration>,
+) -> Duration {
+    let keys = headline_keys();
+    let start = Instant::now();
+    for _ in 0..n {
+        let t0 = Instant::now();
+        s.put(&key(next.wrapping_mul(7919) % keys), value, 0)
+            .expect("put");
+        lat.push(t0.elapsed());
+        *next += 1;
+    }
+    start.elapsed()
+}
+
 /// The headline comparison on one backend (`label`): the same puts alone, then with a reader
 /// that scans all keys back to back for the whole measured window.
 fn headline_on<B: Backend + 'static>(c: &mut Criterion, label: &str, s: &Arc<Store<B>>) {
     headline_load(s);
-    let keys = headline_keys();
     let value = vec![3u8; 1024];
     let scans = Arc::new(Scans::default());
     let mut group = c.benchmark_group(format!(
@@ -748,17 +769,8 @@ fn headline_on<B: Backend + 'static>(c: &mut Criterion, label: &str, s: &Arc<Sto
         let half = memory_chunk();
         let phase = usize::from(with_reader);
         let threads0 = threads_cpu();
-        let lat = &mut latencies[phase];
         let ns0 = thread_ns();
-        let start = Instant::now();
-        for _ in 0..half {
-            let t0 = Instant::now();
-            s.put(&key(next.wrapping_mul(7919) % keys), &value, 0)
-                .expect("put");
-            lat.push(t0.elapsed());
-            next += 1;
-        }
-        let took = start.elapsed();
+        let took = timed_puts(s, half, &mut next, &value, &mut latencies[phase]);
         writer_ns[phase] += thread_ns().saturating_sub(ns0);
         for (name, ns) in threads_cpu() {
             let used = ns.saturating_sub(threads0.get(&name).copied().unwrap_or(0));
@@ -1224,7 +1236,6 @@ fn sched_self() -> [u64; 3] {
     ]
 }
 
-/// Schedstat of every thread of this process, summed by thread name.
 /// This thread's migrations between CPUs and its voluntary and involuntary context
 /// switches so far, from `/proc/thread-self/sched` (zeros where it is missing).
 fn sched_moves() -> [u64; 3] {
@@ -1242,6 +1253,7 @@ fn sched_moves() -> [u64; 3] {
     ]
 }
 
+/// Schedstat of every thread of this process, summed by thread name.
 fn sched_all() -> std::collections::BTreeMap<String, [u64; 3]> {
     let mut out = std::collections::BTreeMap::new();
     for task in std::fs::read_dir("/proc/self/task")
@@ -1457,13 +1469,13 @@ fn profile_memp99<B: Backend + 'static>(s: &Arc<Store<B>>) {
     headline_load(s);
     let rounds = env_u64("KEEL_PROFILE_ROUNDS", 10);
     let puts = env_u64("KEEL_PROFILE_PUTS", 200_000);
-    let keys = headline_keys();
     let value = vec![3u8; 1024];
     let scans = Arc::new(Scans::default());
     let mut next = 0u64;
     let mut pooled: [Vec<Duration>; 2] = Default::default();
     let (mut throughput, mut p99s) = (Vec::new(), Vec::new());
     let mut slow_share: [Vec<f64>; 2] = Default::default();
+    let control = std::env::var("KEEL_PROFILE_SCAN").is_ok_and(|v| v == "spin");
     for round in 0..rounds {
         let first = round % 2 == 0;
         let mut took = [Duration::ZERO; 2];
@@ -1476,7 +1488,6 @@ fn profile_memp99<B: Backend + 'static>(s: &Arc<Store<B>>) {
         let mut writer: [String; 2] = Default::default();
         for with_reader in [first, !first] {
             let stop = Arc::new(AtomicBool::new(false));
-            let control = std::env::var("KEEL_PROFILE_SCAN").is_ok_and(|v| v == "spin");
             let reader = with_reader.then(|| {
                 if control {
                     spawn_spinner(&stop)
@@ -1487,15 +1498,7 @@ fn profile_memp99<B: Backend + 'static>(s: &Arc<Store<B>>) {
             let mut lat = Vec::with_capacity(puts as usize);
             let sched0 = sched_self();
             let moves0 = sched_moves();
-            let start = Instant::now();
-            for _ in 0..puts {
-                let t0 = Instant::now();
-                s.put(&key(next.wrapping_mul(7919) % keys), &value, 0)
-                    .expect("put");
-                lat.push(t0.elapsed());
-                next += 1;
-            }
-            took[usize::from(with_reader)] = start.elapsed();
+            took[usize::from(with_reader)] = timed_puts(s, puts, &mut next, &value, &mut lat);
             let sched1 = sched_self();
             let moves1 = sched_moves();
             writer[usize::from(with_reader)] = format!(
