@@ -21,10 +21,12 @@
 //!   pacing of long reads (`StoreOptions::long_read_cpu_percent`) keeps the reader to
 //!   15% of its time on a CPU while writes flow and no CPU is idle, and the reader's share
 //!   is printed. Both
-//!   parts run each criterion sample's puts half alone and half with the reader, the halves
-//!   in alternating order, so both meet the same machine; each half runs at least 0.3 s and
-//!   two and a half of the reader's median full scans, so the reader completes scans inside
-//!   the measured window and the puts meet every phase of a scan. Between samples, untimed,
+//!   parts run each criterion sample's puts half alone and half with the reader, in three
+//!   stretches (a quarter, the other kind's half, a quarter; which kind is outside alternates),
+//!   so both meet the same machine and the same growth of the store within the sample; each
+//!   kind runs at least 0.3 s and two and a half of the reader's median full scans, so the
+//!   reader completes scans inside the measured window and the puts meet every phase of a
+//!   scan. Each sample's own ratio is printed too. Between samples, untimed,
 //!   the store is compacted at its current revision and the deletions waited for, so it
 //!   stays about the size of its key space over the millions of puts. A REPORT line follows
 //!   with the machine's own figure: raw heed's put throughput with a raw full-scan reader
@@ -494,15 +496,20 @@ fn headline_options() -> StoreOptions {
     }
 }
 
-/// A headline comparison as one criterion benchmark in `group`: each sample runs its puts
-/// alone for at least [`half_time`], then with the reader scanning every key back to back
-/// (started before that half and stopped after it) for as long, the two halves in
-/// alternating order from one sample to the next, so both meet the same machine.
+/// A headline comparison as one criterion benchmark in `group`. Each sample runs its puts
+/// in three stretches, outer-inner-outer: a quarter, a half and a quarter of the sample
+/// (the inner half at least [`half_time`], each quarter at least half that). Alone is outer
+/// and the reader inner in one sample, the other way round in the next. The reader scans
+/// every key back to back, started before each of its stretches and stopped after it. Puts
+/// slow down as the store gathers history between the samples' compactions (on the file
+/// backend here, the second half of a sample ran a quarter to a third slower than the
+/// first); outer-inner-outer gives both kinds the same mean place in the sample, so a steady
+/// drift cancels within each sample instead of favouring whichever half came first.
 /// `chunk(with_reader)` runs one chunk of puts and returns the time they took and how many
-/// they were; a half runs chunks until it is long enough. The sample's time is each half's
-/// mean time per put times half the sample's iterations, and each half is recorded under
-/// `names[with_reader]`. Adds the scans finished and the time measured with the reader to
-/// `window`.
+/// they were; a stretch runs chunks until it is long enough. The sample's time is each
+/// kind's mean time per put times half the sample's iterations, and each kind is recorded
+/// once per sample under `names[with_reader]`. Adds the scans finished and the time
+/// measured with the reader to `window`, and prints each sample's own ratio at the end.
 fn bench_alternating<B: Backend + 'static>(
     group: &mut BenchmarkGroup<'_, WallTime>,
     s: &Arc<Store<B>>,
@@ -512,14 +519,17 @@ fn bench_alternating<B: Backend + 'static>(
     mut chunk: impl FnMut(bool) -> (Duration, u64),
 ) {
     let mut sample = 0u64;
+    // Each sample's own throughput ratio (with the reader / alone), warm-up samples included.
+    let mut paired = Vec::new();
     group.bench_function("alone and with a long reader, alternating", |b| {
         b.iter_custom(|iters| {
             sample += 1;
             let n = (iters / 2).max(1);
-            let first = sample.is_multiple_of(2);
-            let mut total = Duration::ZERO;
+            let outer = sample.is_multiple_of(2);
             let least = half_time(scans);
-            for with_reader in [first, !first] {
+            // Time and puts of each kind, alone and with the reader.
+            let mut kinds = [(Duration::ZERO, 0u64); 2];
+            for (with_reader, least) in [(outer, least / 2), (!outer, least), (outer, least / 2)] {
                 let stop = Arc::new(AtomicBool::new(false));
                 let reader = with_reader.then(|| spawn_scanner(s, &stop, scans));
                 let scans_before = scans.done.load(Ordering::Relaxed);
@@ -537,13 +547,35 @@ fn bench_alternating<B: Backend + 'static>(
                 if let Some(r) = reader {
                     r.join().expect("reader");
                 }
-                RECORDER.record(names[usize::from(with_reader)], took, puts);
+                let kind = &mut kinds[usize::from(with_reader)];
+                kind.0 += took;
+                kind.1 += puts;
+            }
+            let mut total = Duration::ZERO;
+            let mut per_put = [0.0f64; 2];
+            for (with_reader, (took, puts)) in kinds.into_iter().enumerate() {
+                RECORDER.record(names[with_reader], took, puts);
+                per_put[with_reader] = took.as_secs_f64() / puts as f64;
                 total += took.mul_f64(n as f64 / puts as f64);
             }
+            paired.push(per_put[0] / per_put[1].max(1e-12));
             compact_untimed(s);
             total
         })
     });
+    if paired.is_empty() {
+        return;
+    }
+    let each: Vec<String> = paired.iter().map(|r| format!("{r:.3}")).collect();
+    paired.sort_by(f64::total_cmp);
+    println!(
+        "REPORT {}: per-sample throughput ratio with the reader vs alone (both kinds of one sample): median {:.3}x, min {:.3}x, max {:.3}x; in sample order: {}",
+        names[1],
+        paired[paired.len() / 2],
+        paired[0],
+        paired[paired.len() - 1],
+        each.join(" ")
+    );
 }
 
 /// The headline as etcd measures it: closed-loop clients, each put durable before its

@@ -100,10 +100,20 @@ impl Recorder {
             Better::LowerTime => "time ratio",
         };
         println!(
-            "RATIO {claim}: {what} {ratio:.3}x  [{ours}: median {:.3} us, {reference}: median {:.3} us]{verdict}",
-            o * 1e6,
-            r * 1e6
+            "RATIO {claim}: {what} {ratio:.3}x  [{ours}: median {}, {reference}: median {}]{verdict}",
+            per_call(o),
+            per_call(r)
         );
         Some(ratio)
+    }
+}
+
+/// A time per call in microseconds, or in nanoseconds below one microsecond (a transfer's
+/// time per byte), to three decimals.
+fn per_call(secs: f64) -> String {
+    if secs < 1e-6 {
+        format!("{:.3} ns", secs * 1e9)
+    } else {
+        format!("{:.3} us", secs * 1e6)
     }
 }
