@@ -11,15 +11,26 @@
 //! A buffer keeps its records' bytes in [`Records`]: chunks filled back to back, growing from
 //! 1 KiB to 64 KiB, so a thousand changes cost a handful of allocations, not one each, and
 //! the last holder of a buffer frees them in as few calls; a buffer of one small change stays
-//! small. A record over 64 KiB has an allocation of its own, which a transaction's commit
+//! small (unless the pool below has chunks to spare). A record over 64 KiB has an allocation of its own, which a transaction's commit
 //! moves into the shared buffer instead of copying it; a transaction that staged at least
 //! [`MOVE_CHUNKS`] bytes of smaller records has its chunks moved too. The commit runs under
 //! the store's state lock, so what it copies there stays small. Watchers get a copy of the
 //! records they are sent.
+//!
+//! The store's buffers take their chunks from a [`ChunkPool`] while it has some, and the last
+//! holder of a buffer gives its full-size chunks back, the pool keeping as many as that buffer
+//! had at most. Freed instead, a busy writer's tens of megabytes of chunks per batch go back
+//! to the operating system (the allocator trims its heap) and return as fresh pages: a page
+//! fault and a zeroed page per 4 KiB written, and the allocator's changes to the process's
+//! memory map, all slower while another thread of the process (a long read allocating its
+//! results) does the same. Pooled, the next buffer writes into pages already mapped; the pool
+//! holds at most one buffer's chunks, which a store writing at that rate holds anyway.
 
 use std::collections::BTreeMap;
 
-use parking_lot::RwLock;
+use std::sync::Arc;
+
+use parking_lot::{Mutex, RwLock};
 
 use crate::backend::{BackendError, BatchOpRef, BatchSource, Bucket};
 use crate::revision::{REV_KEY_LEN, Revision, TOMBSTONE_MARK};
@@ -50,12 +61,61 @@ pub(crate) struct RecordAt {
 }
 
 /// Record bytes: records of up to [`Records::CHUNK`] bytes appended in chunks that double
-/// from [`Records::FIRST_CHUNK`] to [`Records::CHUNK`] bytes, longer ones each in an
-/// allocation of their own.
+/// from [`Records::FIRST_CHUNK`] to [`Records::CHUNK`] bytes (or full-size chunks from its
+/// pool, while the pool has some), longer ones each in an allocation of their own.
 #[derive(Debug, Default)]
 pub(crate) struct Records {
     chunks: Vec<Vec<u8>>,
     big: Vec<Vec<u8>>,
+    /// Where full-size chunks come from and go back to, if anywhere.
+    pool: Option<Arc<ChunkPool>>,
+}
+
+/// Full-size, empty chunks given back by the buffers of one store (see the module docs).
+#[derive(Debug, Default)]
+pub(crate) struct ChunkPool {
+    free: Mutex<Vec<Vec<u8>>>,
+}
+
+impl ChunkPool {
+    /// A pooled chunk, if any.
+    fn take(&self) -> Option<Vec<u8>> {
+        self.free.lock().pop()
+    }
+
+    /// Keeps the full-size chunks of `chunks`, emptied, and as many pooled chunks as there are
+    /// of those at most: the pool holds about one buffer's worth, the last one's.
+    fn give(&self, chunks: Vec<Vec<u8>>) {
+        let mut full: Vec<Vec<u8>> = chunks
+            .into_iter()
+            .filter(|c| c.capacity() == Records::CHUNK)
+            .collect();
+        for c in &mut full {
+            c.clear();
+        }
+        let keep = full.len();
+        let mut free = self.free.lock();
+        free.append(&mut full);
+        // What is over, from the front (the oldest), is freed past the lock.
+        let over = free.len().saturating_sub(keep);
+        let freed: Vec<Vec<u8>> = free.drain(..over).collect();
+        drop(free);
+        drop(freed);
+    }
+
+    /// Chunks pooled now.
+    #[cfg(test)]
+    pub fn len(&self) -> usize {
+        self.free.lock().len()
+    }
+}
+
+impl Drop for Records {
+    fn drop(&mut self) {
+        if let Some(pool) = self.pool.take() {
+            pool.give(std::mem::take(&mut self.chunks));
+        }
+    }
 }
 
 impl Records {
@@ -63,6 +123,16 @@ impl Records {
     const CHUNK: usize = 64 << 10;
     /// Bytes of a buffer's first chunk.
     const FIRST_CHUNK: usize = 1 << 10;
+
+    /// No records yet; chunks come from `pool` while it has some, and the full-size ones go
+    /// back to it on drop.
+    pub fn pooled(pool: Arc<ChunkPool>) -> Records {
+        Records {
+            chunks: Vec::new(),
+            big: Vec::new(),
+            pool: Some(pool),
+        }
+    }
 
     /// The record at `at`.
     #[inline]
@@ -88,7 +158,12 @@ impl Records {
         if last.is_none_or(|c| c.capacity() - c.len() < len) {
             let doubled = last.map_or(0, |c| c.capacity() * 2);
             let size = doubled.clamp(Self::FIRST_CHUNK, Self::CHUNK).max(len);
-            self.chunks.push(Vec::with_capacity(size));
+            let chunk = self
+                .pool
+                .as_ref()
+                .and_then(|p| p.take())
+                .unwrap_or_else(|| Vec::with_capacity(size));
+            self.chunks.push(chunk);
         }
         let chunk = self.chunks.len() - 1;
         let bytes = &mut self.chunks[chunk];
@@ -299,11 +374,12 @@ pub(crate) struct Pending {
 }
 
 impl Pending {
-    /// An empty buffer with room for `revs` changes.
-    pub fn with_capacity(revs: usize) -> Pending {
+    /// An empty buffer with room for `revs` changes, its chunks from `pool`.
+    pub fn with_capacity(revs: usize, pool: Arc<ChunkPool>) -> Pending {
         Pending {
             changes: RwLock::new(Changes {
                 revs: Vec::with_capacity(revs),
+                records: Records::pooled(pool),
                 ..Changes::default()
             }),
         }
@@ -313,6 +389,47 @@ impl Pending {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A pooled buffer's full-size chunks go back to the pool when it drops, at most as many
+    /// as it had, and the next buffer writes into them.
+    #[test]
+    fn full_chunks_go_back_to_the_pool_and_are_written_again() {
+        let pool = Arc::new(ChunkPool::default());
+        let fill = |records: &mut Records, n: usize| {
+            let value = vec![7u8; 1000];
+            (0..n).map(|_| records.push(&value)).collect::<Vec<_>>()
+        };
+        let mut big = Records::pooled(pool.clone());
+        fill(&mut big, 1000);
+        let full: Vec<*const u8> = big
+            .chunks
+            .iter()
+            .filter(|c| c.capacity() == Records::CHUNK)
+            .map(|c| c.as_ptr())
+            .collect();
+        assert!(full.len() >= 10, "{} full chunks", full.len());
+        drop(big);
+        assert_eq!(pool.len(), full.len());
+
+        // The next buffer takes pooled chunks from its first record on, and reads back what
+        // it wrote into them.
+        let mut next = Records::pooled(pool.clone());
+        let at = fill(&mut next, 200);
+        assert!(full.contains(&next.chunks[0].as_ptr()));
+        assert!(at.iter().all(|&a| next.get(a) == [7u8; 1000].as_slice()));
+        let taken = next.chunks.len();
+        assert_eq!(pool.len(), full.len() - taken);
+
+        // A smaller buffer given back leaves the pool at its own size.
+        drop(next);
+        assert_eq!(pool.len(), taken);
+
+        // Records outside the pool keep their chunks to themselves.
+        let mut staged = Records::default();
+        fill(&mut staged, 200);
+        drop(staged);
+        assert_eq!(pool.len(), taken);
+    }
 
     /// Records of every size, across chunk ends and larger than a chunk, read back as
     /// written, before and after a copy into another buffer; chunks grow from the first

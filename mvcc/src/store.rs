@@ -36,7 +36,7 @@ use crate::error::MvccError;
 use crate::key_index::KeyIndex;
 use crate::kv::LeaseId;
 use crate::options::StoreOptions;
-use crate::pending::Pending;
+use crate::pending::{ChunkPool, Pending};
 use crate::read::ReadView;
 use crate::rebuild::IndexBuilder;
 use crate::request::{
@@ -151,6 +151,8 @@ pub(crate) struct Inner<B: Backend> {
     pub read_slept_ns: AtomicU64,
     /// Whether long reads pace themselves, as the last probe found (see `pace`).
     pub pace_verdict: Mutex<Option<crate::pace::Verdict>>,
+    /// Where the write buffers' chunks come from and go back to (see `pending`).
+    pub chunk_pool: Arc<ChunkPool>,
 }
 
 /// A revisioned key-value store over a [`Backend`]. `Send + Sync`; share it with an `Arc`.
@@ -284,7 +286,8 @@ impl<B: Backend> Store<B> {
             }
         }
 
-        let current = Pending::default();
+        let chunk_pool = Arc::new(ChunkPool::default());
+        let current = Pending::with_capacity(0, chunk_pool.clone());
         if format.is_none() {
             let mut c = current.changes.write();
             c.meta
@@ -331,6 +334,7 @@ impl<B: Backend> Store<B> {
             read_sleeps: AtomicU64::new(0),
             read_slept_ns: AtomicU64::new(0),
             pace_verdict: Mutex::new(None),
+            chunk_pool,
         });
         if let Some(job) = job {
             tracing::info!(revision = job.revision, "resuming interrupted compaction");
@@ -818,7 +822,8 @@ impl<B: Backend> Inner<B> {
             };
             // The next buffer starts with room for as many changes as this one took (up to a
             // batch), so it does not grow by reallocation while writers append to it.
-            let next = Pending::with_capacity(len.min(self.options.batch_limit));
+            let next =
+                Pending::with_capacity(len.min(self.options.batch_limit), self.chunk_pool.clone());
             let p = std::mem::replace(&mut st.current, Arc::new(next));
             st.committing = Some(p.clone());
             (p, self.buffers_taken.fetch_add(1, Ordering::AcqRel) + 1)
