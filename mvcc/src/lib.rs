@@ -13,6 +13,15 @@
 //! thread; reads see buffered writes. The write-ahead log above the store provides
 //! durability: after a crash, reopen and re-apply entries after
 //! [`Store::consistent_index`].
+//!
+//! Long reads and memory: a range copies its pairs into buffers allocated on the reading
+//! thread, which the caller frees. Freeing a large result (a full scan of 100 000 values of
+//! 1 KiB is 100 MB) lets glibc's allocator trim that thread's heap, and the next large result
+//! is faulted back in page by page, which slows the process's other threads, writers
+//! included, while it happens. The store's own write buffers recycle their chunks for that
+//! reason; a process that serves large scans beside busy writers keeps the rest of that cost
+//! away with an allocator that keeps what is freed (glibc with `M_TRIM_THRESHOLD` raised, or
+//! jemalloc or mimalloc).
 
 #![forbid(unsafe_code)]
 
